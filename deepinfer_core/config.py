@@ -1,0 +1,231 @@
+"""Model configuration: one dataclass parsed from an HF-format DeepSeek-V4 `config.json`.
+
+The layer schedule always comes from `compress_ratios` (never from defaults): V4-Pro starts with
+HCA layers, V4-Flash with window-only ones.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+ALLOWED_RATIOS = (0, 4, 128)
+ALLOWED_EXPERT_DTYPES = ("fp4", "fp8", "bf16")
+
+
+class ConfigError(ValueError):
+    """A config.json value is missing or outside what the V4 graph supports."""
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    rope_theta: float
+    compress_rope_theta: float
+    rope_scaling: YarnScaling
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    num_hash_layers: int
+    routed_scaling_factor: float
+    swiglu_limit: float
+    num_nextn_predict_layers: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    max_position_embeddings: int = 1 << 20
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    # Quantisation of the checkpoint: None = plain (bf16/f32) weights everywhere.
+    weight_block_size: tuple[int, int] | None = (128, 128)
+    expert_dtype: str = "fp4"
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived values -------------------------------------------------------------------------
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    def layer_ratio(self, layer_id: int) -> int:
+        """Compression ratio of main layer `layer_id` (0 = window only, 4 = CSA, 128 = HCA)."""
+        return self.compress_ratios[layer_id]
+
+    def mtp_ratio(self, mtp_id: int) -> int:
+        idx = self.num_hidden_layers + mtp_id
+        return self.compress_ratios[idx] if idx < len(self.compress_ratios) else 0
+
+    def is_hash_layer(self, layer_id: int) -> bool:
+        return layer_id < self.num_hash_layers
+
+    @property
+    def fp8_weights(self) -> bool:
+        return self.weight_block_size is not None
+
+    # ---- parsing --------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        arch = d.get("architectures") or []
+        if arch and not any(a in SUPPORTED_ARCHITECTURES for a in arch):
+            raise ConfigError(f"config.json: architectures={arch} is not supported; "
+                              f"allowed: {list(SUPPORTED_ARCHITECTURES)}")
+        mt = d.get("model_type")
+        if mt is not None and mt not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"config.json: model_type={mt!r} is not supported; "
+                              f"allowed: {list(SUPPORTED_MODEL_TYPES)}")
+
+        def need(key: str):
+            if key not in d:
+                raise ConfigError(f"config.json: required field {key!r} is missing")
+            return d[key]
+
+        n_layers = int(need("num_hidden_layers"))
+        n_mtp = int(d.get("num_nextn_predict_layers", 1))
+        ratios = tuple(int(r) for r in need("compress_ratios"))
+        bad = [r for r in ratios if r not in ALLOWED_RATIOS]
+        if bad:
+            raise ConfigError(f"config.json: compress_ratios has values {sorted(set(bad))}; "
+                              f"allowed: {list(ALLOWED_RATIOS)}")
+        if len(ratios) < n_layers:
+            raise ConfigError(f"config.json: compress_ratios has {len(ratios)} entries but "
+                              f"num_hidden_layers is {n_layers}")
+        rs = d.get("rope_scaling") or {}
+        yarn = YarnScaling(
+            factor=float(rs.get("factor", 1.0)),
+            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 0)),
+            beta_fast=float(rs.get("beta_fast", 32)),
+            beta_slow=float(rs.get("beta_slow", 1)),
+        ) if rs else YarnScaling()
+        qc = d.get("quantization_config")
+        block = tuple(qc.get("weight_block_size", (128, 128))) if qc else None
+        expert_dtype = d.get("expert_dtype") or (qc or {}).get("expert_dtype") or ("fp4" if qc else "bf16")
+        if expert_dtype not in ALLOWED_EXPERT_DTYPES:
+            raise ConfigError(f"config.json: expert_dtype={expert_dtype!r}; allowed: {list(ALLOWED_EXPERT_DTYPES)}")
+        scoring = d.get("scoring_func", "sqrtsoftplus")
+        if scoring != "sqrtsoftplus":
+            raise ConfigError(f"config.json: scoring_func={scoring!r}; allowed: ['sqrtsoftplus']")
+        cfg = cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
+            num_hidden_layers=n_layers,
+            num_attention_heads=int(need("num_attention_heads")),
+            head_dim=int(need("head_dim")),
+            qk_rope_head_dim=int(need("qk_rope_head_dim")),
+            q_lora_rank=int(need("q_lora_rank")),
+            o_groups=int(need("o_groups")),
+            o_lora_rank=int(need("o_lora_rank")),
+            sliding_window=int(need("sliding_window")),
+            compress_ratios=ratios,
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            compress_rope_theta=float(d.get("compress_rope_theta", 160000.0)),
+            rope_scaling=yarn,
+            index_n_heads=int(need("index_n_heads")),
+            index_head_dim=int(need("index_head_dim")),
+            index_topk=int(need("index_topk")),
+            hc_mult=int(d.get("hc_mult", 4)),
+            hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
+            hc_eps=float(d.get("hc_eps", 1e-6)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            n_routed_experts=int(need("n_routed_experts")),
+            num_experts_per_tok=int(need("num_experts_per_tok")),
+            n_shared_experts=int(d.get("n_shared_experts", 1)),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            num_hash_layers=int(d.get("num_hash_layers", 0)),
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            swiglu_limit=float(d.get("swiglu_limit", 0.0)),
+            num_nextn_predict_layers=n_mtp,
+            scoring_func=scoring,
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 1 << 20)),
+            bos_token_id=int(d.get("bos_token_id", 0)),
+            eos_token_id=int(d.get("eos_token_id", 1)),
+            weight_block_size=block,
+            expert_dtype=expert_dtype,
+            raw=dict(d),
+        )
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def validate(self) -> None:
+        checks = [
+            (self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.head_dim,
+             "qk_rope_head_dim must be even and <= head_dim"),
+            (self.index_head_dim >= self.qk_rope_head_dim, "index_head_dim must be >= qk_rope_head_dim"),
+            (self.num_attention_heads % self.o_groups == 0, "num_attention_heads must be divisible by o_groups"),
+            (self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok must be <= n_routed_experts"),
+            (self.nope_head_dim % 64 == 0, "head_dim - qk_rope_head_dim must be a multiple of 64 (FP8 KV blocks)"),
+            (self.index_head_dim & (self.index_head_dim - 1) == 0, "index_head_dim must be a power of two (Hadamard)"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(f"config.json: {msg}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in fields(self):
+            if f.name == "raw":
+                continue
+            v = getattr(self, f.name)
+            out[f.name] = v.__dict__ if isinstance(v, YarnScaling) else v
+        return out
+
+
+def yarn_inv_freq(rope_dim: int, base: float, yarn: YarnScaling) -> list[float]:
+    """Inverse frequencies of one interleaved RoPE table (spec §3.4.3), YaRN when configured."""
+    freqs = [1.0 / (base ** (2 * i / rope_dim)) for i in range(rope_dim // 2)]
+    if yarn.original_max_position_embeddings <= 0 or yarn.factor == 1.0:
+        return freqs
+
+    def corr(r: float) -> float:
+        return rope_dim * math.log(yarn.original_max_position_embeddings / (r * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr(yarn.beta_fast)), 0)
+    high = min(math.ceil(corr(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for i, f in enumerate(freqs):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(f / yarn.factor * ramp + f * (1 - ramp))
+    return out
