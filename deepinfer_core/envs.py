@@ -1,0 +1,279 @@
+"""The one table of every DEEPINFER_* environment variable.
+
+Each variable is declared once here (name, type, default, allowed values, one-line doc) and
+validated in one place. Read the environment once at start-up with `read_settings()` (or `get()`
+for a single variable) and pass the values on; nothing on the hot path reads `os.environ`.
+
+An empty value counts as unset. Booleans accept 0/1/true/false/yes/no (any case).
+`python -m deepinfer_core.envs --markdown` prints the README table generated from `ENV_VARS`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("deepinfer.envs")
+
+PREFIX = "DEEPINFER_"
+_TRUE = ("1", "true", "yes")
+_FALSE = ("0", "false", "no")
+_PLUGIN_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+README_BEGIN = "<!-- envs:begin -->"
+README_END = "<!-- envs:end -->"
+
+
+class EnvError(ValueError):
+    """A DEEPINFER_* variable holds a value outside its allowed set."""
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One declared variable. `kind` is bool | int | choice | path | list."""
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    choices: tuple[str, ...] = ()     # kind == "choice"
+    minimum: int | None = None        # kind == "int"
+
+    def allowed(self) -> str:
+        """Human-readable allowed values, used in errors and in the README table."""
+        if self.kind == "bool":
+            return "0, 1, true, false, yes, no"
+        if self.kind == "choice":
+            return ", ".join(self.choices)
+        if self.kind == "int":
+            return f"integer >= {self.minimum}" if self.minimum is not None else "integer"
+        if self.kind == "path":
+            return "path to an existing directory"
+        if self.kind == "list":
+            return "comma-separated plugin names (letters, digits, _ . -)"
+        raise AssertionError(self.kind)
+
+    def default_text(self) -> str:
+        if self.default is None:
+            return "unset"
+        if self.kind == "bool":
+            return "1" if self.default else "0"
+        if self.kind == "list":
+            return ",".join(self.default) or "unset"
+        return str(self.default)
+
+    def parse(self, raw: str | None) -> Any:
+        """Turn a raw environment string into the typed value, or raise `EnvError`."""
+        if raw is None or raw.strip() == "":
+            return self.default
+        value = raw.strip()
+        if self.kind == "bool":
+            low = value.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+        elif self.kind == "choice":
+            if value.lower() in self.choices:
+                return value.lower()
+        elif self.kind == "int":
+            try:
+                number = int(value, 10)
+            except ValueError:
+                number = None
+            if number is not None and (self.minimum is None or number >= self.minimum):
+                return number
+        elif self.kind == "path":
+            if Path(value).expanduser().is_dir():
+                return str(Path(value).expanduser())
+        elif self.kind == "list":
+            items = tuple(item.strip() for item in value.split(",") if item.strip())
+            if items and all(_PLUGIN_NAME.match(item) for item in items):
+                return items
+        raise EnvError(f"{self.name}={raw!r} is invalid; allowed: {self.allowed()}")
+
+
+# The table. Order here is the order of the README table and of `Settings`.
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("DEEPINFER_ACCELERATOR", "choice", None,
+           "Hardware backend to use; unset = auto-detect (an installed backend whose hardware is "
+           "present, else the portable CPU core).", choices=("nvidia", "ascend", "cpu")),
+    EnvVar("DEEPINFER_HF_MODEL_DIR", "path", None,
+           "Local checkpoint directory (config.json, *.safetensors) used instead of a download."),
+    EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", "bool", False,
+           "Confidence-scheduled variable-length verification of draft tokens."),
+    EnvVar("DEEPINFER_USE_NEXTN_DECODE", "int", 5,
+           "Maximum draft length per step (gamma); 0 disables speculative decoding.", minimum=0),
+    EnvVar("DEEPINFER_MAX_BACKTRACKING_TOKENS", "int", 0,
+           "Rollback room in the SWA rings; the effective value is max(value, gamma + 1).",
+           minimum=0),
+    EnvVar("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "choice", "off",
+           "V4.1 SWA bounded replay of the prompt in YOCO consumer layers.",
+           choices=("off", "mask", "compact")),
+    EnvVar("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "int", 0,
+           "V4.1: prompt suffix replayed by YOCO consumer layers when truncation is on.",
+           minimum=0),
+    EnvVar("DEEPINFER_BATCH_INVARIANT", "bool", False,
+           "Batch-invariant kernels: a request's output does not depend on its batch."),
+    EnvVar("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "bool", True,
+           "Overlap host post-processing of step N with the device forward of step N+1."),
+    EnvVar("DEEPINFER_ENFORCE_EAGER", "bool", False,
+           "Disable CUDA graphs for the main model (always eager)."),
+    EnvVar("DEEPINFER_PLUGINS", "list", None,
+           "Allow-list of entry-point plugin names to load; unset = all (the core is always "
+           "loaded)."),
+    EnvVar("DEEPINFER_DISABLE_PLUGINS", "list", (),
+           "Deny-list of entry-point plugin names never to load."),
+    EnvVar("DEEPINFER_TRACE_PLUGINS", "bool", False,
+           "Log every plugin hook call with its arguments and result."),
+)}
+
+
+def effective_max_backtracking_tokens(value: int, nextn: int) -> int:
+    """Rollback room actually reserved: a verify step may reject up to `nextn + 1` tokens."""
+    return max(value, nextn + 1)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Typed snapshot of every DEEPINFER_* variable, read once at start-up."""
+
+    accelerator: str | None = None
+    hf_model_dir: str | None = None
+    enable_mtp_varlen: bool = False
+    use_nextn_decode: int = 5
+    max_backtracking_tokens: int = 0
+    yoco_prefill_truncation_mode: str = "off"
+    yoco_prefill_keep_tokens: int = 0
+    batch_invariant: bool = False
+    zero_overhead_scheduling: bool = True
+    enforce_eager: bool = False
+    plugins: tuple[str, ...] | None = None
+    disable_plugins: tuple[str, ...] = ()
+    trace_plugins: bool = False
+
+    @property
+    def effective_max_backtracking_tokens(self) -> int:
+        return effective_max_backtracking_tokens(self.max_backtracking_tokens,
+                                                 self.use_nextn_decode)
+
+
+def field_name(var_name: str) -> str:
+    """DEEPINFER_USE_NEXTN_DECODE -> use_nextn_decode (the `Settings` field)."""
+    return var_name[len(PREFIX):].lower()
+
+
+def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """Typed, validated value of one declared variable (the default when unset)."""
+    try:
+        var = ENV_VARS[name]
+    except KeyError:
+        raise KeyError(f"{name} is not declared in deepinfer_core/envs.py") from None
+    return var.parse(_environ(environ).get(name))
+
+
+_warned: set[str] = set()
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """DEEPINFER_* names present in the environment but not declared in the table."""
+    env = _environ(environ)
+    return sorted(k for k in env if k.startswith(PREFIX) and k not in ENV_VARS)
+
+
+def warn_unknown(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Log one warning naming undeclared DEEPINFER_* variables (each name once per process)."""
+    new = [name for name in unknown_variables(environ) if name not in _warned]
+    if new:
+        _warned.update(new)
+        logger.warning("ignoring unknown environment variable(s) %s (not declared in "
+                       "deepinfer_core/envs.py; typo?)", ", ".join(new))
+    return new
+
+
+def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate every declared variable once; raises `EnvError` on the first bad one."""
+    env = _environ(environ)
+    warn_unknown(env)
+    values = {field_name(name): var.parse(env.get(name)) for name, var in ENV_VARS.items()}
+    return Settings(**values)
+
+
+def markdown_table() -> str:
+    """The README environment-variable table, generated from `ENV_VARS`."""
+    rows = ["| variable | type | default | allowed values | meaning |",
+            "|---|---|---|---|---|"]
+    for var in ENV_VARS.values():
+        rows.append(f"| `{var.name}` | {var.kind} | `{var.default_text()}` | {var.allowed()} "
+                    f"| {var.doc} |")
+    return "\n".join(rows)
+
+
+def readme_section(text: str) -> str | None:
+    """The text between the README markers, or None when they are missing."""
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        return None
+    return text[start + len(README_BEGIN):end]
+
+
+def update_readme(path: str | Path) -> bool:
+    """Rewrite the table between the README markers; returns True if the file changed."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if readme_section(text) is None:
+        raise ValueError(f"{path} lacks the markers {README_BEGIN} ... {README_END}")
+    start, end = text.find(README_BEGIN) + len(README_BEGIN), text.find(README_END)
+    new = text[:start] + "\n" + markdown_table() + "\n" + text[end:]
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
+def _check_settings_match_table() -> None:
+    # Guards against adding a variable to the table but not to `Settings` (or vice versa).
+    names = [f.name for f in fields(Settings)]
+    if names != [field_name(n) for n in ENV_VARS]:
+        raise RuntimeError("deepinfer_core.envs: Settings fields and ENV_VARS disagree")
+
+
+_check_settings_match_table()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m deepinfer_core.envs",
+                                     description="DeepInfer environment variables.")
+    parser.add_argument("--markdown", action="store_true", help="print the README table")
+    parser.add_argument("--update-readme", metavar="PATH",
+                        help="rewrite the table between the envs markers of PATH")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown_table())
+        return 0
+    if args.update_readme:
+        changed = update_readme(args.update_readme)
+        print(f"{args.update_readme}: {'updated' if changed else 'already up to date'}")
+        return 0
+    try:
+        settings = read_settings()
+    except EnvError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for var in ENV_VARS.values():
+        print(f"{var.name}={getattr(settings, field_name(var.name))!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
