@@ -1,0 +1,68 @@
+"""Request outputs with vLLM-compatible field names.
+
+Logprobs layout (vLLM): `CompletionOutput.logprobs` is a list with one dict per generated token,
+mapping token id -> `Logprob`; it holds the top-K tokens (rank 1..K) plus the sampled token with its
+true rank when it is not among them. `RequestOutput.prompt_logprobs` has one entry per prompt token,
+`None` for the first (nothing predicts it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None            # 1 = most likely token
+    decoded_token: str | None = None   # None when not detokenising
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None   # None unless logprobs were requested
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None   # "stop" | "length" | None while running
+    stop_reason: int | str | None = None   # the stop token id or stop string that matched (not EOS)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) of one request's life."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)   # one per generated token, all completions
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def last_token_time(self) -> float | None:
+        return self.token_times[-1] if self.token_times else None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0         # prefix-cache hits (no prefix cache yet)

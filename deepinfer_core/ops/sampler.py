@@ -1,0 +1,182 @@
+"""Portable sampler: penalties, greedy / temperature / top-k / top-p / min-p, and the counter-based RNG
+of the surface spec §7.3.
+
+No RNG state exists anywhere: the uniform that drives a row is a pure function of
+(seed, namespace, position, case), so a seeded request samples the same tokens whatever else is in
+the batch, and whichever order rows come in. Every step below is per row.
+
+Our `combine` (the spec leaves it open; bit-compatibility with DS-DeepInfer is not a goal):
+    key     = seed + (DRAFT_OFFSET if namespace == "draft" else 0)        (mod 2^64)
+    counter = (3 * position + case) * GOLDEN                             (mod 2^64)
+    x       = splitmix64(splitmix64(key) XOR counter)
+    u       = (x >> 11) * 2^-53                                          (53-bit uniform in [0, 1))
+The key is pre-mixed so that seeds differing in a few bits do not give related streams.
+
+Processing order of a sampled row: logits / temperature -> softmax (float64) -> top-k -> top-p (over
+the top-k survivors) -> min-p (relative to the most likely token) -> inverse CDF: cumsum in float64
+in vocabulary order, first index with cdf > u * cdf[-1]. Ties in top-k/top-p go to the lower token id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+DRAFT_OFFSET = 1_000_000_007            # DS-DeepInfer's offset of the draft namespace
+CASE_SAMPLE, CASE_RESAMPLE, CASE_ACCEPT = 0, 1, 2
+GREEDY_EPS = 1e-5                       # temperature below this = greedy (as SamplingParams.greedy)
+
+
+def splitmix64(x: int) -> int:
+    """One splitmix64 step: advance by GOLDEN, then the finaliser (all mod 2^64)."""
+    z = (x + GOLDEN) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def mix_seed(seed: int, value: int) -> int:
+    """A 64-bit seed derived from `seed` and `value` (request counter, completion index, ...)."""
+    return splitmix64(splitmix64(seed & MASK64) ^ (value & MASK64))
+
+
+def counter_uniform(seed: int, position: int, case: int = CASE_SAMPLE, namespace: str = "main") -> float:
+    """The uniform in [0, 1) for token `position` of a sequence seeded with `seed` (see module doc)."""
+    key = (seed + (DRAFT_OFFSET if namespace == "draft" else 0)) & MASK64
+    counter = ((3 * position + case) * GOLDEN) & MASK64
+    x = splitmix64(splitmix64(key) ^ counter)
+    return (x >> 11) * 2.0 ** -53
+
+
+# ---- filtering ----------------------------------------------------------------------------------
+def filter_probs(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float],
+                 min_p: Sequence[float]) -> torch.Tensor:
+    """Zero out what top-k, then top-p, then min-p remove; rows stay unnormalised.
+
+    probs: [R, V] float64 (each row a distribution). top_k <= 0 or >= V, top_p >= 1, min_p <= 0 = off.
+    """
+    rows, vocab = probs.shape
+    dev = probs.device
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=dev)
+    p = torch.tensor(list(top_p), dtype=torch.float64, device=dev)
+    if bool((k < vocab).any()) or bool((p < 1).any()):
+        # Stable descending sort: equal probabilities keep vocabulary order, so lower ids win ties.
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        keep = torch.arange(vocab, device=dev)[None, :] < k[:, None]
+        kept = sorted_p * keep
+        csum = kept.cumsum(-1)
+        before = torch.cat([torch.zeros_like(csum[:, :1]), csum[:, :-1]], dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p of the top-k mass; rows with top_p = 1
+        # skip the test so that rounding in the cumsum can never drop a tail token.
+        keep &= (before < p[:, None] * csum[:, -1:]) | (p[:, None] >= 1)
+        mask = torch.zeros_like(keep).scatter_(-1, order, keep)
+        probs = probs.masked_fill(~mask, 0.0)
+    m = torch.tensor(list(min_p), dtype=torch.float64, device=dev)
+    if bool((m > 0).any()):
+        pmax = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < m[:, None] * pmax, 0.0)
+    return probs
+
+
+def processed_probs(logits: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
+    """The exact (unnormalised) distribution that `Sampler.sample` draws from, [R, V] float64."""
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=logits.device)
+    probs = torch.softmax(logits.to(torch.float64) / temps[:, None], dim=-1)
+    return filter_probs(probs, [p.top_k for p in params], [p.top_p for p in params],
+                        [p.min_p for p in params])
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """First index i with cdf[i] > u * cdf[-1], per row (cdf in float64, vocabulary order)."""
+    cdf = probs.to(torch.float64).cumsum(-1)
+    target = (u.to(torch.float64) * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # u < 1 keeps target < cdf[-1]; the clamp only guards a row with no mass (all -inf logits).
+    return idx.clamp_max(probs.shape[-1] - 1)
+
+
+class Sampler:
+    """Turns processed logits into token ids. Stateless; one instance serves every request."""
+
+    def sample(self, logits: torch.Tensor, params: Sequence[Any], positions: Sequence[int],
+               seeds: Sequence[int]) -> torch.Tensor:
+        """logits [B, V]; per row its SamplingParams, the position of the token being sampled and
+        its 64-bit seed. Returns token ids [B] (int64, on logits.device)."""
+        batch = logits.shape[0]
+        if not len(params) == len(positions) == len(seeds) == batch:
+            raise ValueError(f"sample: logits has {batch} rows but got {len(params)} params, "
+                             f"{len(positions)} positions, {len(seeds)} seeds")
+        out = torch.empty(batch, dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_EPS]
+        rand = [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS]
+        if greedy:
+            # torch.argmax returns the first maximal index: the lowest id wins ties.
+            out[greedy] = logits[greedy].argmax(dim=-1)
+        if rand:
+            probs = processed_probs(logits[rand], [params[i] for i in rand])
+            u = torch.tensor([counter_uniform(seeds[i], positions[i]) for i in rand],
+                             dtype=torch.float64, device=logits.device)
+            out[rand] = inverse_cdf(probs, u)
+        return out
+
+
+# ---- logprobs -----------------------------------------------------------------------------------
+@dataclass
+class LogprobsResult:
+    top_logprobs: torch.Tensor                 # [B, k] float32, descending
+    top_ids: torch.Tensor                      # [B, k] int64 (ties: lower id first)
+    sampled_logprobs: torch.Tensor | None      # [B] float32
+    sampled_ranks: torch.Tensor | None         # [B] int64, 1 = most likely
+
+
+def compute_logprobs(logits: torch.Tensor, k: int, sampled_ids: torch.Tensor | None = None) -> LogprobsResult:
+    """Top-k logprobs and the sampled tokens' logprob and rank, from log_softmax (float32) of the
+    raw logits (vLLM's default: before penalties, temperature and filtering)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    k = max(0, min(k, lp.shape[-1]))
+    if k:
+        vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
+        vals, ids = vals[:, :k], ids[:, :k]
+    else:
+        vals = lp.new_empty(lp.shape[0], 0)
+        ids = torch.empty(lp.shape[0], 0, dtype=torch.long, device=lp.device)
+    slp = ranks = None
+    if sampled_ids is not None:
+        slp = lp.gather(-1, sampled_ids.view(-1, 1).to(lp.device)).squeeze(1)
+        ranks = (lp > slp[:, None]).sum(-1) + 1   # rank = 1 + number of strictly better tokens
+    return LogprobsResult(vals, ids, slp, ranks)
+
+
+# ---- penalties ----------------------------------------------------------------------------------
+def apply_penalties(logits: torch.Tensor, params: Sequence[Any], output_token_ids: Sequence[Sequence[int]],
+                    prompt_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Repetition, presence and frequency penalties; returns a new tensor (the raw logits stay intact
+    for logprobs).
+
+    Presence/frequency count the output tokens so far. Repetition penalises tokens seen in the output
+    and, when `prompt_token_ids` is given, in the prompt too (vLLM semantics): positive logits are
+    divided by the penalty, negative ones multiplied.
+    """
+    active = [i for i, p in enumerate(params)
+              if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+    if not active:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in active:
+        p = params[i]
+        out_ids = torch.tensor(list(output_token_ids[i]), dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            if prompt_token_ids is not None and len(prompt_token_ids[i]):
+                seen[torch.tensor(list(prompt_token_ids[i]), dtype=torch.long, device=logits.device)] = True
+            r = p.repetition_penalty
+            row = torch.where(seen, torch.where(row > 0, row / r, row * r), row)
+        row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+        logits[i] = row
+    return logits
