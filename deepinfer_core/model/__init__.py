@@ -1,0 +1,56 @@
+"""The DeepSeek-V4 model graph and its binding to op implementations."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .attention import Attention, Compressor, Indexer, Numerics
+from .deepseek_v4 import Block, DeepseekV4Model, ModelOutput, build_model
+from .forward_batch import ForwardBatch
+from .layers import Linear
+from .moe import MoE
+from .rope import rope_tables
+
+__all__ = ["build_model", "bind_ops", "process_weights", "ModelOps", "DeepseekV4Model", "ForwardBatch",
+           "ModelOutput"]
+
+
+@dataclass
+class ModelOps:
+    """The op objects chosen once at start-up through the hooks (never per layer or per token)."""
+
+    linear: dict[str, Any]        # weight format ("bf16", "fp8", "fp4") -> LinearMethod
+    attention: Any
+    moe: Any
+    mhc: Any
+
+
+def bind_ops(model: DeepseekV4Model, ops: ModelOps, numerics: Numerics) -> None:
+    """Hand every layer its op objects, RoPE table and numerics switches."""
+    ropes = rope_tables(model.cfg)
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.method = ops.linear[mod.fmt]
+        elif isinstance(mod, Attention):
+            mod.backend = ops.attention
+            mod.rope = ropes["compress" if mod.ratio else "main"]
+        elif isinstance(mod, Compressor):
+            mod.rope = ropes["compress"]
+        elif isinstance(mod, MoE):
+            mod.method = ops.moe
+        elif isinstance(mod, (Block, DeepseekV4Model)):
+            mod.mhc = ops.mhc
+        if isinstance(mod, (Attention, Compressor, Indexer, DeepseekV4Model)):
+            mod.numerics = numerics
+
+
+@torch.no_grad()
+def process_weights(model: DeepseekV4Model) -> None:
+    """After loading: let each op object turn checkpoint tensors into its runtime form."""
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.method.process_weights(mod)
+        elif isinstance(mod, MoE) and hasattr(mod.method, "process_weights"):
+            mod.method.process_weights(mod)

@@ -1,0 +1,146 @@
+"""V4 attention: q LoRA + per-head norm, shared K=V, partial RoPE, window + compressed KV with a
+learned sink, inverse RoPE, grouped low-rank output projection (spec deepseek_v4.md §3.4).
+
+The modules here hold the weights and do the per-token math on the flat batch. Everything that
+touches per-sequence state (compressor tails, compressed rows, indexer top-k, the window ring,
+the sparse attention itself) is the attention backend's job (`deepinfer_attention_backend`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.quant import fake_quant_fp4, fake_quant_fp8, hadamard_transform
+from .layers import Linear, RMSNorm, empty, head_rms_norm, weight_format
+from .rope import RotaryTable
+
+
+@dataclass
+class Numerics:
+    """Numerics switches shared by every layer of one model instance."""
+
+    dtype: torch.dtype = torch.float32
+    simulate_qat: bool = True
+
+
+class Compressor(nn.Module):
+    """Gated pooling of `ratio` tokens (2*ratio, overlapping, for ratio 4) into one KV row."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, dim: int, kind: str, device="cpu"):
+        super().__init__()
+        self.ratio, self.dim, self.kind = ratio, dim, kind          # kind: "kv" (main) | "index"
+        self.overlap = ratio == 4
+        width = (2 if self.overlap else 1) * dim
+        self.register_buffer("ape", empty((ratio, width), torch.float32, device))
+        # The reference computes these projections in fp32 on fp32 input, unquantised.
+        self.wkv = Linear(cfg.hidden_size, width, "bf16", act_quant=False, device=device)
+        self.wgate = Linear(cfg.hidden_size, width, "bf16", act_quant=False, device=device)
+        self.wkv.compute_dtype = self.wgate.compute_dtype = torch.float32
+        self.norm = RMSNorm(dim, cfg.rms_norm_eps, device=device)
+        self.nope_dim = dim - cfg.qk_rope_head_dim
+        self.rope: RotaryTable | None = None
+        self.numerics = Numerics()
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token (kv, gate logits + ape), both fp32 [T, c*dim]."""
+        xf = x.float()
+        kv = self.wkv(xf)
+        z = self.wgate(xf) + self.ape[positions % self.ratio]
+        return kv, z
+
+    def finalize(self, pooled: torch.Tensor, block_starts: torch.Tensor) -> torch.Tensor:
+        """Norm, RoPE at the block's first position, and the QAT fake-quant of a pooled row."""
+        rows = self.norm(pooled.to(self.numerics.dtype))
+        rows = self.rope.apply(rows, block_starts)
+        if self.numerics.simulate_qat:
+            if self.kind == "kv":
+                rows = torch.cat([fake_quant_fp8(rows[..., : self.nope_dim], 64), rows[..., self.nope_dim:]], -1)
+            else:
+                rows = fake_quant_fp4(hadamard_transform(rows), 32)
+        return rows
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of CSA layers: scores compressed blocks, the backend keeps the top-k."""
+
+    def __init__(self, cfg: ModelConfig, device="cpu"):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, weight_format(cfg, "dense"),
+                           block=cfg.weight_block_size or (128, 128), device=device)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, "bf16", act_quant=False, device=device)
+        self.compressor = Compressor(cfg, 4, self.head_dim, "index", device=device)
+        self.numerics = Numerics()
+
+    def queries(self, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
+        q = self.compressor.rope.apply(q, positions)
+        if self.numerics.simulate_qat:
+            q = fake_quant_fp4(hadamard_transform(q), 32)
+        return q
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-head score weights [T, n_heads] fp32 (the 1/sqrt(head_dim) part is applied by the scorer)."""
+        return self.weights_proj(x).float() * self.n_heads ** -0.5
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ratio: int, device="cpu"):
+        super().__init__()
+        self.cfg, self.ratio = cfg, ratio
+        H, Dh, D = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+        fmt, block = weight_format(cfg, "dense"), cfg.weight_block_size or (128, 128)
+        self.n_heads, self.head_dim, self.nope_dim = H, Dh, cfg.nope_head_dim
+        self.window, self.scale = cfg.sliding_window, Dh ** -0.5
+        self.register_buffer("attn_sink", empty((H,), torch.float32, device))
+        self.wq_a = Linear(D, cfg.q_lora_rank, fmt, block=block, device=device)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, device=device)
+        self.wq_b = Linear(cfg.q_lora_rank, H * Dh, fmt, block=block, device=device)
+        self.wkv = Linear(D, Dh, fmt, block=block, device=device)
+        self.kv_norm = RMSNorm(Dh, cfg.rms_norm_eps, device=device)
+        # wo_a: grouped projection, bf16 einsum in the reference (no activation quant).
+        self.wo_a = Linear(H * Dh // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, fmt, block=block,
+                           act_quant=False, device=device)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D, fmt, block=block, device=device)
+        self.compressor = Compressor(cfg, ratio, Dh, "kv", device=device) if ratio else None
+        self.indexer = Indexer(cfg, device=device) if ratio == 4 else None
+        self.rope: RotaryTable | None = None
+        self.backend = None          # bound by bind_ops()
+        self.numerics = Numerics()
+
+    def forward(self, x: torch.Tensor, batch, states) -> torch.Tensor:
+        T, pos = x.shape[0], batch.positions
+        qr = self.q_norm(self.wq_a(x))
+        q = head_rms_norm(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.cfg.rms_norm_eps)
+        q = self.rope.apply(q, pos)
+        kv = self.rope.apply(self.kv_norm(self.wkv(x)), pos)
+        if self.numerics.simulate_qat:
+            kv = torch.cat([fake_quant_fp8(kv[..., : self.nope_dim], 64), kv[..., self.nope_dim:]], -1)
+        extras = AttentionInputs(q=q, kv=kv)
+        if self.compressor is not None:
+            extras.comp_kv, extras.comp_z = self.compressor.project(x, pos)
+        if self.indexer is not None:
+            extras.idx_kv, extras.idx_z = self.indexer.compressor.project(x, pos)
+            extras.idx_q = self.indexer.queries(qr, pos)
+            extras.idx_w = self.indexer.head_weights(x)
+        o = self.backend.forward(self, extras, batch, states)          # [T, H, Dh]
+        o = self.rope.apply(o, pos, inverse=True)
+        z = self.wo_a.method.apply_grouped(self.wo_a, o.reshape(T, self.cfg.o_groups, -1))
+        return self.wo_b(z.flatten(1))
+
+
+@dataclass
+class AttentionInputs:
+    """Per-token tensors of one layer handed to the attention backend (flat batch rows)."""
+
+    q: torch.Tensor                          # [T, H, Dh] roped, normed
+    kv: torch.Tensor                         # [T, Dh] roped (shared K=V)
+    comp_kv: torch.Tensor | None = None      # [T, c*Dh] fp32 compressor inputs
+    comp_z: torch.Tensor | None = None
+    idx_kv: torch.Tensor | None = None       # [T, 2*Di] fp32 indexer-compressor inputs
+    idx_z: torch.Tensor | None = None
+    idx_q: torch.Tensor | None = None        # [T, Hi, Di]
+    idx_w: torch.Tensor | None = None        # [T, Hi] fp32

@@ -1,0 +1,120 @@
+"""The DeepSeek-V4 module graph: embedding -> hc_mult residual streams -> blocks (mHC around
+attention and MoE) -> hc_head collapse -> norm -> fp32 LM head; plus the MTP block(s).
+
+Backend-agnostic: every layer holds op objects chosen once at start-up (`bind_ops`); this file
+never calls pluggy. Layer kinds come from `compress_ratios` in config.json.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import Attention, Numerics
+from .forward_batch import ForwardBatch
+from .layers import Embedding, Linear, RMSNorm, empty, weight_format
+from .moe import MoE
+from .rope import rope_tables
+
+
+def _hc_params(module: nn.Module, prefix: str, cfg: ModelConfig, n_out: int, device) -> None:
+    """Register `{prefix}_fn`, `{prefix}_base`, `{prefix}_scale` (fp32) as in the checkpoint."""
+    module.register_buffer(f"{prefix}_fn", empty((n_out, cfg.hc_mult * cfg.hidden_size), torch.float32, device))
+    module.register_buffer(f"{prefix}_base", empty((n_out,), torch.float32, device))
+    module.register_buffer(f"{prefix}_scale", empty((3 if n_out > cfg.hc_mult else 1,), torch.float32, device))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ratio: int, hash_routed: bool, device="cpu"):
+        super().__init__()
+        self.layer_id, self.ratio = layer_id, ratio
+        n_mix = (2 + cfg.hc_mult) * cfg.hc_mult
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device)
+        _hc_params(self, "hc_attn", cfg, n_mix, device)
+        _hc_params(self, "hc_ffn", cfg, n_mix, device)
+        self.attn = Attention(cfg, ratio, device=device)
+        self.ffn = MoE(cfg, layer_id, hash_routed, device=device)
+        self.mhc = None   # bound by bind_ops()
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, states, input_ids: torch.Tensor) -> torch.Tensor:
+        y, post, comb = self.mhc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        h = self.mhc.post(self.attn(self.attn_norm(y), batch, states), h, post, comb)
+        y, post, comb = self.mhc.pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        return self.mhc.post(self.ffn(self.ffn_norm(y), input_ids), h, post, comb)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction block: predicts token t+2 from the main streams at t and token t+1."""
+
+    def __init__(self, cfg: ModelConfig, mtp_id: int, device="cpu"):
+        super().__init__(cfg, cfg.num_hidden_layers + mtp_id, cfg.mtp_ratio(mtp_id), False, device=device)
+        fmt, block = weight_format(cfg, "dense"), cfg.weight_block_size or (128, 128)
+        D = cfg.hidden_size
+        self.e_proj = Linear(D, D, fmt, block=block, device=device)
+        self.h_proj = Linear(D, D, fmt, block=block, device=device)
+        self.enorm = RMSNorm(D, cfg.rms_norm_eps, device=device)
+        self.hnorm = RMSNorm(D, cfg.rms_norm_eps, device=device)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, device=device)
+        _hc_params(self, "hc_head", cfg, cfg.hc_mult, device)
+
+    def forward_mtp(self, h_main: torch.Tensor, next_embed: torch.Tensor, batch: ForwardBatch,
+                    states, next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed hidden [T, D] for the head, output streams [T, hc, D])."""
+        e = self.e_proj(self.enorm(next_embed))
+        u = e[:, None, :] + self.h_proj(self.hnorm(h_main))
+        u = super().forward(u, batch, states, next_ids)
+        x = self.mhc.head(u, self.hc_head_fn, self.hc_head_scale, self.hc_head_base)
+        return self.norm(x), u
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor          # [N, vocab] fp32 for batch.logits_rows
+    streams: torch.Tensor         # [T, hc, D] final streams before hc_head (MTP input)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, device="cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
+        self.layers = nn.ModuleList(
+            Block(cfg, i, cfg.layer_ratio(i), cfg.is_hash_layer(i), device=device)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device)
+        self.head = Embedding(cfg.vocab_size, cfg.hidden_size, device=device)   # [vocab, D] bf16
+        _hc_params(self, "hc_head", cfg, cfg.hc_mult, device)
+        self.mtp = nn.ModuleList(MTPBlock(cfg, i, device=device) for i in range(cfg.num_nextn_predict_layers))
+        self.numerics = Numerics()
+        self.mhc = None   # bound by bind_ops()
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).to(self.numerics.dtype)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits, as the reference computes them."""
+        return x.float() @ self.head.weight.float().t()
+
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        e = self.embed_tokens(batch.input_ids)
+        h = e[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            h = layer(h, batch, [st.layers[i] for st in batch.states], batch.input_ids)
+        x = self.mhc.head(h[batch.logits_rows], self.hc_head_fn, self.hc_head_scale, self.hc_head_base)
+        return ModelOutput(logits=self.lm_head(self.norm(x)), streams=h)
+
+    def forward_mtp(self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
+                    mtp_id: int = 0) -> torch.Tensor:
+        """MTP logits [N, vocab] for batch.logits_rows; `next_ids[t]` is the token after row t."""
+        block = self.mtp[mtp_id]
+        x, _ = block.forward_mtp(streams, self.embed_tokens(next_ids), batch,
+                                 [st.mtp_layers[mtp_id] for st in batch.states], next_ids)
+        return self.lm_head(x[batch.logits_rows])
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> DeepseekV4Model:
+    """The module graph with checkpoint-format buffers (uninitialised unless loaded)."""
+    return DeepseekV4Model(cfg, device=device)

@@ -1,0 +1,56 @@
+"""The flattened variable-length batch one forward pass runs on.
+
+Sequences sit back to back: sequence i owns rows [cu_seqlens[i], cu_seqlens[i+1]) of every
+per-token tensor, starting at absolute position `starts[i]`. Decode (1 token), chunked prefill
+(a chunk) and speculative verification (k+1 tokens) are all the same shape of batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.sequence_state import SequenceState
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor           # [T] int64
+    positions: torch.Tensor           # [T] int64
+    starts: list[int]                 # first position of each sequence's new tokens
+    lens: list[int]                   # number of new tokens of each sequence
+    states: list[SequenceState]       # one per sequence, updated in place
+    logits_rows: torch.Tensor         # [N] rows of the flat batch whose logits are wanted
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lens)
+
+    def seq_slices(self) -> list[slice]:
+        out, off = [], 0
+        for n in self.lens:
+            out.append(slice(off, off + n))
+            off += n
+        return out
+
+    @classmethod
+    def build(cls, token_ids: list[list[int]], states: list[SequenceState], device="cpu",
+              all_logits: bool = False) -> "ForwardBatch":
+        ids, pos, rows, starts, lens = [], [], [], [], []
+        for toks, st in zip(token_ids, states):
+            if not toks:
+                raise ValueError("a sequence in the batch has no new tokens")
+            s = st.num_tokens
+            off = len(ids)
+            ids.extend(toks)
+            pos.extend(range(s, s + len(toks)))
+            rows.extend(range(off, off + len(toks)) if all_logits else [off + len(toks) - 1])
+            starts.append(s)
+            lens.append(len(toks))
+        t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(t(ids), t(pos), starts, lens, list(states), t(rows))
+
+    def commit(self) -> None:
+        """Advance every sequence past its new tokens (after the forward succeeded)."""
+        for st, n in zip(self.states, self.lens):
+            st.num_tokens += n

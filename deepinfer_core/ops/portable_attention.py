@@ -1,0 +1,118 @@
+"""Portable attention backend: per sequence, update the compressor tails and rows, pick indexer
+top-k blocks, and run one joint softmax over [window tokens | compressed rows] with the sink.
+
+One code path for every chunk shape: a sequence contributes `n` new tokens starting at position
+`s` (prefill from zero, chunked prefill, decode and verification are all this). Visibility is by
+position: query t sees window positions (t-W, t], CSA blocks picked by the indexer among
+b < (t+1)//4, and every HCA block b < (t+1)//128 (spec §3.4, §5.4).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..cache.sequence_state import CompressorState, LayerState
+
+QUERY_CHUNK = 256   # bounds the [queries, heads, keys] score tensor on long prefills
+
+
+class PortableAttentionBackend:
+    def forward(self, attn, inp, batch, states: list[LayerState]) -> torch.Tensor:
+        out = torch.empty_like(inp.q)
+        for sl, start, st in zip(batch.seq_slices(), batch.starts, states):
+            pos = batch.positions[sl]
+            comp_rows = comp_mask = None
+            if attn.compressor is not None:
+                self.compress(st.compressor, inp.comp_kv[sl], inp.comp_z[sl], start, attn.compressor.finalize)
+                comp_rows = st.compressor.rows[: st.compressor.n_rows]
+                comp_mask = self.causal_block_mask(pos, attn.ratio, st.compressor.n_rows)
+            if attn.indexer is not None:
+                ix = st.indexer
+                self.compress(ix, inp.idx_kv[sl], inp.idx_z[sl], start, attn.indexer.compressor.finalize)
+                comp_mask = self.index_select(inp.idx_q[sl], inp.idx_w[sl], ix.rows[: ix.n_rows], pos,
+                                              attn.ratio, attn.indexer.topk, attn.indexer.head_dim)
+            out[sl] = self.attend(attn, inp.q[sl], inp.kv[sl], st, start, pos, comp_rows, comp_mask)
+            self.write_ring(st, inp.kv[sl], start)
+        return out
+
+    # ---- compressor ------------------------------------------------------------------------------
+    @staticmethod
+    def compress(cs: CompressorState, kv: torch.Tensor, z: torch.Tensor, start: int, finalize) -> None:
+        """Append the per-token (kv, z) of positions start.. and emit every block they complete."""
+        m, n = cs.ratio, kv.shape[0]
+        end = start + n
+        first, last = start // m, end // m          # blocks [first, last) close inside this chunk
+        if last > first:
+            c = 2 if cs.overlap else 1
+            base = max(0, (first - (c - 1)) * m)     # oldest position the new blocks read
+            old = torch.arange(base, start, device=kv.device)
+            ext_kv = torch.cat([cs.tail_kv[old % cs.tail_len], kv])   # positions base..end-1
+            ext_z = torch.cat([cs.tail_z[old % cs.tail_len], z])
+            blocks = torch.arange(first, last, device=kv.device)
+            cur = (blocks * m - base)[:, None] + torch.arange(m, device=kv.device)[None, :]
+            if cs.overlap:
+                d = kv.shape[1] // 2
+                prev = (cur - m).clamp(min=0)
+                prev_z = ext_z[prev, :d].masked_fill((blocks == 0)[:, None, None], float("-inf"))
+                slot_kv = torch.cat([ext_kv[prev, :d], ext_kv[cur, d:]], dim=1)   # [nb, 2m, d]
+                slot_z = torch.cat([prev_z, ext_z[cur, d:]], dim=1)
+            else:
+                slot_kv, slot_z = ext_kv[cur], ext_z[cur]
+            pooled = (slot_kv * torch.softmax(slot_z, dim=1)).sum(dim=1)          # fp32, per channel
+            rows = finalize(pooled, blocks * m)
+            cs.ensure_capacity(last)
+            cs.rows[first:last] = rows.to(cs.rows.dtype)
+        cs.n_rows = last
+        keep = torch.arange(max(start, end - cs.tail_len), end, device=kv.device)
+        cs.tail_kv[keep % cs.tail_len] = kv[keep - start]
+        cs.tail_z[keep % cs.tail_len] = z[keep - start]
+
+    # ---- selection -------------------------------------------------------------------------------
+    @staticmethod
+    def causal_block_mask(pos: torch.Tensor, ratio: int, n_rows: int) -> torch.Tensor:
+        """[n, n_rows]: block b is visible to the query at p once complete, b < (p+1)//ratio."""
+        return torch.arange(n_rows, device=pos.device)[None, :] < ((pos + 1) // ratio)[:, None]
+
+    def index_select(self, q, w, keys, pos, ratio: int, topk: int, head_dim: int) -> torch.Tensor:
+        """Lightning indexer: visible-block mask [n, n_rows] holding each query's top-k blocks."""
+        n_rows = keys.shape[0]
+        valid = self.causal_block_mask(pos, ratio, n_rows)
+        if n_rows == 0:
+            return valid
+        scores = torch.relu(torch.einsum("thd,bd->thb", q.float(), keys.float())) * head_dim ** -0.5
+        scores = (scores * w[..., None]).sum(dim=1).masked_fill(~valid, float("-inf"))
+        k = min(topk, n_rows)
+        # stable sort: among equal scores the lowest block index wins, deterministically
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        picked = torch.zeros_like(valid).scatter_(1, top, True)
+        return picked & valid
+
+    # ---- attention -------------------------------------------------------------------------------
+    @staticmethod
+    def attend(attn, q, kv, st: LayerState, start: int, pos, comp_rows, comp_mask) -> torch.Tensor:
+        W, ring_size = attn.window, st.ring.shape[0]
+        ring_pos = torch.arange(max(0, start - W + 1), start, device=q.device)
+        keys = torch.cat([st.ring[ring_pos % ring_size], kv])
+        key_pos = torch.cat([ring_pos, pos])
+        if comp_rows is not None and comp_rows.shape[0]:
+            keys = torch.cat([keys, comp_rows])
+        keys_f = keys.float()
+        sink = attn.attn_sink.float()
+        out = torch.empty_like(q)
+        for a in range(0, q.shape[0], QUERY_CHUNK):
+            p = pos[a:a + QUERY_CHUNK, None]
+            mask = (key_pos[None, :] <= p) & (key_pos[None, :] > p - W)
+            if comp_rows is not None and comp_rows.shape[0]:
+                mask = torch.cat([mask, comp_mask[a:a + QUERY_CHUNK]], dim=1)
+            logits = torch.einsum("thd,kd->thk", q[a:a + QUERY_CHUNK].float(), keys_f) * attn.scale
+            logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+            # the sink joins the softmax denominator only (a logit with a zero value vector)
+            both = torch.cat([logits, sink[None, :, None].expand(logits.shape[0], -1, 1)], dim=-1)
+            probs = torch.softmax(both, dim=-1)[..., :-1]
+            out[a:a + QUERY_CHUNK] = torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys).to(q.dtype)
+        return out
+
+    @staticmethod
+    def write_ring(st: LayerState, kv: torch.Tensor, start: int) -> None:
+        ring_size, n = st.ring.shape[0], kv.shape[0]
+        keep = torch.arange(max(start, start + n - ring_size), start + n, device=kv.device)
+        st.ring[keep % ring_size] = kv[keep - start].to(st.ring.dtype)
