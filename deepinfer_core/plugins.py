@@ -107,7 +107,8 @@ class PluginManager:
             else:
                 self.pm.set_blocked(name)
         for group in GROUPS:
-            for ep in metadata.entry_points(group=group):
+            # Sorted so registration (and so firstresult order) does not depend on sys.path order.
+            for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
                 self._load_entry_point(ep, group)
         if self.allow is not None:
             found = {r.name for r in self.records}

@@ -1,0 +1,1 @@
+"""DeepInfer feature plugin: batch-invariant kernels and deterministic sampling (entry point `batch_invariant` in `deepinfer.features`)."""

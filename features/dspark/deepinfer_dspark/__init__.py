@@ -1,0 +1,1 @@
+"""DeepInfer feature plugin: DSpark speculative decoding (drafter, confidence head, verify-length scheduling) (entry point `dspark` in `deepinfer.features`)."""

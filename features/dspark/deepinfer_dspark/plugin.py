@@ -1,0 +1,16 @@
+"""Feature plugin `dspark`: registered skeleton, it implements no model hooks yet."""
+from __future__ import annotations
+
+from deepinfer_core.hookspecs import hookimpl
+
+NAME = "dspark"
+DEEPINFER_PLUGIN_INFO = {
+    "status": "skeleton",
+    "note": "filled by the DSpark speculative-decoding issue (spec dspark.md): proposer, verifier, prefix scheduler",
+}
+
+
+@hookimpl
+def deepinfer_configure(ctx):
+    # Nothing to validate until the feature exists; present so the registration path is exercised.
+    return None
