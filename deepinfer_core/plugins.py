@@ -229,6 +229,9 @@ class PluginManager:
                 logger.warning("plugin %r: platform detection failed: %s", impl.plugin_name,
                                _error_text(exc))
                 continue
+            if self.trace:  # direct calls bypass pluggy's monitoring, so log them here
+                logger.info("hook deepinfer_detect_platform(requested=None) [%s] returned %r",
+                            impl.plugin_name, result)
             if result is not None:
                 answers.append(result)
         outside = [p for p in answers if p.plugin != CORE_NAME]
