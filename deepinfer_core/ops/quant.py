@@ -16,7 +16,6 @@ FP4_AMAX_FLOOR = 6.0 * 2.0 ** -126  # fp4_act_quant: amax = max(amax, 6 * 2^-126
 
 # E2M1 code -> value; code bit 3 is the sign, so codes 8..15 mirror 0..7 (8 is -0).
 FP4_LUT = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_FP4_GRID = torch.tensor(FP4_LUT[:8], dtype=torch.float32)
 
 
 # ---- scales ------------------------------------------------------------------------------------
@@ -201,8 +200,10 @@ def quantize_fp4(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
     amax = wb.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR)
     s = pow2_ceil(amax / FP4_MAX)
     q = _unblock(round_to_e2m1((wb / s).clamp(-FP4_MAX, FP4_MAX)), n)
-    # Grid value -> magnitude code (exact match on the 8 grid points), sign -> bit 3.
-    code = torch.bucketize(q.abs(), _FP4_GRID.to(q.device))
+    # Grid value -> magnitude code: 2r on [0, 2) (codes 0..3), r + 2 for 2, 3, 4 (codes 4..6),
+    # 7 for 6; sign -> bit 3.
+    r = q.abs()
+    code = torch.where(r < 2, 2 * r, torch.where(r < 5, r + 2, 7.0)).to(torch.int64)
     code = code | (torch.signbit(q).to(torch.int64) << 3)
     packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
     return packed.contiguous(), _float_to_e8m0(s.squeeze(-1))
