@@ -44,7 +44,8 @@ def model_tensor_spec(cfg_dict: dict[str, Any]) -> TensorSpec:
 # ---- values ------------------------------------------------------------------------------------
 
 def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed(((seed & 0xFFFFFFFF) << 32) | zlib.crc32(name.encode()))
+    # torch's CPU generator (mt19937) only uses the low 32 bits of the seed: hash both together.
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
 
 
 def _normal(shape, std: float, g: torch.Generator) -> torch.Tensor:
