@@ -52,33 +52,84 @@ def counter_uniform(seed: int, position: int, case: int = CASE_SAMPLE, namespace
 
 
 # ---- filtering ----------------------------------------------------------------------------------
+TOP_P_PROBE = 1024   # top-p first looks at this many best tokens; a full sort only if they are not enough
+SMALL_VOCAB = 4096   # up to this vocabulary size one batched full sort is cheaper than per-row work
+
+
+def sorted_prefix(row: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `m` (value, id) of one row in (value descending, id ascending) order.
+
+    A full CPU sort of a 129k vocabulary costs ~0.2 s, so for m < V take the m-th largest value with
+    topk and stable-sort only the candidates >= it (all ties at the boundary included), which gives
+    exactly the prefix of the full stable sort.
+    """
+    vocab = row.shape[-1]
+    if m >= vocab:
+        vals, ids = torch.sort(row, descending=True, stable=True)
+        return vals, ids
+    kth = torch.topk(row, m).values[-1]
+    cand = (row >= kth).nonzero().squeeze(1)                # ascending ids
+    vals, order = torch.sort(row[cand], descending=True, stable=True)
+    return vals[:m], cand[order[:m]]
+
+
+def _top_k_top_p_keep(row: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """Ids of one row kept by top-k then top-p (over the top-k mass); row: float64 probabilities."""
+    vocab = row.shape[-1]
+    if p >= 1:
+        return sorted_prefix(row, k)[1]
+    # Without top-k the threshold is relative to the whole row (summed in vocabulary order).
+    vals, ids = sorted_prefix(row, k if k < vocab else min(vocab, TOP_P_PROBE))
+    csum = vals.cumsum(0)
+    total = csum[-1] if k < vocab else row.sum()
+    if len(ids) < k and csum[-1] < p * total:
+        vals, ids = sorted_prefix(row, vocab)    # the probe did not reach top_p: sort everything
+        csum = vals.cumsum(0)
+    before = torch.cat([csum.new_zeros(1), csum[:-1]])
+    return ids[before < p * total]       # smallest prefix whose mass reaches top_p
+
+
+def _top_k_top_p_small_vocab(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """Same rule as `_top_k_top_p_keep`, for every row at once from one full sort (small vocabularies)."""
+    vocab = probs.shape[-1]
+    dev = probs.device
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=dev)
+    p = torch.tensor([float(pp) for pp in top_p], dtype=torch.float64, device=dev)
+    vals, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = torch.arange(vocab, device=dev)[None, :] < k[:, None]
+    csum = (vals * keep).cumsum(-1)
+    total = torch.where(k < vocab, csum.gather(-1, (k - 1)[:, None]).squeeze(1), probs.sum(-1))
+    before = torch.cat([csum.new_zeros(csum.shape[0], 1), csum[:, :-1]], dim=-1)
+    keep &= (before < (p * total)[:, None]) | (p[:, None] >= 1)
+    mask = torch.zeros_like(keep).scatter_(-1, order, keep)
+    return probs.masked_fill(~mask, 0.0)
+
+
 def filter_probs(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float],
                  min_p: Sequence[float]) -> torch.Tensor:
     """Zero out what top-k, then top-p, then min-p remove; rows stay unnormalised.
 
     probs: [R, V] float64 (each row a distribution). top_k <= 0 or >= V, top_p >= 1, min_p <= 0 = off.
+    Ties go to the lower token id. The top-p threshold is top_p times the top-k mass (summed in sorted
+    order), or times the whole row (summed in vocabulary order) when top-k is off.
     """
-    rows, vocab = probs.shape
-    dev = probs.device
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=dev)
-    p = torch.tensor(list(top_p), dtype=torch.float64, device=dev)
-    if bool((k < vocab).any()) or bool((p < 1).any()):
-        # Stable descending sort: equal probabilities keep vocabulary order, so lower ids win ties.
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        keep = torch.arange(vocab, device=dev)[None, :] < k[:, None]
-        kept = sorted_p * keep
-        csum = kept.cumsum(-1)
-        before = torch.cat([torch.zeros_like(csum[:, :1]), csum[:, :-1]], dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p of the top-k mass; rows with top_p = 1
-        # skip the test so that rounding in the cumsum can never drop a tail token.
-        keep &= (before < p[:, None] * csum[:, -1:]) | (p[:, None] >= 1)
-        mask = torch.zeros_like(keep).scatter_(-1, order, keep)
-        probs = probs.masked_fill(~mask, 0.0)
-    m = torch.tensor(list(min_p), dtype=torch.float64, device=dev)
+    vocab = probs.shape[-1]
+    rows = [r for r in range(probs.shape[0]) if 0 < top_k[r] < vocab or top_p[r] < 1]
+    out = probs
+    if rows and vocab <= SMALL_VOCAB:
+        out = _top_k_top_p_small_vocab(probs, top_k, top_p)
+    elif rows:
+        out = probs.clone()
+        for r in rows:
+            k = top_k[r] if 0 < top_k[r] < vocab else vocab
+            keep = _top_k_top_p_keep(probs[r], k, float(top_p[r]))
+            out[r] = 0.0
+            out[r, keep] = probs[r, keep]
+    m = torch.tensor(list(min_p), dtype=torch.float64, device=probs.device)
     if bool((m > 0).any()):
-        pmax = probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < m[:, None] * pmax, 0.0)
-    return probs
+        pmax = out.max(dim=-1, keepdim=True).values
+        out = out.masked_fill(out < m[:, None] * pmax, 0.0)
+    return out
 
 
 def processed_probs(logits: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
@@ -137,12 +188,10 @@ def compute_logprobs(logits: torch.Tensor, k: int, sampled_ids: torch.Tensor | N
     raw logits (vLLM's default: before penalties, temperature and filtering)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     k = max(0, min(k, lp.shape[-1]))
-    if k:
-        vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
-        vals, ids = vals[:, :k], ids[:, :k]
-    else:
-        vals = lp.new_empty(lp.shape[0], 0)
-        ids = torch.empty(lp.shape[0], 0, dtype=torch.long, device=lp.device)
+    vals = lp.new_empty(lp.shape[0], k)
+    ids = torch.empty(lp.shape[0], k, dtype=torch.long, device=lp.device)
+    for r in range(lp.shape[0] if k else 0):
+        vals[r], ids[r] = sorted_prefix(lp[r], k)
     slp = ranks = None
     if sampled_ids is not None:
         slp = lp.gather(-1, sampled_ids.view(-1, 1).to(lp.device)).squeeze(1)

@@ -6,7 +6,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.ops.sampler import (
     MASK64, Sampler, apply_penalties, compute_logprobs, counter_uniform, filter_probs, inverse_cdf,
-    mix_seed, processed_probs, splitmix64)
+    mix_seed, processed_probs, sorted_prefix, splitmix64)
 
 S = SamplingParams
 
@@ -97,6 +97,33 @@ def test_rows_are_filtered_independently():
     assert _kept(out[:1]) == [1, 2] and _kept(out[1:]) == [0]
 
 
+def _full_sort_keep(row, k, p):
+    """Reference top-k/top-p keep set from one full stable sort."""
+    vals, ids = torch.sort(row, descending=True, stable=True)
+    k = k if 0 < k < len(row) else len(row)
+    vals, ids = vals[:k], ids[:k]
+    total = vals.cumsum(0)[-1] if k < len(row) else row.sum()
+    before = torch.cat([vals.new_zeros(1), vals.cumsum(0)[:-1]])
+    return sorted(ids[before < p * total].tolist()) if p < 1 else sorted(ids.tolist())
+
+
+@pytest.mark.parametrize("vocab", [500, 5000])     # batched full-sort path / per-row partial-sort path
+def test_filter_paths_match_full_sort(vocab):
+    g = torch.Generator().manual_seed(3)
+    # Many exact ties (values from a small set) plus a smooth part; peaked and flat rows.
+    tied = torch.randint(0, 6, (vocab,), generator=g).double()
+    rows = [torch.softmax(tied, 0), torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 4, 0),
+            torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 0.1, 0)]
+    for row in rows:
+        ref_vals, ref_ids = torch.sort(row, descending=True, stable=True)
+        for m in (1, 7, 100, vocab // 3, vocab - 1, vocab):
+            vals, ids = sorted_prefix(row, m)
+            assert torch.equal(ids, ref_ids[:m]) and torch.equal(vals, ref_vals[:m])
+        for k, p in [(0, 0.3), (0, 0.95), (0, 0.999), (40, 1.0), (40, 0.5), (2000, 0.9), (1, 0.5)]:
+            got = filter_probs(row[None], [k], [p], [0.0])[0]
+            assert [i for i, v in enumerate(got.tolist()) if v > 0] == _full_sort_keep(row, k, p), (k, p)
+
+
 def test_inverse_cdf():
     probs = torch.tensor([[0.0, 0.2, 0.0, 0.8]], dtype=torch.float64)
     pick = lambda u: inverse_cdf(probs, torch.tensor([u])).item()  # noqa: E731
@@ -106,16 +133,17 @@ def test_inverse_cdf():
 
 
 # ---- seeded sampling ----------------------------------------------------------------------------
-def test_seeded_sampling_independent_of_batch_composition():
+@pytest.mark.parametrize("vocab,top_k,steps", [(50, 20, 40), (50, 0, 10), (6000, 0, 6), (6000, 300, 6)])
+def test_seeded_sampling_independent_of_batch_composition(vocab, top_k, steps):
     g = torch.Generator().manual_seed(0)
     sampler = Sampler()
-    target = torch.randn(1, 50, generator=g)
-    tp = S(temperature=0.9, top_k=20, top_p=0.95, seed=11)
-    for pos in range(40):
+    target = torch.randn(1, vocab, generator=g)
+    tp = S(temperature=0.9, top_k=top_k, top_p=0.95, seed=11)
+    for pos in range(steps):
         alone = sampler.sample(target, [tp], [pos], [11]).item()
         for trial in range(3):
             n = 1 + trial * 3
-            others = torch.randn(n, 50, generator=g)
+            others = torch.randn(n, vocab, generator=g)
             op = [S(temperature=0), S(temperature=1.3), S(top_k=3, min_p=0.1)] * n
             where = trial % (n + 1)
             batch = torch.cat([others[:where], target, others[where:]])
