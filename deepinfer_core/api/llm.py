@@ -1,15 +1,17 @@
 """Offline entry point `LLM`: vLLM's call shape, DS-DeepInfer's kwargs accepted.
 
 For now requests run one sequence at a time straight on `ModelRunner` (prefill in chunks, then
-token-by-token decode). The request-processing pieces below (`parse_prompts`, `validate_prompt`,
+token-by-token decode). The request-processing pieces (`parse_prompts`, `validate_prompt`, `Request`,
 `CompletionState`, `check_stop`, `logprobs_entry`, `completion_seed`) are module-level so that the
 continuous-batching engine can reuse them unchanged.
+
+`generate` returns vLLM-style `RequestOutput`s; `LLM(..., decode_sequence=True)` is DS-DeepInfer's
+compat mode (one decoded string per prompt; DS-DeepInfer's default, not ours).
 """
 from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +77,8 @@ def parse_prompts(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | None,
             raise TypeError(f"generate: prompts[{i}] must be a str or a dict with 'prompt_token_ids', "
                             f"got {type(text).__name__}")
         if toks is not None and not isinstance(toks, (list, tuple)):
-            raise TypeError(f"generate: prompt_token_ids[{i}] must be a list of int, got {type(toks).__name__}")
+            raise TypeError(f"generate: prompt_token_ids[{i}] must be a list of int, "
+                            f"got {type(toks).__name__}")
         out.append((text, None if toks is None else list(toks)))
     return out
 
@@ -106,6 +109,18 @@ def _find_stop_string(text: str, stops: Sequence[str], search_from: int) -> tupl
         if i >= 0 and (best is None or i < best[0]):
             best = (i, s)
     return best
+
+
+@dataclass
+class Request:
+    """One validated request: prompt, its own copy of the params, and its base seed."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                          # completion j samples with completion_seed(seed, j)
+    metrics: RequestMetrics
 
 
 @dataclass
@@ -188,10 +203,7 @@ def _make_runner(model_dir: Path, **kwargs: Any) -> Any:
 
 
 def _env_model_dir() -> str | None:
-    try:
-        from .. import envs
-    except ImportError:
-        return os.environ.get("DEEPINFER_HF_MODEL_DIR") or None
+    from .. import envs    # validated there: an existing directory or unset
     return envs.get("DEEPINFER_HF_MODEL_DIR")
 
 
@@ -265,7 +277,8 @@ class LLM:
         limit = int(cfg.max_position_embeddings)
         if max_model_len is None:
             max_model_len = limit
-        elif isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
+        elif (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+              or not 1 <= max_model_len <= limit):
             raise ValueError(f"LLM: max_model_len={max_model_len!r}; allowed: 1..{limit} "
                              f"(max_position_embeddings) or None")
         self.runner, self.tokenizer, self.seed = runner, tokenizer, seed
@@ -281,22 +294,24 @@ class LLM:
         self.runner = None
 
     # ---- generate ---------------------------------------------------------------------------------
-    def generate(self, prompts: Any = None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Any = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: Any = None, use_tqdm: bool = True) -> list[RequestOutput] | list[str]:
         """One RequestOutput per prompt, in input order (`decode_sequence=True`: the first
         completion's text instead, DS-DeepInfer's compat mode)."""
         parsed = parse_prompts(prompts, prompt_token_ids)
         params = self._per_request_params(sampling_params, len(parsed))
         # Validate every request before running any; the counter moves only once all are accepted.
-        requests = [self._make_request(i, text, ids, p) for i, ((text, ids), p) in enumerate(zip(parsed, params))]
+        requests = [self._make_request(i, text, ids, p)
+                    for i, ((text, ids), p) in enumerate(zip(parsed, params))]
         self._request_counter += len(requests)
         outputs = []
         bar = _progress(len(requests), use_tqdm)
-        for req in requests:
-            outputs.append(self._run_request(*req))
-            if bar is not None:
+        try:
+            for req in requests:
+                outputs.append(self._run_request(req))
                 bar.update(1)
-        if bar is not None:
+        finally:
             bar.close()
         if self.decode_sequence:
             return [o.outputs[0].text for o in outputs]
@@ -315,7 +330,7 @@ class LLM:
         return [copy.deepcopy(p) for p in sp]
 
     def _make_request(self, index: int, text: str | None, ids: list[int] | None,
-                      params: SamplingParams) -> tuple:
+                      params: SamplingParams) -> Request:
         arrival = time.time()
         if ids is None:
             if self.tokenizer is None:
@@ -328,27 +343,28 @@ class LLM:
                              "stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > self.vocab_size:
-                raise ValueError(f"generate: {name}={getattr(params, name)} exceeds vocab_size={self.vocab_size}")
+                raise ValueError(f"generate: {name}={getattr(params, name)} exceeds "
+                                 f"vocab_size={self.vocab_size}")
         # Seed: the request's own, else derived from the LLM seed and a request counter.
         counter = self._request_counter + index
         base = params.seed if params.seed is not None else mix_seed(self.seed, counter)
-        request_id = str(counter)
-        return request_id, text, ids, params, base, RequestMetrics(arrival_time=arrival)
+        return Request(str(counter), text, ids, params, base, RequestMetrics(arrival_time=arrival))
 
-    def _run_request(self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams,
-                     base_seed: int, metrics: RequestMetrics) -> RequestOutput:
+    def _run_request(self, req: Request) -> RequestOutput:
+        params, prompt_ids, metrics = req.params, req.prompt_token_ids, req.metrics
         metrics.first_scheduled_time = time.time()
         prompt_logprobs = None
         completions = []
         for j in range(params.n):
             # Independent sequences, each re-prefilled (no fork/prefix sharing yet).
-            state = CompletionState(index=j, seed=completion_seed(base_seed, j))
+            state = CompletionState(index=j, seed=completion_seed(req.seed, j))
             want_plp = j == 0 and params.prompt_logprobs is not None
             plp = self._generate_one(state, prompt_ids, params, metrics, want_plp)
             prompt_logprobs = plp if want_plp else prompt_logprobs
             completions.append(state.to_output())
         metrics.finished_time = time.time()
-        return RequestOutput(request_id, text, list(prompt_ids), prompt_logprobs, completions, True, metrics)
+        return RequestOutput(req.request_id, req.prompt, list(prompt_ids), prompt_logprobs, completions,
+                             True, metrics)
 
     def _generate_one(self, state: CompletionState, prompt_ids: list[int], params: SamplingParams,
                       metrics: RequestMetrics, want_prompt_logprobs: bool) -> list | None:
@@ -417,11 +433,19 @@ class LLM:
         return token
 
 
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _progress(total: int, use_tqdm: bool) -> Any:
-    if not use_tqdm or total == 0:
-        return None
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        return None
+        use_tqdm = False
+    if not use_tqdm or total == 0:
+        return _NoProgress()
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -89,7 +89,8 @@ def _top_k_top_p_keep(row: torch.Tensor, k: int, p: float) -> torch.Tensor:
     return ids[before < p * total]       # smallest prefix whose mass reaches top_p
 
 
-def _top_k_top_p_small_vocab(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+def _top_k_top_p_small_vocab(probs: torch.Tensor, top_k: Sequence[int],
+                             top_p: Sequence[float]) -> torch.Tensor:
     """Same rule as `_top_k_top_p_keep`, for every row at once from one full sort (small vocabularies)."""
     vocab = probs.shape[-1]
     dev = probs.device
