@@ -31,7 +31,9 @@ _BASE: dict[str, Any] = {
     "o_groups": 2,
     "o_lora_rank": 128,
     "sliding_window": 16,
-    "index_n_heads": 4,
+    # 16 index heads: with few heads, sum_h w_h*relu(q_h.k) is exactly 0 for many blocks
+    # (all ReLUs zero) and top-k then hinges on tie-breaking; the real model has 64 heads.
+    "index_n_heads": 16,
     "index_head_dim": 128,
     "index_topk": 8,
     "hc_mult": 4,

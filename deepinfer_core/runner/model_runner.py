@@ -1,0 +1,96 @@
+"""Model runner: builds the model once (hooks resolved here, never again), loads the checkpoint,
+and runs forward passes over per-sequence state. It makes no policy decisions.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..cache.sequence_state import SequenceState, new_sequence_state
+from ..config import ModelConfig
+from ..model import ForwardBatch, ModelOps, bind_ops, build_model, process_weights
+from ..model.attention import Numerics
+from ..model.deepseek_v4 import DeepseekV4Model
+from ..plugin_context import BuildContext
+from ..plugins import get_plugin_manager
+
+log = logging.getLogger(__name__)
+WEIGHT_FORMATS = ("bf16", "fp8", "fp4")
+ALLOWED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def normalize_dtype(dtype) -> str:
+    """Accept "float32"/"bfloat16"/"auto"/torch dtypes; anything else names the allowed values."""
+    if isinstance(dtype, torch.dtype):
+        for name, dt in ALLOWED_DTYPES.items():
+            if dt == dtype:
+                return name
+    elif isinstance(dtype, str):
+        name = {"auto": "bfloat16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}.get(dtype, dtype)
+        if name in ALLOWED_DTYPES:
+            return name
+    raise ValueError(f"dtype={dtype!r} is not supported; allowed: float32, bfloat16, auto")
+
+
+@dataclass
+class LoadedModel:
+    model: DeepseekV4Model
+    ctx: BuildContext
+    load_seconds: float
+
+
+def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True, device: str = "cpu",
+               options: dict | None = None) -> LoadedModel:
+    """Config -> hooks -> graph on the meta device -> checkpoint (one shard at a time) -> runtime weights."""
+    from ..model.weights import load_checkpoint   # local: the loader pulls in safetensors
+
+    t0 = time.perf_counter()
+    cfg = ModelConfig.from_file(model_dir)
+    pm = get_plugin_manager()
+    platform = pm.detect_platform()
+    ctx = BuildContext(model_config=cfg, platform=platform, device=device, dtype=normalize_dtype(dtype),
+                       simulate_qat=bool(simulate_qat), options=dict(options or {}))
+    pm.configure(ctx)
+    ops = ModelOps(linear={f: pm.linear_method(ctx, f) for f in WEIGHT_FORMATS},
+                   attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx))
+    model = build_model(cfg, device="meta")
+    load_checkpoint(model, model_dir)
+    bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))
+    process_weights(model)
+    model.to(device)
+    return LoadedModel(model=model, ctx=ctx, load_seconds=time.perf_counter() - t0)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True,
+                 device: str = "cpu", max_backtracking_tokens: int = 0, **options):
+        self.loaded = load_model(model_dir, dtype=dtype, simulate_qat=simulate_qat, device=device, options=options)
+        self.model = self.loaded.model
+        self.model_config: ModelConfig = self.model.cfg
+        self.device = device
+        self.dtype = self.loaded.ctx.torch_dtype
+        self.backtrack = max_backtracking_tokens
+        log.info("model loaded in %.1f s", self.loaded.load_seconds)
+
+    def new_sequence(self) -> SequenceState:
+        return new_sequence_state(self.model_config, self.dtype, self.device, self.backtrack)
+
+    @torch.no_grad()
+    def forward_batch(self, token_ids: list[list[int]], seqs: list[SequenceState],
+                      all_logits: bool = False) -> torch.Tensor:
+        """Feed each sequence its new tokens at its next positions; fp32 logits of the wanted rows."""
+        batch = ForwardBatch.build(token_ids, seqs, self.device, all_logits=all_logits)
+        out = self.model(batch)
+        batch.commit()
+        return out.logits
+
+    def forward(self, seq: SequenceState, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        return self.forward_batch([token_ids], [seq], all_logits)
+
+    def release(self, seq: SequenceState) -> None:
+        seq.layers.clear()
+        seq.mtp_layers.clear()
