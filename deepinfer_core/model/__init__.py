@@ -54,3 +54,5 @@ def process_weights(model: DeepseekV4Model) -> None:
             mod.method.process_weights(mod)
         elif isinstance(mod, MoE) and hasattr(mod.method, "process_weights"):
             mod.method.process_weights(mod)
+    # The reference computes the LM head in fp32: convert its weight once, not per step.
+    model.head.register_buffer("weight", model.head.weight.float(), persistent=False)

@@ -96,7 +96,7 @@ class DeepseekV4Model(nn.Module):
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits, as the reference computes them."""
-        return x.float() @ self.head.weight.float().t()
+        return x.float() @ self.head.weight.t()
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         e = self.embed_tokens(batch.input_ids)
