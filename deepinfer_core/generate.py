@@ -1,0 +1,369 @@
+"""Command-line offline generation: `python -m deepinfer_core.generate --prompt "Hello" --max-tokens 8`.
+
+The model is `--model` (a local directory or a repo id in the local Hugging Face cache), else
+DEEPINFER_HF_MODEL_DIR, else a DeepSeek-V4 checkpoint found in the local Hugging Face cache, else the
+bundled tiny model (random weights; one line on stderr says so). Nothing is downloaded.
+
+Every `SamplingParams` field is a flag generated from the dataclass itself (`--top-p`, `--ignore-eos`,
+...), so the CLI cannot drift from the API; a flag left out keeps the dataclass default.
+Errors in the input (flags, prompts, sampling values, model) print one line and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import envs
+from .api.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer.generate")
+PROG = "python -m deepinfer_core.generate"
+
+# Checked in the local Hugging Face cache, in this order, when no model is configured.
+KNOWN_REPO_IDS = (
+    "deepseek-ai/DeepSeek-V4-Flash",
+    "deepseek-ai/DeepSeek-V4-Pro",
+    "deepseek-ai/DeepSeek-V4-Flash-DSpark",
+    "deepseek-ai/DeepSeek-V4-Pro-DSpark",
+)
+
+# LLM defaults, shown in --help only (absent flags leave LLM's own defaults in force). Written out
+# rather than read from LLM so that --help and input errors need not import torch; a test keeps them equal.
+ENGINE_DEFAULTS = {"dtype": "float32", "simulate_qat": True, "max_num_batched_tokens": 8192}
+
+# Help for every SamplingParams field (the flag's type and default come from the dataclass).
+SAMPLING_HELP = {
+    "n": "completions per prompt",
+    "temperature": "sampling temperature; 0 = greedy (argmax, lowest id on ties)",
+    "top_p": "nucleus sampling: keep the most likely tokens up to this cumulative probability, in (0, 1]",
+    "top_k": "keep only the k most likely tokens; 0 or -1 = off",
+    "min_p": "drop tokens whose probability is below min_p times the top token's, in [0, 1]",
+    "presence_penalty": "subtract this from the logits of tokens already generated, in [-2, 2]",
+    "frequency_penalty": "subtract this times the count of each token already generated, in [-2, 2]",
+    "repetition_penalty": "divide positive (multiply negative) logits of prompt and output tokens; > 0, 1 = off",
+    "seed": "per-request sampling seed (every prompt uses it); unset = derived from a request counter",
+    "stop": "stop string; the completion ends before it (repeatable; needs a tokenizer)",
+    "stop_token_ids": "comma-separated token ids that end the completion (repeatable)",
+    "include_stop_str_in_output": "keep the matched stop string in the text",
+    "ignore_eos": "keep generating after the EOS token",
+    "max_tokens": "maximum tokens per completion; 'none' = up to --max-model-len",
+    "min_tokens": "tokens to generate before EOS, stop ids or stop strings may end the completion",
+    "logprobs": "top-K logprobs per generated token (0 = the sampled token's only); 'none' = off",
+    "prompt_logprobs": "top-K logprobs per prompt token; 'none' = off",
+    "detokenize": "decode the output tokens to text",
+    "skip_special_tokens": "leave special tokens out of the decoded text",
+    "so_args": "structured-output arguments, a JSON object (handled by a plugin)",
+    "extra_args": "free-form arguments for plugins, a JSON object",
+}
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with single-line errors (no usage dump), still exit status 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# ---- flag value types ------------------------------------------------------------------------------
+def _int_list(text: str) -> list[int]:
+    """'1, 2,3' -> [1, 2, 3]."""
+    items = [s.strip() for s in text.split(",")]
+    try:
+        values = [int(s, 10) for s in items]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. '1,2,3'")
+    return values
+
+
+def _token_id_prompt(text: str) -> dict[str, list[int]]:
+    return {"prompt_token_ids": _int_list(text)}
+
+
+def _optional_int(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or 'none'") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
+
+
+class _PromptsFile(str):
+    """A --prompts-file path kept in the ordered prompt list; expanded after parsing."""
+
+
+# ---- the parser ------------------------------------------------------------------------------------
+def _base_types(annotation: Any) -> set[Any]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return {a for a in typing.get_args(annotation) if a is not type(None)}
+    return {annotation}
+
+
+def _add_sampling_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per SamplingParams field; default SUPPRESS so an absent flag keeps the dataclass default."""
+    hints = typing.get_type_hints(SamplingParams)
+    for f in dataclasses.fields(SamplingParams):
+        flag = "--" + f.name.replace("_", "-")
+        base = _base_types(hints[f.name])
+        help_text = SAMPLING_HELP.get(f.name, f"SamplingParams.{f.name}")
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+        if base == {bool}:
+            kw.update(action=argparse.BooleanOptionalAction)
+        elif base == {int}:
+            kw.update(type=_optional_int if type(None) in typing.get_args(hints[f.name]) else int)
+        elif base == {float}:
+            kw.update(type=float)
+        elif str in base:                                        # stop: str | list[str]
+            kw.update(action="append", type=str, metavar="TEXT")
+        elif any(typing.get_args(b) == (int,) for b in base):    # stop_token_ids: list[int]
+            kw.update(action="extend", type=_int_list, metavar="IDS")
+        else:                                                    # dicts and anything new: JSON
+            kw.update(type=_json_object if dict in {typing.get_origin(b) or b for b in base}
+                      else json.loads, metavar="JSON")
+        group.add_argument(flag, help=f"{help_text} (default: {f.default!r})".replace("%", "%%"), **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = parser.add_argument_group("model and prompts")
+    src.add_argument("--model", help="checkpoint directory or repo id in the local Hugging Face cache "
+                     "(default: DEEPINFER_HF_MODEL_DIR, a cached DeepSeek-V4 checkpoint, else the "
+                     "bundled tiny model)")
+    src.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    # All prompt sources share one list so that prompts keep their command-line order.
+    src.add_argument("--prompt", dest="inputs", action="append", type=str, metavar="TEXT",
+                     help="a text prompt (repeatable)")
+    src.add_argument("--prompts-file", dest="inputs", action="append", type=_PromptsFile, metavar="PATH",
+                     help="one text prompt per line, or JSONL (.jsonl, or a JSON object on the first "
+                          "line) with {\"prompt\": str} or {\"prompt_token_ids\": [int]} per line")
+    src.add_argument("--prompt-token-ids", dest="inputs", action="append", type=_token_id_prompt,
+                     metavar="IDS", help="a prompt as comma-separated token ids, e.g. '0,100,200' "
+                                         "(repeatable; for checkpoints without a tokenizer)")
+
+    defaults = ENGINE_DEFAULTS
+    eng = parser.add_argument_group("engine")
+    eng.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default=argparse.SUPPRESS,
+                     help=f"compute dtype; auto = bfloat16 (default: {defaults['dtype']})")
+    eng.add_argument("--simulate-qat", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                     help="reproduce the reference's FP8/FP4 quantisation-aware numerics "
+                          f"(default: {defaults['simulate_qat']})")
+    eng.add_argument("--max-model-len", type=_positive_int, default=argparse.SUPPRESS,
+                     help="maximum prompt + output tokens (default: the model's max_position_embeddings)")
+    eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=argparse.SUPPRESS,
+                     help=f"prefill chunk size in tokens (default: {defaults['max_num_batched_tokens']})")
+
+    _add_sampling_flags(parser.add_argument_group("sampling (SamplingParams fields)"))
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--output-json", metavar="PATH", help="write every request and completion as JSON")
+    out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                     help="show a progress bar on stderr")
+    return parser
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+class UsageError(ValueError):
+    """Bad input found by this CLI (reported in one line, exit status 2)."""
+
+
+def read_prompts_file(path: str | Path) -> list[Any]:
+    """Prompts of a text file (one per non-blank line) or of a JSONL file (one object per line)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UsageError(f"--prompts-file: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--prompts-file: cannot read {path}: {exc}") from None
+    numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise UsageError(f"--prompts-file: {path} has no prompts")
+    if not (path.suffix.lower() == ".jsonl" or _is_json_object(numbered[0][1])):
+        return [line for _, line in numbered]
+    prompts = []
+    for lineno, line in numbered:
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise UsageError(f"--prompts-file: {path}:{lineno}: invalid JSON ({exc})") from None
+        if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & item.keys()):
+            raise UsageError(f"--prompts-file: {path}:{lineno}: expected an object with \"prompt\" "
+                             f"(a string) or \"prompt_token_ids\" (a list of ints)")
+        ids = item.get("prompt_token_ids")
+        if ids is not None and (not isinstance(ids, list)
+                                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise UsageError(f"--prompts-file: {path}:{lineno}: \"prompt_token_ids\" must be a list of ints")
+        if "prompt" in item and not isinstance(item["prompt"], str):
+            raise UsageError(f"--prompts-file: {path}:{lineno}: \"prompt\" must be a string")
+        prompts.append(item["prompt"] if ids is None else {"prompt_token_ids": ids})
+    return prompts
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def collect_prompts(inputs: Sequence[Any] | None) -> list[Any]:
+    """Text prompts and {"prompt_token_ids": [...]} dicts, in command-line order."""
+    prompts: list[Any] = []
+    for item in inputs or ():
+        prompts.extend(read_prompts_file(item) if isinstance(item, _PromptsFile) else [item])
+    if not prompts:
+        raise UsageError("no prompt given; use --prompt TEXT, --prompts-file PATH or --prompt-token-ids IDS")
+    return prompts
+
+
+# ---- model -----------------------------------------------------------------------------------------
+def choose_model(model: str | None) -> str:
+    """--model, else DEEPINFER_HF_MODEL_DIR, else a cached DeepSeek-V4 checkpoint, else the bundled model."""
+    if model:
+        return model
+    env_dir = envs.get("DEEPINFER_HF_MODEL_DIR")   # EnvError (a ValueError) when invalid
+    if env_dir:
+        return env_dir
+    from .model.weights import CheckpointError, resolve_model_path   # never downloads
+    for repo_id in KNOWN_REPO_IDS:
+        try:
+            path = resolve_model_path(repo_id)
+        except CheckpointError:
+            continue
+        print(f"{PROG}: no --model given; using {repo_id} from the local Hugging Face cache ({path})",
+              file=sys.stderr)
+        return str(path)
+    from .tools.bundled_model import bundled_tiny_model_dir, default_cache_dir
+    print(f"{PROG}: no model configured (--model, DEEPINFER_HF_MODEL_DIR or a DeepSeek-V4 checkpoint in "
+          f"the local Hugging Face cache): running the bundled tiny model at {default_cache_dir()} "
+          f"(random weights, the text is gibberish)", file=sys.stderr, flush=True)
+    return str(bundled_tiny_model_dir())
+
+
+def load_llm(model: str, **engine_options: Any) -> Any:
+    """The LLM for this run (a seam: tests replace it to share one loaded model)."""
+    from .api.llm import LLM
+    return LLM(model=model, **engine_options)
+
+
+# ---- output ----------------------------------------------------------------------------------------
+def _logprobs_json(entries: list | None) -> list | None:
+    """[{token id: Logprob}] -> [[{token_id, logprob, rank}]]; the sampled token comes first."""
+    if entries is None:
+        return None
+    return [None if e is None else [{"token_id": t, "logprob": lp.logprob, "rank": lp.rank}
+                                    for t, lp in e.items()] for e in entries]
+
+
+def _metrics_json(m: Any) -> dict[str, Any] | None:
+    if m is None:
+        return None
+    return {"time_to_first_token": m.time_to_first_token,
+            "latency": None if m.finished_time is None else m.finished_time - m.arrival_time,
+            "num_generated_tokens": len(m.token_times), "arrival_time": m.arrival_time,
+            "first_scheduled_time": m.first_scheduled_time, "first_token_time": m.first_token_time,
+            "finished_time": m.finished_time}
+
+
+def output_to_json(out: Any, params: SamplingParams) -> dict[str, Any]:
+    """One RequestOutput as plain JSON data; logprobs only when they were asked for."""
+    completions = []
+    for c in out.outputs:
+        item = {"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if params.logprobs is not None:
+            item["cumulative_logprob"] = c.cumulative_logprob
+            item["logprobs"] = _logprobs_json(c.logprobs)
+        completions.append(item)
+    data = {"request_id": out.request_id, "prompt": out.prompt,
+            "prompt_token_ids": list(out.prompt_token_ids), "outputs": completions,
+            "metrics": _metrics_json(out.metrics)}
+    if params.prompt_logprobs is not None:
+        data["prompt_logprobs"] = _logprobs_json(out.prompt_logprobs)
+    return data
+
+
+def print_outputs(outputs: Sequence[Any], file: Any = None) -> None:
+    file = file or sys.stdout
+    for out in outputs:
+        shown = repr(out.prompt) if out.prompt is not None else f"token ids {list(out.prompt_token_ids)}"
+        print(f"[request {out.request_id}] prompt: {shown} ({len(out.prompt_token_ids)} tokens)", file=file)
+        for c in out.outputs:
+            print(f"  completion {c.index}: {c.text!r}", file=file)
+            print(f"    finish_reason={c.finish_reason} token_ids={list(c.token_ids)}", file=file)
+
+
+# ---- main ------------------------------------------------------------------------------------------
+def _one_line(exc: BaseException) -> str:
+    return " ".join(part.strip() for part in str(exc).splitlines() if part.strip()) or type(exc).__name__
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:          # --help (0) or a bad flag (2, message already printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    sampling_kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)
+                       if hasattr(args, f.name)}
+    engine_kwargs = {k: getattr(args, k) for k in ("tokenizer", "dtype", "simulate_qat", "max_model_len",
+                                                   "max_num_batched_tokens") if getattr(args, k, None) is not None}
+    try:
+        # Everything cheap is checked before the (slow) model load.
+        prompts = collect_prompts(args.inputs)
+        params = SamplingParams(**sampling_kwargs)
+        if args.output_json and not Path(args.output_json).expanduser().parent.is_dir():
+            raise UsageError(f"--output-json: directory {Path(args.output_json).parent} does not exist")
+        llm = load_llm(choose_model(args.model), **engine_kwargs)
+        outputs = llm.generate(prompts, params, use_tqdm=args.progress)
+    except (ValueError, TypeError) as exc:
+        logger.debug("generate failed", exc_info=True)   # the traceback, for DEBUG logging only
+        return _fail(_one_line(exc))
+    print_outputs(outputs)
+    if args.output_json:
+        data = [output_to_json(o, params) for o in outputs]
+        try:
+            Path(args.output_json).expanduser().write_text(
+                json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        except OSError as exc:
+            return _fail(f"--output-json: cannot write {args.output_json}: {exc}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

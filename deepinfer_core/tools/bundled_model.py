@@ -1,0 +1,110 @@
+"""The bundled tiny DeepSeek-V4 model: a seeded tiny checkpoint built once into the user cache.
+
+`bundled_tiny_model_dir()` returns `$XDG_CACHE_HOME/deepinfer/tiny-v4` (or `~/.cache/deepinfer/tiny-v4`),
+building it first when it is missing or stale. The build writes into a temporary sibling directory
+and renames it into place only once complete, so an interrupted build never leaves a half-written
+model behind, and concurrent builders cannot see each other's partial output.
+
+A stamp file records a fingerprint of what was built (the tiny config, the seed and the builder's
+source), so an upgrade that changes the tiny model's format rebuilds it instead of loading a stale one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+SEED = 0
+STAMP_FILE = ".deepinfer-bundled.json"
+_TMP_PREFIX = ".tmp-"
+_STALE_TMP_SECONDS = 3600   # a build takes well under a minute; older temp dirs are crash leftovers
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/deepinfer/tiny-v4`, else `~/.cache/deepinfer/tiny-v4`."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec says a relative value is invalid and must be ignored.
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "deepinfer" / "tiny-v4"
+
+
+def fingerprint() -> str:
+    """Identifies the bundled model's content: tiny config, seed and the builder's source."""
+    from . import make_tiny_checkpoint as builder, tiny_config
+    h = hashlib.sha256()
+    h.update(json.dumps({"seed": SEED, "config": tiny_config.tiny_config_dict()},
+                        sort_keys=True).encode())
+    for module in (builder, tiny_config):
+        try:
+            h.update(Path(module.__file__).read_bytes())
+        except (OSError, TypeError):   # no source on disk (frozen/zipped install): config only
+            pass
+    return h.hexdigest()[:16]
+
+
+def is_complete(model_dir: Path, expected: str | None = None) -> bool:
+    """True when `model_dir` holds a finished build (with fingerprint `expected`, when given)."""
+    try:
+        stamp = json.loads((Path(model_dir) / STAMP_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(stamp, dict) and (expected is None or stamp.get("fingerprint") == expected)
+
+
+def bundled_tiny_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """The bundled tiny model's directory, built (~150 MiB, tens of seconds on CPU) on first use."""
+    final = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    expected = fingerprint()
+    if is_complete(final, expected):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{_TMP_PREFIX}", dir=final.parent))
+    try:
+        # Looked up at call time so that tests can replace the (slow) builder.
+        from . import make_tiny_checkpoint as builder
+        builder.make_tiny_checkpoint(tmp, seed=SEED)
+        # The stamp goes in last: its presence means every other file is complete.
+        (tmp / STAMP_FILE).write_text(json.dumps({"fingerprint": expected, "seed": SEED}) + "\n")
+        _install(tmp, final, expected)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)   # gone already after a successful rename
+    return final
+
+
+def _install(tmp: Path, final: Path, expected: str) -> None:
+    """Atomically rename the finished build `tmp` to `final`, replacing a stale or partial one."""
+    for _ in range(3):
+        try:
+            os.rename(tmp, final)        # atomic; fails when `final` exists and is not empty
+            return
+        except OSError:
+            if is_complete(final, expected):
+                return                   # another process finished the same build first
+        # `final` is stale (older fingerprint) or foreign: move it aside, then retry the rename.
+        aside = Path(tempfile.mkdtemp(prefix=f".{final.name}{_TMP_PREFIX}old-", dir=final.parent))
+        try:
+            os.rename(final, aside / final.name)
+        except FileNotFoundError:
+            pass                         # someone else moved it already
+        shutil.rmtree(aside, ignore_errors=True)
+    raise OSError(f"could not install the bundled tiny model at {final}")
+
+
+def _remove_stale_temp_dirs(final: Path) -> None:
+    # Leftovers of builds that were killed (a normal failure cleans up after itself).
+    cutoff = time.time() - _STALE_TMP_SECONDS
+    for path in final.parent.glob(f".{final.name}{_TMP_PREFIX}*"):
+        try:
+            if path.is_dir() and path.stat().st_mtime < cutoff:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    print(bundled_tiny_model_dir())
