@@ -105,10 +105,14 @@ def _validate_message(i: int, msg: Any) -> None:
     if msg.get("task") is not None:
         _check_choice(f"messages[{i}].task", msg["task"], list(TASK_TOKENS))
     calls = msg.get("tool_calls")
-    if calls is not None and (not isinstance(calls, list) or not all(
-            isinstance(c, dict) and isinstance(c.get("function", c).get("name"), str) for c in calls)):
+    if calls is not None and (not isinstance(calls, list) or not all(map(_is_tool_call, calls))):
         raise ValueError(f"render_chat: messages[{i}].tool_calls must be a list of "
                          f"{{'function': {{'name': str, 'arguments': str | dict}}}}")
+
+
+def _is_tool_call(call: Any) -> bool:
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str)
 
 
 def _validate_tools(field: str, tools: Any) -> None:

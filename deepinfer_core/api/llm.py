@@ -317,6 +317,16 @@ class LLM:
             return [o.outputs[0].text for o in outputs]
         return outputs
 
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             thinking_mode: str = "chat", reasoning_effort: str | None = None, tools: list | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput] | list[str]:
+        """Render one conversation (list of message dicts) or a list of them with the DeepSeek-V4 chat
+        format (`api/chat.py`), then `generate`. The rendered text already holds BOS: none is added."""
+        from .chat import chat_prompts, encode_chat_prompt
+        prompts = chat_prompts(messages, thinking_mode, reasoning_effort, tools)
+        ids = [encode_chat_prompt(self.tokenizer, p) for p in prompts]
+        return self.generate(prompts, sampling_params, prompt_token_ids=ids, use_tqdm=use_tqdm)
+
     def _per_request_params(self, sp: Any, n: int) -> list[SamplingParams]:
         if sp is None:
             sp = SamplingParams()
