@@ -88,3 +88,16 @@ def test_bfloat16_runs_on_cpu_and_tracks_float32(tiny_ckpt_dir, llm_fp32, llm_fp
 def test_bad_dtype_is_named(tiny_ckpt_dir):
     with pytest.raises(ValueError, match="dtype"):
         LLM(model=str(tiny_ckpt_dir), dtype="float16x")
+
+
+def test_checkpoint_without_tokenizer_files_works_with_token_ids(tiny_ckpt_dir, tmp_path):
+    bare = tmp_path / "no_tokenizer"
+    bare.mkdir()
+    for f in tiny_ckpt_dir.iterdir():
+        if not f.name.startswith("tokenizer"):
+            (bare / f.name).symlink_to(f)
+    llm = LLM(model=str(bare), dtype="float32", simulate_qat=False)
+    out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=greedy_params(), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == N and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate("text needs a tokenizer", greedy_params(), use_tqdm=False)

@@ -1,0 +1,42 @@
+"""Offline inference with DeepInfer.
+
+    python examples/offline_inference.py                       # bundled tiny model (random weights)
+    DEEPINFER_HF_MODEL_DIR=/path/to/DeepSeek-V4-Flash python examples/offline_inference.py
+
+With no checkpoint configured, a tiny DeepSeek-V4 (real tokenizer, official FP8/FP4 tensor format,
+random weights, so the text is gibberish) is written to a temporary directory first.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from deepinfer_core import LLM, SamplingParams
+
+
+def model_path() -> str:
+    if os.environ.get("DEEPINFER_HF_MODEL_DIR"):
+        return os.environ["DEEPINFER_HF_MODEL_DIR"]
+    from deepinfer_core.tools.make_tiny_checkpoint import make_tiny_checkpoint
+    out = Path(tempfile.gettempdir()) / "deepinfer-tiny-v4"
+    if not (out / "config.json").exists():
+        make_tiny_checkpoint(out, seed=0)
+    print(f"DEEPINFER_HF_MODEL_DIR is not set: using the bundled tiny model at {out} (random weights)")
+    return str(out)
+
+
+def main() -> None:
+    llm = LLM(model=model_path())
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=1234)
+    outputs = llm.generate(["The capital of France is", "def fibonacci(n):"], [greedy, sampled])
+    outputs += llm.generate(prompt_token_ids=[[0, 100, 200, 300]], sampling_params=greedy)
+    for out in outputs:
+        comp = out.outputs[0]
+        print(f"prompt {out.prompt!r} ({len(out.prompt_token_ids)} tokens) -> {comp.text!r}")
+        print(f"  token ids {comp.token_ids}, finish_reason={comp.finish_reason}")
+
+
+if __name__ == "__main__":
+    main()
