@@ -47,7 +47,8 @@ SAMPLING_HELP = {
     "min_p": "drop tokens whose probability is below min_p times the top token's, in [0, 1]",
     "presence_penalty": "subtract this from the logits of tokens already generated, in [-2, 2]",
     "frequency_penalty": "subtract this times the count of each token already generated, in [-2, 2]",
-    "repetition_penalty": "divide positive (multiply negative) logits of prompt and output tokens; > 0, 1 = off",
+    "repetition_penalty": "divide positive (multiply negative) logits of tokens in the prompt or output; "
+                          "> 0, 1 = off",
     "seed": "per-request sampling seed (every prompt uses it); unset = derived from a request counter",
     "stop": "stop string; the completion ends before it (repeatable; needs a tokenizer)",
     "stop_token_ids": "comma-separated token ids that end the completion (repeatable)",
@@ -323,6 +324,18 @@ def print_outputs(outputs: Sequence[Any], file: Any = None) -> None:
             print(f"    finish_reason={c.finish_reason} token_ids={list(c.token_ids)}", file=file)
 
 
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the flags given; the others keep the dataclass defaults."""
+    return SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)
+                             if hasattr(args, f.name)})
+
+
+def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM keyword arguments for the engine flags given."""
+    names = ("tokenizer", "dtype", "simulate_qat", "max_model_len", "max_num_batched_tokens")
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+
+
 # ---- main ------------------------------------------------------------------------------------------
 def _one_line(exc: BaseException) -> str:
     return " ".join(part.strip() for part in str(exc).splitlines() if part.strip()) or type(exc).__name__
@@ -339,17 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:          # --help (0) or a bad flag (2, message already printed)
         return exc.code if isinstance(exc.code, int) else 2
-    sampling_kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)
-                       if hasattr(args, f.name)}
-    engine_kwargs = {k: getattr(args, k) for k in ("tokenizer", "dtype", "simulate_qat", "max_model_len",
-                                                   "max_num_batched_tokens") if getattr(args, k, None) is not None}
     try:
         # Everything cheap is checked before the (slow) model load.
         prompts = collect_prompts(args.inputs)
-        params = SamplingParams(**sampling_kwargs)
+        params = sampling_params_from_args(args)
         if args.output_json and not Path(args.output_json).expanduser().parent.is_dir():
             raise UsageError(f"--output-json: directory {Path(args.output_json).parent} does not exist")
-        llm = load_llm(choose_model(args.model), **engine_kwargs)
+        llm = load_llm(choose_model(args.model), **engine_options_from_args(args))
         outputs = llm.generate(prompts, params, use_tqdm=args.progress)
     except (ValueError, TypeError) as exc:
         logger.debug("generate failed", exc_info=True)   # the traceback, for DEBUG logging only
