@@ -4,13 +4,13 @@
     DEEPINFER_HF_MODEL_DIR=/path/to/DeepSeek-V4-Flash python examples/offline_inference.py
 
 With no checkpoint configured, a tiny DeepSeek-V4 (real tokenizer, official FP8/FP4 tensor format,
-random weights, so the text is gibberish) is written to a temporary directory first.
+random weights, so the text is gibberish) is built once into the user cache
+(`$XDG_CACHE_HOME/deepinfer/tiny-v4` or `~/.cache/deepinfer/tiny-v4`) and reused.
+The same from the command line: `python -m deepinfer_core.generate --prompt "..." --max-tokens 8`.
 """
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 from deepinfer_core import LLM, SamplingParams
 
@@ -18,10 +18,8 @@ from deepinfer_core import LLM, SamplingParams
 def model_path() -> str:
     if os.environ.get("DEEPINFER_HF_MODEL_DIR"):
         return os.environ["DEEPINFER_HF_MODEL_DIR"]
-    from deepinfer_core.tools.make_tiny_checkpoint import make_tiny_checkpoint
-    out = Path(tempfile.gettempdir()) / "deepinfer-tiny-v4"
-    if not (out / "config.json").exists():
-        make_tiny_checkpoint(out, seed=0)
+    from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
+    out = bundled_tiny_model_dir()   # built once into ~/.cache/deepinfer/tiny-v4, then reused
     print(f"DEEPINFER_HF_MODEL_DIR is not set: using the bundled tiny model at {out} (random weights)")
     return str(out)
 
