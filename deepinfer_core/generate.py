@@ -226,7 +226,8 @@ def read_prompts_file(path: str | Path) -> list[Any]:
             raise UsageError(f"--prompts-file: {path}:{lineno}: \"prompt_token_ids\" must be a list of ints")
         if "prompt" in item and not isinstance(item["prompt"], str):
             raise UsageError(f"--prompts-file: {path}:{lineno}: \"prompt\" must be a string")
-        prompts.append(item["prompt"] if ids is None else {"prompt_token_ids": ids})
+        prompts.append(item["prompt"] if ids is None
+                       else {k: item[k] for k in ("prompt", "prompt_token_ids") if k in item})
     return prompts
 
 
@@ -363,6 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         logger.debug("generate failed", exc_info=True)   # the traceback, for DEBUG logging only
         return _fail(_one_line(exc))
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
     print_outputs(outputs)
     if args.output_json:
         data = [output_to_json(o, params) for o in outputs]

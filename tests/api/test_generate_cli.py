@@ -89,7 +89,8 @@ def test_stdout_shows_each_completion(capsys, tiny_ckpt_dir):
 @pytest.mark.parametrize("name, content, expected", [
     ("prompts.txt", "Hello\n\n  \nHi there\n", ["Hello", "Hi there"]),
     ("prompts.jsonl", '{"prompt": "Hello"}\n\n{"prompt_token_ids": [5, 6]}\n', ["Hello", [5, 6]]),
-    ("prompts.txt", '{"prompt_token_ids": [7]}\n', [[7]]),      # JSONL detected by its first line
+    ("prompts.txt", '{"prompt_token_ids": [7]}\n{"prompt": "x", "prompt_token_ids": [8]}\n',
+     [[7], "x"]),                                                  # JSONL detected by its first line
 ])
 def test_prompts_file(capsys, tmp_path, tiny_ckpt_dir, name, content, expected):
     prompts = tmp_path / name
@@ -170,10 +171,10 @@ def test_every_sampling_field_is_a_flag_with_explicit_help():
 
 def test_flags_map_to_sampling_params_and_absent_flags_keep_defaults():
     parser = generate.build_parser()
-    args = parser.parse_args(["--stop", "a", "--stop", "b", "--stop-token-ids", "1,2", "--stop-token-ids", "3",
-                              "--ignore-eos", "--no-skip-special-tokens", "--max-tokens", "none",
-                              "--logprobs", "2", "--top-k", "5", "--seed", "7", "--extra-args", '{"x": 1}',
-                              "--n", "2"])
+    args = parser.parse_args(["--stop", "a", "--stop", "b", "--stop-token-ids", "1,2",
+                              "--stop-token-ids", "3", "--ignore-eos", "--no-skip-special-tokens",
+                              "--max-tokens", "none", "--logprobs", "2", "--top-k", "5", "--seed", "7",
+                              "--extra-args", '{"x": 1}', "--n", "2"])
     p = generate.sampling_params_from_args(args)
     assert (p.stop, p.stop_token_ids, p.ignore_eos) == (["a", "b"], [1, 2, 3], True)
     assert p.skip_special_tokens is False
@@ -216,7 +217,8 @@ def no_model_configured(monkeypatch, tmp_path):
     return tmp_path / "cache" / "deepinfer" / "tiny-v4"
 
 
-def test_no_model_runs_the_bundled_tiny_model_with_one_line_notice(capsys, fake_builder, no_model_configured):
+def test_no_model_runs_the_bundled_tiny_model_with_one_line_notice(capsys, fake_builder,
+                                                                   no_model_configured):
     rc, out, err = run_cli(capsys, "--prompt-token-ids", "5,6", "--max-tokens", "1", *ENGINE)
     assert rc == 0 and "completion 0" in out
     lines = [line for line in err.splitlines() if line.strip()]
