@@ -1,9 +1,8 @@
 """Offline entry point `LLM`: vLLM's call shape, DS-DeepInfer's kwargs accepted.
 
-For now requests run one sequence at a time straight on `ModelRunner` (prefill in chunks, then
-token-by-token decode). The request-processing pieces (`parse_prompts`, `validate_prompt`, `Request`,
-`CompletionState`, `check_stop`, `logprobs_entry`, `completion_seed`) are module-level so that the
-continuous-batching engine can reuse them unchanged.
+Requests run through the continuous-batching engine (`engine/`): chunked prefill under
+`max_num_batched_tokens`, up to `max_num_seqs` sequences per step, preemption by recompute when the
+state cache (`num_cache_blocks` logical blocks of 128 positions; None = unbounded) is full.
 
 `generate` returns vLLM-style `RequestOutput`s; `LLM(..., decode_sequence=True)` is DS-DeepInfer's
 compat mode (one decoded string per prompt; DS-DeepInfer's default, not ours).
@@ -13,14 +12,17 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from ..ops.sampler import LogprobsResult, Sampler, apply_penalties, compute_logprobs, mix_seed
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..engine.engine import Engine
+from ..engine.output_processor import CompletionState, Request
+from ..engine.scheduler import Scheduler, SchedulerConfig
+from ..engine.sequence import Sequence as EngineSequence
+from ..ops.sampler import Sampler, mix_seed
+from .outputs import RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -38,7 +40,8 @@ _IGNORED_KWARGS = frozenset({
     "lookahead_tokens", "compilation_config", "quantization", "kv_cache_dtype", "engine_type",
 })
 # Options the LLM itself uses, with defaults.
-_LLM_OPTIONS = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "decode_sequence": False}
+_LLM_OPTIONS = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "decode_sequence": False,
+                "num_cache_blocks": None}
 # Options handed to ModelRunner(**options).
 _RUNNER_OPTIONS = frozenset({"load_format", "batch_invariant", "max_backtracking_tokens"})
 
@@ -100,95 +103,6 @@ def completion_seed(base_seed: int, index: int) -> int:
     """Seed of completion `index` of a request: the request seed itself for the first one, so n=1
     and the first of n>1 completions agree."""
     return base_seed if index == 0 else mix_seed(base_seed, index)
-
-
-def _find_stop_string(text: str, stops: Sequence[str], search_from: int) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, max(0, search_from - len(s) + 1))
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
-
-
-@dataclass
-class Request:
-    """One validated request: prompt, its own copy of the params, and its base seed."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int                          # completion j samples with completion_seed(seed, j)
-    metrics: RequestMetrics
-
-
-@dataclass
-class CompletionState:
-    """One completion being generated: tokens, text, logprobs and the finish state."""
-
-    index: int
-    seed: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def to_output(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, list(self.token_ids), self.cumulative_logprob,
-                                self.logprobs, self.finish_reason, self.stop_reason)
-
-
-def check_stop(state: CompletionState, params: SamplingParams, *, eos_token_id: int | None,
-               max_tokens: int, tokenizer: Tokenizer | None) -> bool:
-    """Update `state.text` for the newest token and set finish/stop reasons; True when finished.
-
-    Stop tokens (EOS, stop_token_ids) and stop strings count only once min_tokens are out (the
-    sampler also masks stop tokens before that). Their text is cut unless include_stop_str_in_output.
-    """
-    ids, last = state.token_ids, state.token_ids[-1]
-    detok = tokenizer is not None and params.detokenize
-    prev_len = len(state.text.rstrip("\ufffd"))   # a partial UTF-8 char may still change
-    if detok:
-        state.text = tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-    if len(ids) >= params.min_tokens:
-        stop_token = last in params.all_stop_token_ids(eos_token_id)
-        if stop_token:
-            state.finish_reason = "stop"
-            # vLLM: EOS leaves stop_reason None; a stop_token_ids hit records the id.
-            state.stop_reason = last if last in params.stop_token_ids else None
-            if detok and not params.include_stop_str_in_output:
-                state.text = tokenizer.decode(ids[:-1], skip_special_tokens=params.skip_special_tokens)
-            return True
-        hit = _find_stop_string(state.text, params.stop, prev_len) if detok and params.stop else None
-        if hit is not None:
-            pos, s = hit
-            state.finish_reason, state.stop_reason = "stop", s
-            state.text = state.text[:pos + len(s)] if params.include_stop_str_in_output else state.text[:pos]
-            return True
-    if len(ids) >= max_tokens:
-        state.finish_reason = "length"
-        return True
-    return False
-
-
-def logprobs_entry(res: LogprobsResult, row: int, token_id: int | None,
-                   tokenizer: Tokenizer | None) -> dict[int, Logprob]:
-    """token id -> Logprob for one position: `token_id` (sampled or actual prompt token, with its true
-    rank) first, then the top-K with ranks 1..K."""
-    def decoded(t: int) -> str | None:
-        return None if tokenizer is None else tokenizer.decode([t], skip_special_tokens=False)
-
-    out: dict[int, Logprob] = {}
-    if token_id is not None:
-        out[token_id] = Logprob(float(res.sampled_logprobs[row]), int(res.sampled_ranks[row]),
-                                decoded(token_id))
-    for rank, (lp, t) in enumerate(zip(res.top_logprobs[row].tolist(), res.top_ids[row].tolist()), 1):
-        if t not in out:
-            out[t] = Logprob(lp, rank, decoded(t))
-    return out
 
 
 # ---- LLM ------------------------------------------------------------------------------------------
@@ -262,9 +176,12 @@ class LLM:
             if k in _IGNORED_KWARGS:
                 logger.debug("LLM: ignoring %s=%r (no effect on this engine)", k, options[k])
         opts = {k: options.get(k, v) for k, v in _LLM_OPTIONS.items()}
-        for k in ("max_num_batched_tokens", "max_num_seqs"):
+        for k in ("max_num_batched_tokens", "max_num_seqs", "num_cache_blocks"):
+            if k == "num_cache_blocks" and opts[k] is None:
+                continue                       # unbounded cache (CPU default)
             if isinstance(opts[k], bool) or not isinstance(opts[k], int) or opts[k] < 1:
                 raise ValueError(f"LLM: {k}={opts[k]!r}; allowed: an int >= 1")
+        self.num_cache_blocks = opts["num_cache_blocks"]
         self.max_num_batched_tokens = opts["max_num_batched_tokens"]
         self.max_num_seqs = opts["max_num_seqs"]
         self.decode_sequence = bool(opts["decode_sequence"])
@@ -305,12 +222,9 @@ class LLM:
         requests = [self._make_request(i, text, ids, p)
                     for i, ((text, ids), p) in enumerate(zip(parsed, params))]
         self._request_counter += len(requests)
-        outputs = []
         bar = _progress(len(requests), use_tqdm)
         try:
-            for req in requests:
-                outputs.append(self._run_request(req))
-                bar.update(1)
+            outputs = self._run(requests, bar)
         finally:
             bar.close()
         if self.decode_sequence:
@@ -360,87 +274,44 @@ class LLM:
         base = params.seed if params.seed is not None else mix_seed(self.seed, counter)
         return Request(str(counter), text, ids, params, base, RequestMetrics(arrival_time=arrival))
 
-    def _run_request(self, req: Request) -> RequestOutput:
-        params, prompt_ids, metrics = req.params, req.prompt_token_ids, req.metrics
-        metrics.first_scheduled_time = time.time()
-        prompt_logprobs = None
-        completions = []
-        for j in range(params.n):
-            # Independent sequences, each re-prefilled (no fork/prefix sharing yet).
-            state = CompletionState(index=j, seed=completion_seed(req.seed, j))
-            want_plp = j == 0 and params.prompt_logprobs is not None
-            plp = self._generate_one(state, prompt_ids, params, metrics, want_plp)
-            prompt_logprobs = plp if want_plp else prompt_logprobs
-            completions.append(state.to_output())
-        metrics.finished_time = time.time()
-        return RequestOutput(req.request_id, req.prompt, list(prompt_ids), prompt_logprobs, completions,
-                             True, metrics)
-
-    def _generate_one(self, state: CompletionState, prompt_ids: list[int], params: SamplingParams,
-                      metrics: RequestMetrics, want_prompt_logprobs: bool) -> list | None:
-        runner = self.runner
-        seq = runner.new_sequence()
-        try:
-            logits, plp = self._prefill(seq, prompt_ids, params.prompt_logprobs if want_prompt_logprobs
-                                        else None, self.tokenizer if params.detokenize else None)
+    def _run(self, requests: list[Request], bar: Any) -> list[RequestOutput]:
+        """All requests through the continuous-batching engine; outputs in input order."""
+        engine = self._make_engine()
+        seqs: dict[int, list[EngineSequence]] = {}
+        for i, req in enumerate(requests):
+            p = req.params
             # vLLM: prompt + output stays within max_model_len (a full-length prompt still gets one).
-            max_tokens = max(1, self.max_model_len - len(prompt_ids))
-            if params.max_tokens is not None:
-                max_tokens = min(max_tokens, params.max_tokens)
-            if params.logprobs is not None:
-                state.logprobs, state.cumulative_logprob = [], 0.0
-            stop_ids = sorted(params.all_stop_token_ids(self.eos_token_id))
-            while True:
-                token = self._sample(logits, state, prompt_ids, params, stop_ids)
-                now = time.time()
-                metrics.token_times.append(now)
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = now
-                if check_stop(state, params, eos_token_id=self.eos_token_id, max_tokens=max_tokens,
-                              tokenizer=self.tokenizer):
-                    return plp
-                logits = runner.forward(seq, [token])
-        finally:
-            runner.release(seq)
+            max_tokens = max(1, self.max_model_len - len(req.prompt_token_ids))
+            max_tokens = min(max_tokens, p.max_tokens) if p.max_tokens is not None else max_tokens
+            seqs[i] = [EngineSequence(self._next_seq_id(), req, CompletionState(index=j, seed=completion_seed(req.seed, j)),
+                                max_tokens, want_prompt_logprobs=j == 0 and p.prompt_logprobs is not None)
+                       for j in range(p.n)]
+            for s in seqs[i]:
+                engine.scheduler.check_fits(s)      # refuse before anything runs
+        for group in seqs.values():
+            for s in group:
+                engine.add(s)
+        remaining = {i: len(g) for i, g in seqs.items()}
+        owner = {s.seq_id: i for i, g in seqs.items() for s in g}
+        while engine.has_unfinished():
+            for s in engine.step():
+                remaining[owner[s.seq_id]] -= 1
+                if remaining[owner[s.seq_id]] == 0:
+                    s.request.metrics.finished_time = time.time()
+                    bar.update(1)
+        return [RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), seqs[i][0].prompt_logprobs,
+                              [s.completion.to_output() for s in seqs[i]], True, req.metrics)
+                for i, req in enumerate(requests)]
 
-    def _prefill(self, seq: Any, prompt_ids: list[int], k: int | None,
-                 tokenizer: Tokenizer | None) -> tuple[torch.Tensor, list | None]:
-        """Feed the prompt in chunks of max_num_batched_tokens; returns the last position's logits
-        [1, V] and, when k is not None, the prompt logprobs (first entry None)."""
-        plp: list | None = None if k is None else [None]
-        step = self.max_num_batched_tokens
-        logits = None
-        for start in range(0, len(prompt_ids), step):
-            chunk = prompt_ids[start:start + step]
-            out = self.runner.forward(seq, chunk, all_logits=k is not None)
-            if k is not None:
-                # Row r predicts prompt token start + r + 1 (the last row predicts the first output).
-                targets = prompt_ids[start + 1:start + len(chunk) + 1]
-                rows = out[:len(targets)]
-                if len(targets):
-                    res = compute_logprobs(rows, k, torch.tensor(targets, device=rows.device))
-                    plp.extend(logprobs_entry(res, r, t, tokenizer) for r, t in enumerate(targets))
-            logits = out[-1:]
-        return logits, plp
+    def _make_engine(self) -> Engine:
+        cfg = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                              num_blocks=self.num_cache_blocks)
+        self.last_engine = Engine(self.runner, self.sampler, Scheduler(cfg), self.tokenizer, self.eos_token_id)
+        return self.last_engine      # kept for inspection (tests, stats)
 
-    def _sample(self, logits: torch.Tensor, state: CompletionState, prompt_ids: list[int],
-                params: SamplingParams, stop_ids: list[int]) -> int:
-        raw = logits.reshape(1, -1)
-        proc = apply_penalties(raw, [params], [state.token_ids], [prompt_ids])
-        if len(state.token_ids) < params.min_tokens and stop_ids:
-            # min_tokens: stop tokens may not be sampled yet.
-            proc = proc.clone() if proc is raw else proc
-            proc[:, [t for t in stop_ids if t < proc.shape[-1]]] = float("-inf")
-        position = len(prompt_ids) + len(state.token_ids)
-        tok = self.sampler.sample(proc, [params], [position], [state.seed])
-        token = int(tok[0])
-        if params.logprobs is not None:
-            res = compute_logprobs(raw, params.logprobs, tok)
-            state.logprobs.append(logprobs_entry(res, 0, token, self.tokenizer
-                                                 if params.detokenize else None))
-            state.cumulative_logprob += float(res.sampled_logprobs[0])
-        state.token_ids.append(token)
-        return token
+    def _next_seq_id(self) -> int:
+        self._seq_counter = getattr(self, "_seq_counter", 0) + 1
+        return self._seq_counter
 
 
 class _NoProgress:

@@ -16,7 +16,6 @@ from .attention import Attention, Numerics
 from .forward_batch import ForwardBatch
 from .layers import Embedding, Linear, RMSNorm, empty, weight_format
 from .moe import MoE
-from .rope import rope_tables
 
 
 def _hc_params(module: nn.Module, prefix: str, cfg: ModelConfig, n_out: int, device) -> None:

@@ -35,16 +35,22 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, token_ids: list[list[int]], states: list[SequenceState], device="cpu",
-              all_logits: bool = False) -> "ForwardBatch":
+              all_logits: bool = False, logit_modes: list[str] | None = None) -> "ForwardBatch":
+        """`logit_modes[i]` picks sequence i's logits rows: "last", "all" or "none"
+        (default: every row if all_logits else the last row of every sequence)."""
         ids, pos, rows, starts, lens = [], [], [], [], []
-        for toks, st in zip(token_ids, states):
+        modes = logit_modes or ["all" if all_logits else "last"] * len(token_ids)
+        for toks, st, mode in zip(token_ids, states, modes):
             if not toks:
                 raise ValueError("a sequence in the batch has no new tokens")
             s = st.num_tokens
             off = len(ids)
             ids.extend(toks)
             pos.extend(range(s, s + len(toks)))
-            rows.extend(range(off, off + len(toks)) if all_logits else [off + len(toks) - 1])
+            if mode == "all":
+                rows.extend(range(off, off + len(toks)))
+            elif mode == "last":
+                rows.append(off + len(toks) - 1)
             starts.append(s)
             lens.append(len(toks))
         t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731

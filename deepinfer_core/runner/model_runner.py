@@ -81,9 +81,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward_batch(self, token_ids: list[list[int]], seqs: list[SequenceState],
-                      all_logits: bool = False) -> torch.Tensor:
-        """Feed each sequence its new tokens at its next positions; fp32 logits of the wanted rows."""
-        batch = ForwardBatch.build(token_ids, seqs, self.device, all_logits=all_logits)
+                      all_logits: bool = False, logit_modes: list[str] | None = None) -> torch.Tensor:
+        """Feed each sequence its new tokens at its next positions; fp32 logits of the wanted rows
+        (see ForwardBatch.build for `logit_modes`)."""
+        batch = ForwardBatch.build(token_ids, seqs, self.device, all_logits=all_logits, logit_modes=logit_modes)
         out = self.model(batch)
         batch.commit()
         return out.logits

@@ -66,6 +66,16 @@ class FakeRunner:
         out = torch.stack(rows)
         return out if all_logits else out[-1:]
 
+    def forward_batch(self, token_ids: list[list[int]], seqs: list[FakeSeq], all_logits: bool = False,
+                      logit_modes: list[str] | None = None) -> torch.Tensor:
+        """The batched interface the engine uses: rows per sequence by mode ("all"/"last"/"none")."""
+        modes = logit_modes or ["all" if all_logits else "last"] * len(seqs)
+        outs = []
+        for toks, seq, mode in zip(token_ids, seqs, modes):
+            out = self.forward(seq, toks, all_logits=mode == "all")
+            outs.append(out[:0] if mode == "none" else out)
+        return torch.cat(outs)
+
     def release(self, seq: FakeSeq) -> None:
         seq.released = True
 
