@@ -33,3 +33,24 @@ class BuildContext:
     def torch_dtype(self):
         import torch
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+
+def probe_platform(requested: str | None, name: str, device_type: str, probe_paths: tuple[str, ...],
+                   hardware: str, description: str) -> Platform | None:
+    """Import-light platform detection for backends: procfs / device nodes only, no CUDA init.
+
+    Returns the Platform when one of `probe_paths` exists and `requested` is None or `name`; None when
+    another platform was requested or the hardware is absent; raises when `name` was requested
+    explicitly but the hardware is missing.
+    """
+    import os
+
+    if requested not in (None, name):
+        return None
+    if not any(os.path.exists(p) for p in probe_paths):
+        if requested == name:
+            raise RuntimeError(
+                f"DEEPINFER_ACCELERATOR={name} but no {hardware} was found (none of {', '.join(probe_paths)} "
+                f"exists); unset DEEPINFER_ACCELERATOR or set it to cpu")
+        return None
+    return Platform(name=name, device_type=device_type, plugin=name, description=description)

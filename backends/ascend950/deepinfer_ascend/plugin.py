@@ -5,10 +5,8 @@ node only and never imports torch_npu.
 """
 from __future__ import annotations
 
-import os
-
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_core.plugin_context import Platform
+from deepinfer_core.plugin_context import probe_platform
 
 NAME = "ascend"
 DEEPINFER_PLUGIN_INFO = {
@@ -19,19 +17,7 @@ DEEPINFER_PLUGIN_INFO = {
 PROBE_PATHS = ("/dev/davinci0",)   # tests may replace this tuple
 
 
-def npu_present() -> bool:
-    return any(os.path.exists(path) for path in PROBE_PATHS)
-
-
 @hookimpl
 def deepinfer_detect_platform(requested):
-    if requested not in (None, NAME):
-        return None
-    if not npu_present():
-        if requested == NAME:
-            raise RuntimeError(
-                "DEEPINFER_ACCELERATOR=ascend but no Ascend NPU was found (none of "
-                f"{', '.join(PROBE_PATHS)} exists); unset DEEPINFER_ACCELERATOR or set it to cpu")
-        return None
-    return Platform(name=NAME, device_type="npu", plugin=NAME,
-                    description="Ascend 950 NPU (skeleton backend: portable ops)")
+    # PROBE_PATHS is read at call time so tests can replace it
+    return probe_platform(requested, NAME, "npu", PROBE_PATHS, "Ascend NPU", "Ascend 950 NPU (skeleton backend: portable ops)")

@@ -5,10 +5,8 @@ entry and device node only, never at torch.cuda, so no CUDA context is created.
 """
 from __future__ import annotations
 
-import os
-
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_core.plugin_context import Platform
+from deepinfer_core.plugin_context import probe_platform
 
 NAME = "nvidia"
 DEEPINFER_PLUGIN_INFO = {
@@ -20,19 +18,7 @@ DEEPINFER_PLUGIN_INFO = {
 PROBE_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidia0")
 
 
-def driver_present() -> bool:
-    return any(os.path.exists(path) for path in PROBE_PATHS)
-
-
 @hookimpl
 def deepinfer_detect_platform(requested):
-    if requested not in (None, NAME):
-        return None
-    if not driver_present():
-        if requested == NAME:
-            raise RuntimeError(
-                "DEEPINFER_ACCELERATOR=nvidia but no NVIDIA driver was found (none of "
-                f"{', '.join(PROBE_PATHS)} exists); unset DEEPINFER_ACCELERATOR or set it to cpu")
-        return None
-    return Platform(name=NAME, device_type="cuda", plugin=NAME,
-                    description="NVIDIA GPU (skeleton backend: portable ops)")
+    # PROBE_PATHS is read at call time so tests can replace it
+    return probe_platform(requested, NAME, "cuda", PROBE_PATHS, "NVIDIA driver", "NVIDIA GPU (skeleton backend: portable ops)")
