@@ -27,7 +27,7 @@ def sha256(text: str) -> str:
 
 def load_golden(n: int):
     if not GOLDEN_DIR.is_dir():
-        pytest.skip(f"golden files not found at {GOLDEN_DIR}")
+        pytest.fail(f"golden files not found at {GOLDEN_DIR} (shared/ must sit beside the checkout)")
     data = json.loads((GOLDEN_DIR / f"test_input_{n}.json").read_text(encoding="utf-8"))
     expected = (GOLDEN_DIR / f"test_output_{n}.txt").read_bytes().decode("utf-8")
     return data, expected
