@@ -50,6 +50,7 @@ def test_prefill_logits_match_hf_at_every_position(pair):
         state = ours.new_state()
         got = ours.logits(ids, state=state)
         err = max_rel_err(got, hf_logits(hf, ids))
+        print(f"[oracle] prefill {n} tokens, top-k {ours.cfg.index_topk}: max rel err {err.max():.2e}")
         assert err.max() <= TOL, f"prompt of {n} tokens: max relative error {err.max():.2e} at position {int(err.argmax())}"
     # the longest prompt really exercised every compressor several times
     rows = {L.compressor.ratio: L.compressor.n_rows for L in state.layers if L.compressor is not None}
@@ -63,6 +64,7 @@ def test_token_by_token_decode_from_state_matches_hf(pair):
     ids = prompt(420, 7)
     got = ours.logits(ids, chunks=[100] + [1] * 320)
     err = max_rel_err(got, hf_logits(hf, ids))
+    print(f"[oracle] decode from state, top-k {ours.cfg.index_topk}: max rel err {err.max():.2e}")
     assert err.max() <= TOL, f"max relative error {err.max():.2e} at position {int(err.argmax())}"
 
 
