@@ -17,6 +17,22 @@ class Platform:
     description: str = ""
 
 
+DTYPE_ALIASES = {"float32": "float32", "float": "float32", "fp32": "float32",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "bfloat16"}
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """Accept "float32"/"bfloat16"/"auto"/aliases/torch dtypes; anything else names the allowed values."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype, str(dtype))
+    if isinstance(dtype, str) and dtype.lower() in DTYPE_ALIASES:
+        return DTYPE_ALIASES[dtype.lower()]
+    raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'float32', 'bfloat16', "
+                     f"'auto' (= bfloat16), torch.float32, torch.bfloat16")
+
+
 @dataclass
 class BuildContext:
     """Everything a hook needs to choose an implementation, resolved once at start-up."""

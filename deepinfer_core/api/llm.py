@@ -15,20 +15,19 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 
 from ..engine.engine import Engine
 from ..engine.output_processor import CompletionState, Request
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine.sequence import Sequence as EngineSequence
 from ..ops.sampler import Sampler, mix_seed
+from ..plugin_context import normalize_dtype
 from .outputs import RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("deepinfer.llm")
 
-_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "auto": "bfloat16"}
 # vLLM / DS-DeepInfer options that have no meaning for this engine on CPU: accepted and ignored.
 _IGNORED_KWARGS = frozenset({
     "gpu_memory_utilization", "expert_parallel_size", "tensor_parallel_size", "pipeline_parallel_size",
@@ -121,15 +120,6 @@ def _env_model_dir() -> str | None:
     return envs.get("DEEPINFER_HF_MODEL_DIR")
 
 
-def _normalise_dtype(dtype: Any) -> str:
-    if isinstance(dtype, torch.dtype):
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype, str(dtype))
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise ValueError(f"LLM: dtype={dtype!r} is not supported; allowed: 'float32', 'bfloat16', "
-                     f"'auto' (= bfloat16), torch.float32, torch.bfloat16")
-
-
 class LLM:
     """Generate completions for a batch of prompts with a DeepSeek-V4 checkpoint.
 
@@ -141,7 +131,7 @@ class LLM:
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: Any = "float32",
                  simulate_qat: bool = True, seed: int = 0, max_model_len: int | None = None,
                  device: str = "cpu", **engine_options: Any):
-        dtype_name = _normalise_dtype(dtype)
+        dtype_name = normalize_dtype(dtype)
         runner_options = self._split_options(engine_options)
         if model is None:
             model = _env_model_dir()

@@ -15,27 +15,11 @@ from ..config import ModelConfig
 from ..model import ForwardBatch, ModelOps, bind_ops, build_model, process_weights
 from ..model.attention import Numerics
 from ..model.deepseek_v4 import DeepseekV4Model
-from ..plugin_context import BuildContext
+from ..plugin_context import BuildContext, normalize_dtype
 from ..plugins import get_plugin_manager
 
 log = logging.getLogger(__name__)
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4")
-ALLOWED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def normalize_dtype(dtype) -> str:
-    """Accept "float32"/"bfloat16"/"auto"/torch dtypes; anything else names the allowed values."""
-    if isinstance(dtype, torch.dtype):
-        for name, dt in ALLOWED_DTYPES.items():
-            if dt == dtype:
-                return name
-    elif isinstance(dtype, str):
-        name = {"auto": "bfloat16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}.get(dtype, dtype)
-        if name in ALLOWED_DTYPES:
-            return name
-    raise ValueError(f"dtype={dtype!r} is not supported; allowed: float32, bfloat16, auto")
-
-
 @dataclass
 class LoadedModel:
     model: DeepseekV4Model
