@@ -191,7 +191,9 @@ class LLM:
         self.runner, self.tokenizer, self.seed = runner, tokenizer, seed
         self.model_config, self.max_model_len = cfg, max_model_len
         self.vocab_size, self.eos_token_id = int(cfg.vocab_size), cfg.eos_token_id
-        self.sampler = Sampler()
+        # The runner resolved the sampler through the hooks; runners without one (test fakes,
+        # tools) get the portable sampler.
+        self.sampler = getattr(runner, "sampler", None) or Sampler()
         self._request_counter = 0
 
     def get_tokenizer(self) -> Tokenizer | None:

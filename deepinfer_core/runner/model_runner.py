@@ -24,6 +24,7 @@ WEIGHT_FORMATS = ("bf16", "fp8", "fp4")
 class LoadedModel:
     model: DeepseekV4Model
     ctx: BuildContext
+    sampler: object
     load_seconds: float
 
 
@@ -41,12 +42,13 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
     pm.configure(ctx)
     ops = ModelOps(linear={f: pm.linear_method(ctx, f) for f in WEIGHT_FORMATS},
                    attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx))
+    sampler = pm.sampler(ctx)
     model = build_model(cfg, device="meta")
     load_checkpoint(model, model_dir)
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))
     process_weights(model)
     model.to(device)
-    return LoadedModel(model=model, ctx=ctx, load_seconds=time.perf_counter() - t0)
+    return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0)
 
 
 class ModelRunner:
@@ -54,6 +56,7 @@ class ModelRunner:
                  device: str = "cpu", max_backtracking_tokens: int = 0, **options):
         self.loaded = load_model(model_dir, dtype=dtype, simulate_qat=simulate_qat, device=device, options=options)
         self.model = self.loaded.model
+        self.sampler = self.loaded.sampler      # chosen through deepinfer_sampler, once
         self.model_config: ModelConfig = self.model.cfg
         self.device = device
         self.dtype = self.loaded.ctx.torch_dtype
