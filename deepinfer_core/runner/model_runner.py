@@ -53,13 +53,16 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True,
-                 device: str = "cpu", max_backtracking_tokens: int = 0, **options):
+                 device: str = "cpu", max_backtracking_tokens: int | None = None, **options):
         self.loaded = load_model(model_dir, dtype=dtype, simulate_qat=simulate_qat, device=device, options=options)
         self.model = self.loaded.model
         self.sampler = self.loaded.sampler      # chosen through deepinfer_sampler, once
         self.model_config: ModelConfig = self.model.cfg
         self.device = device
         self.dtype = self.loaded.ctx.torch_dtype
+        if max_backtracking_tokens is None:      # the env table is the one source of the default
+            from ..envs import read_settings
+            max_backtracking_tokens = read_settings().effective_max_backtracking_tokens
         self.backtrack = max_backtracking_tokens
         log.info("model loaded in %.1f s", self.loaded.load_seconds)
 
