@@ -122,6 +122,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "Batch-invariant kernels: a request's output does not depend on its batch."),
     EnvVar("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "bool", True,
            "Overlap host post-processing of step N with the device forward of step N+1."),
+    EnvVar("DEEPINFER_CPU_KV_CACHE_BYTES", "int", 1 << 30,
+           "State-cache budget in bytes on the CPU (window rings, compressor tails, paged "
+           "compressed rows and indexer keys); LLM(kv_cache_memory_bytes=...) overrides it.",
+           minimum=1),
     EnvVar("DEEPINFER_ENFORCE_EAGER", "bool", False,
            "Disable CUDA graphs for the main model (always eager)."),
     EnvVar("DEEPINFER_PLUGINS", "list", None,
@@ -152,6 +156,7 @@ class Settings:
     yoco_prefill_keep_tokens: int = 0
     batch_invariant: bool = False
     zero_overhead_scheduling: bool = True
+    cpu_kv_cache_bytes: int = 1 << 30
     enforce_eager: bool = False
     plugins: tuple[str, ...] | None = None
     disable_plugins: tuple[str, ...] = ()

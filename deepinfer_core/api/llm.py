@@ -2,7 +2,13 @@
 
 Requests run through the continuous-batching engine (`engine/`): chunked prefill under
 `max_num_batched_tokens`, up to `max_num_seqs` sequences per step, preemption by recompute when the
-state cache (`num_cache_blocks` logical blocks of 128 positions; None = unbounded) is full.
+paged state cache is full. The cache is sized once from `num_cache_blocks` (exact), else
+`kv_cache_memory_bytes`, else `gpu_memory_utilization` on CUDA or DEEPINFER_CPU_KV_CACHE_BYTES on CPU.
+
+Bad requests: a malformed call (prompts not a list, a length mismatch) raises at once. A bad request
+inside a good call (empty prompt, too long, wrong type, invalid SamplingParams) does not stop the
+others: they run to completion, then `InvalidRequestError` (a ValueError naming each bad request and
+field) is raised, carrying `.outputs` (None for the bad requests) and `.errors`.
 
 `generate` returns vLLM-style `RequestOutput`s; `LLM(..., decode_sequence=True)` is DS-DeepInfer's
 compat mode (one decoded string per prompt; DS-DeepInfer's default, not ours).
@@ -16,6 +22,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
+from ..cache.block_allocator import BlockAllocator
+from ..cache.budget import CacheRequest, validate_utilization
 from ..engine.engine import Engine
 from ..engine.output_processor import CompletionState, Request
 from ..engine.scheduler import Scheduler, SchedulerConfig
@@ -30,7 +38,7 @@ logger = logging.getLogger("deepinfer.llm")
 
 # vLLM / DS-DeepInfer options that have no meaning for this engine on CPU: accepted and ignored.
 _IGNORED_KWARGS = frozenset({
-    "gpu_memory_utilization", "expert_parallel_size", "tensor_parallel_size", "pipeline_parallel_size",
+    "expert_parallel_size", "tensor_parallel_size", "pipeline_parallel_size",
     "data_parallel_size", "context_parallel_size", "engram_parallel_size", "engine_rank",
     "engine_group_rank", "trust_remote_code", "enforce_eager", "revision", "tokenizer_revision",
     "tokenizer_mode", "swap_space", "cpu_offload_gb", "disable_log_stats", "served_model_name",
@@ -40,14 +48,27 @@ _IGNORED_KWARGS = frozenset({
 })
 # Options the LLM itself uses, with defaults.
 _LLM_OPTIONS = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "decode_sequence": False,
-                "num_cache_blocks": None}
+                "num_cache_blocks": None, "kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.9,
+                "async_scheduling": None}
 # Options handed to ModelRunner(**options).
 _RUNNER_OPTIONS = frozenset({"load_format", "batch_invariant", "max_backtracking_tokens"})
 
 
+class InvalidRequestError(ValueError):
+    """Some requests of a generate call were invalid; the valid ones completed (`outputs`, with None
+    at the invalid indices); `errors` maps each invalid index to its ValueError."""
+
+    def __init__(self, errors: dict[int, ValueError], outputs: list):
+        self.errors, self.outputs = errors, outputs
+        lines = "; ".join(f"request {i}: {e}" for i, e in sorted(errors.items()))
+        super().__init__(f"generate: {len(errors)} of {len(outputs)} requests invalid ({lines}); "
+                         f"the other {len(outputs) - len(errors)} completed, see .outputs")
+
+
 # ---- reusable request-processing pieces ----------------------------------------------------------
-def parse_prompts(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | None, list[int] | None]]:
-    """Normalise the `generate` inputs to [(prompt text or None, token ids or None)]."""
+def parse_prompts(prompts: Any, prompt_token_ids: Any) -> list[Any]:
+    """Normalise the `generate` inputs to [(prompt text or None, token ids or None)]; an entry that is
+    malformed on its own becomes a ValueError in its place (the call itself raises)."""
     if prompts is None and prompt_token_ids is None:
         raise ValueError("generate: pass prompts or prompt_token_ids")
     texts: list[Any] = []
@@ -68,21 +89,27 @@ def parse_prompts(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | None,
             ids = [ids]      # one prompt given as a flat list
     if prompts is not None and prompt_token_ids is not None and len(texts) != len(ids):
         raise ValueError(f"generate: prompts has {len(texts)} entries but prompt_token_ids has {len(ids)}")
-    out: list[tuple[str | None, list[int] | None]] = []
+    out: list[Any] = []
     for i in range(max(len(texts), len(ids))):
-        text, toks = (texts[i] if texts else None), (ids[i] if ids else None)
-        if isinstance(text, dict):
-            if "prompt_token_ids" not in text and "prompt" not in text:
-                raise ValueError(f"generate: prompts[{i}] is a dict without 'prompt_token_ids' or 'prompt'")
-            text, toks = text.get("prompt"), (toks if toks is not None else text.get("prompt_token_ids"))
-        if text is not None and not isinstance(text, str):
-            raise TypeError(f"generate: prompts[{i}] must be a str or a dict with 'prompt_token_ids', "
-                            f"got {type(text).__name__}")
-        if toks is not None and not isinstance(toks, (list, tuple)):
-            raise TypeError(f"generate: prompt_token_ids[{i}] must be a list of int, "
-                            f"got {type(toks).__name__}")
-        out.append((text, None if toks is None else list(toks)))
+        try:
+            out.append(_parse_one(i, texts[i] if texts else None, ids[i] if ids else None))
+        except ValueError as e:
+            out.append(e)
     return out
+
+
+def _parse_one(i: int, text: Any, toks: Any) -> tuple[str | None, list[int] | None]:
+    if isinstance(text, dict):
+        if "prompt_token_ids" not in text and "prompt" not in text:
+            raise ValueError(f"generate: prompts[{i}] is a dict without 'prompt_token_ids' or 'prompt'")
+        text, toks = text.get("prompt"), (toks if toks is not None else text.get("prompt_token_ids"))
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"generate: prompts[{i}] must be a str or a dict with 'prompt_token_ids', "
+                         f"got {type(text).__name__}")
+    if toks is not None and not isinstance(toks, (list, tuple)):
+        raise ValueError(f"generate: prompt_token_ids[{i}] must be a list of int, "
+                         f"got {type(toks).__name__}")
+    return text, None if toks is None else list(toks)
 
 
 def validate_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, index: int = 0) -> None:
@@ -143,6 +170,7 @@ class LLM:
                               **runner_options)
         self._setup(runner, tok, seed, max_model_len)
         self.model_dir, self.dtype, self.device = model_dir, dtype_name, device
+        self._allocator()            # size the state cache now: a budget that is too small fails here
 
     @classmethod
     def from_runner(cls, runner: Any, tokenizer: Any = None, seed: int = 0,
@@ -166,11 +194,17 @@ class LLM:
             if k in _IGNORED_KWARGS:
                 logger.debug("LLM: ignoring %s=%r (no effect on this engine)", k, options[k])
         opts = {k: options.get(k, v) for k, v in _LLM_OPTIONS.items()}
-        for k in ("max_num_batched_tokens", "max_num_seqs", "num_cache_blocks"):
-            if k == "num_cache_blocks" and opts[k] is None:
-                continue                       # unbounded cache (CPU default)
+        for k in ("max_num_batched_tokens", "max_num_seqs", "num_cache_blocks", "kv_cache_memory_bytes"):
+            if k in ("num_cache_blocks", "kv_cache_memory_bytes") and opts[k] is None:
+                continue                       # sized from the budget
             if isinstance(opts[k], bool) or not isinstance(opts[k], int) or opts[k] < 1:
                 raise ValueError(f"LLM: {k}={opts[k]!r}; allowed: an int >= 1")
+        if opts["async_scheduling"] not in (None, True, False):
+            raise ValueError(f"LLM: async_scheduling={opts['async_scheduling']!r}; allowed: True, False, "
+                             f"None (= DEEPINFER_ZERO_OVERHEAD_SCHEDULING)")
+        self.gpu_memory_utilization = validate_utilization(opts["gpu_memory_utilization"])
+        self.kv_cache_memory_bytes = opts["kv_cache_memory_bytes"]
+        self.async_scheduling = opts["async_scheduling"]
         self.num_cache_blocks = opts["num_cache_blocks"]
         self.max_num_batched_tokens = opts["max_num_batched_tokens"]
         self.max_num_seqs = opts["max_num_seqs"]
@@ -210,17 +244,28 @@ class LLM:
         completion's text instead, DS-DeepInfer's compat mode)."""
         parsed = parse_prompts(prompts, prompt_token_ids)
         params = self._per_request_params(sampling_params, len(parsed))
-        # Validate every request before running any; the counter moves only once all are accepted.
-        requests = [self._make_request(i, text, ids, p)
-                    for i, ((text, ids), p) in enumerate(zip(parsed, params))]
-        self._request_counter += len(requests)
+        # Each request is validated at submission; a bad one is reported, the others still run.
+        requests: dict[int, Request] = {}
+        errors: dict[int, ValueError] = {}
+        for i, (entry, p) in enumerate(zip(parsed, params)):
+            try:
+                if isinstance(entry, ValueError):
+                    raise entry
+                requests[i] = self._make_request(i, entry[0], entry[1], p)
+            except (ValueError, TypeError) as e:
+                errors[i] = e
+                logger.error("%s", e)
+        self._request_counter += len(parsed)
         bar = _progress(len(requests), use_tqdm)
         try:
-            outputs = self._run(requests, bar)
+            done = self._run(requests, errors, bar)
         finally:
             bar.close()
+        outputs = [done.get(i) for i in range(len(parsed))]
         if self.decode_sequence:
-            return [o.outputs[0].text for o in outputs]
+            outputs = [None if o is None else o.outputs[0].text for o in outputs]
+        if errors:
+            raise InvalidRequestError(errors, outputs)
         return outputs
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -248,6 +293,7 @@ class LLM:
     def _make_request(self, index: int, text: str | None, ids: list[int] | None,
                       params: SamplingParams) -> Request:
         arrival = time.time()
+        params.validate()        # again: a SamplingParams may have been changed after construction
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError(f"generate: prompt {index} is text but the checkpoint has no tokenizer "
@@ -266,39 +312,71 @@ class LLM:
         base = params.seed if params.seed is not None else mix_seed(self.seed, counter)
         return Request(str(counter), text, ids, params, base, RequestMetrics(arrival_time=arrival))
 
-    def _run(self, requests: list[Request], bar: Any) -> list[RequestOutput]:
-        """All requests through the continuous-batching engine; outputs in input order."""
+    def _sequences(self, req: Request) -> list[EngineSequence]:
+        p = req.params
+        # vLLM: prompt + output stays within max_model_len (a full-length prompt still gets one).
+        max_tokens = max(1, self.max_model_len - len(req.prompt_token_ids))
+        max_tokens = min(max_tokens, p.max_tokens) if p.max_tokens is not None else max_tokens
+        return [EngineSequence(self._next_seq_id(), req, CompletionState(index=j, seed=completion_seed(req.seed, j)),
+                               max_tokens, want_prompt_logprobs=j == 0 and p.prompt_logprobs is not None)
+                for j in range(p.n)]
+
+    def _run(self, requests: dict[int, Request], errors: dict[int, ValueError], bar: Any) -> dict[int, RequestOutput]:
+        """The valid requests through the continuous-batching engine; a request that can never fit
+        the cache joins `errors`."""
         engine = self._make_engine()
         seqs: dict[int, list[EngineSequence]] = {}
-        for i, req in enumerate(requests):
-            p = req.params
-            # vLLM: prompt + output stays within max_model_len (a full-length prompt still gets one).
-            max_tokens = max(1, self.max_model_len - len(req.prompt_token_ids))
-            max_tokens = min(max_tokens, p.max_tokens) if p.max_tokens is not None else max_tokens
-            seqs[i] = [EngineSequence(self._next_seq_id(), req, CompletionState(index=j, seed=completion_seed(req.seed, j)),
-                                max_tokens, want_prompt_logprobs=j == 0 and p.prompt_logprobs is not None)
-                       for j in range(p.n)]
-            for s in seqs[i]:
-                engine.scheduler.check_fits(s)      # refuse before anything runs
-        for group in seqs.values():
+        for i, req in requests.items():
+            group = self._sequences(req)
+            try:
+                for s in group:
+                    engine.scheduler.check_fits(s)      # refuse before anything runs
+            except ValueError as e:
+                errors[i] = e
+                logger.error("%s", e)
+                continue
+            seqs[i] = group
             for s in group:
                 engine.add(s)
         remaining = {i: len(g) for i, g in seqs.items()}
         owner = {s.seq_id: i for i, g in seqs.items() for s in g}
-        while engine.has_unfinished():
-            for s in engine.step():
-                remaining[owner[s.seq_id]] -= 1
-                if remaining[owner[s.seq_id]] == 0:
-                    s.request.metrics.finished_time = time.time()
-                    bar.update(1)
-        return [RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), seqs[i][0].prompt_logprobs,
-                              [s.completion.to_output() for s in seqs[i]], True, req.metrics)
-                for i, req in enumerate(requests)]
+        try:
+            while engine.has_unfinished():
+                for s in engine.step():
+                    remaining[owner[s.seq_id]] -= 1
+                    if remaining[owner[s.seq_id]] == 0:
+                        s.request.metrics.finished_time = time.time()
+                        bar.update(1)
+            engine.close()
+        except BaseException:
+            engine.abort_all()
+            raise
+        return {i: RequestOutput(g[0].request.request_id, g[0].request.prompt, list(g[0].request.prompt_token_ids),
+                                 g[0].prompt_logprobs, [s.completion.to_output() for s in g], True, g[0].request.metrics)
+                for i, g in seqs.items()}
+
+    def _cache_request(self) -> CacheRequest:
+        return CacheRequest(num_slots=self.max_num_seqs, num_blocks=self.num_cache_blocks,
+                            memory_bytes=self.kv_cache_memory_bytes,
+                            gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_len)
+
+    def _allocator(self) -> BlockAllocator:
+        """The runner's real cache allocator (sized on first use, re-sized when the options change);
+        runners without a state cache (test fakes) get a plain counter of the same shape."""
+        if hasattr(self.runner, "allocate_cache"):
+            self.runner.profile_tokens = self.max_num_batched_tokens
+            return self.runner.allocate_cache(self._cache_request()).allocator
+        blocks = self.num_cache_blocks or self.max_num_seqs * -(-self.max_model_len // 128)
+        return BlockAllocator(blocks, self.max_num_seqs)
 
     def _make_engine(self) -> Engine:
-        cfg = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                              num_blocks=self.num_cache_blocks)
-        self.last_engine = Engine(self.runner, self.sampler, Scheduler(cfg), self.tokenizer, self.eos_token_id)
+        cfg = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+        use_async = self.async_scheduling
+        if use_async is None:
+            from .. import envs
+            use_async = envs.get("DEEPINFER_ZERO_OVERHEAD_SCHEDULING")
+        self.last_engine = Engine(self.runner, self.sampler, Scheduler(cfg, self._allocator()), self.tokenizer,
+                                  self.eos_token_id, async_scheduling=use_async)
         return self.last_engine      # kept for inspection (tests, stats)
 
     def _next_seq_id(self) -> int:

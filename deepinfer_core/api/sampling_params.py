@@ -97,6 +97,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: stop_token_ids must be a list of int or None, "
                              f"got {self.stop_token_ids!r}")
 
+    def validate(self) -> None:
+        """Check every field again (a SamplingParams may be changed after construction)."""
+        self._normalise()
+        self._validate()
+
     # ---- validation -----------------------------------------------------------------------------
     def _validate(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:

@@ -1,18 +1,32 @@
-"""Per-sequence V4 decode state (spec deepseek_v4.md §5): window ring, compressed rows,
-indexer keys and compressor tails, for every main layer and every MTP block.
+"""One sequence's view of the V4 decode state (spec deepseek_v4.md §5): window ring, compressor
+tails (per-sequence, in the sequence's state *slot*) and compressed rows / indexer keys (paged,
+addressed through the sequence's block table). The tensors are views into `StateCache` pools.
 
 Visibility is decided by position, never by slot, so rolling back speculative tokens only moves
 `num_tokens` back (rows with index >= floor((n+1)/m) are simply ignored and later overwritten).
-This contiguous per-sequence layout is the portable one; a paged layout can replace it behind
-the same fields.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from ..config import ModelConfig
+
+class BlockTable:
+    """The block ids of one sequence, shared by every paged pool of every layer (one logical
+    block = `block_size` positions in all of them). `ids` is a host list; `tensor` mirrors it."""
+
+    def __init__(self, ids: list[int], device) -> None:
+        self.device = device
+        self.set(ids)
+
+    def set(self, ids: list[int]) -> None:
+        self.ids = list(ids)
+        self.tensor = torch.tensor(self.ids, dtype=torch.int64, device=self.device)
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 @dataclass
@@ -23,18 +37,34 @@ class CompressorState:
     overlap: bool                     # ratio-4 compressors pool 2*ratio tokens (previous block too)
     tail_kv: torch.Tensor             # [tail_len, c*d] fp32: wkv(x) per token, slot = pos % tail_len
     tail_z: torch.Tensor              # [tail_len, c*d] fp32: wgate(x) + ape per token
-    rows: torch.Tensor                # [capacity, d] emitted compressed rows
+    pool: torch.Tensor                # [num_blocks, rows_per_block, d]: every sequence's rows
+    table: BlockTable                 # this sequence's blocks in `pool`
     n_rows: int = 0
 
     @property
     def tail_len(self) -> int:
         return self.tail_kv.shape[0]
 
-    def ensure_capacity(self, n: int) -> None:
-        if n > self.rows.shape[0]:
-            new = self.rows.new_zeros((max(n, 2 * self.rows.shape[0]), self.rows.shape[1]))
-            new[: self.n_rows] = self.rows[: self.n_rows]
-            self.rows = new
+    @property
+    def rows_per_block(self) -> int:
+        return self.pool.shape[1]
+
+    def read_rows(self) -> torch.Tensor:
+        """[n_rows, d]: the emitted rows in order (a gather over the block table)."""
+        nb = -(-self.n_rows // self.rows_per_block)
+        if nb > len(self.table):
+            raise RuntimeError(f"state cache: {self.n_rows} rows need {nb} blocks, "
+                               f"the block table holds {len(self.table)}")
+        return self.pool[self.table.tensor[:nb]].flatten(0, 1)[: self.n_rows]
+
+    def write_rows(self, first: int, rows: torch.Tensor) -> None:
+        """Store rows first .. first+len(rows)-1 into their blocks."""
+        idx = torch.arange(first, first + rows.shape[0], device=rows.device)
+        blk = idx // self.rows_per_block
+        if int(blk[-1]) >= len(self.table):
+            raise RuntimeError(f"state cache: row {first + rows.shape[0] - 1} needs block {int(blk[-1])}, "
+                               f"the block table holds {len(self.table)}")
+        self.pool[self.table.tensor[blk], idx % self.rows_per_block] = rows.to(self.pool.dtype)
 
 
 @dataclass
@@ -44,38 +74,35 @@ class LayerState:
     indexer: CompressorState | None = None     # CSA layers: the indexer's own compressor + keys
 
 
-@dataclass
+@dataclass(eq=False)
 class SequenceState:
     layers: list[LayerState]
     mtp_layers: list[LayerState] = field(default_factory=list)
     num_tokens: int = 0                        # tokens whose state is committed (= next position)
+    slot: int = -1                             # state slot in the cache (rings, tails)
+    table: BlockTable | None = None            # shared by every paged pool
+    block_size: int = 128
+    grow: Callable[["SequenceState", int], None] | None = None   # self-managed states only
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def reserve(self, num_new_tokens: int) -> None:
+        """Make sure blocks exist for the next `num_new_tokens` positions (engine-managed states
+        get them from the scheduler; a self-managed state allocates them itself)."""
+        need = self.blocks_needed(self.num_tokens + num_new_tokens)
+        if need > len(self.table):
+            if self.grow is None:
+                raise RuntimeError(f"state cache: positions up to {self.num_tokens + num_new_tokens} need "
+                                   f"{need} blocks, the scheduler allocated {len(self.table)}")
+            self.grow(self, need)
 
 
-def _compressor(ratio: int, d: int, dtype, device, backtrack: int) -> CompressorState:
-    c = 2 if ratio == 4 else 1
-    tail_len = c * ratio + backtrack
-    return CompressorState(
-        ratio=ratio, overlap=c == 2,
-        tail_kv=torch.zeros(tail_len, c * d, dtype=torch.float32, device=device),
-        tail_z=torch.full((tail_len, c * d), float("-inf"), dtype=torch.float32, device=device),
-        rows=torch.zeros(16, d, dtype=dtype, device=device),
-    )
-
-
-def _layer(cfg: ModelConfig, ratio: int, dtype, device, backtrack: int) -> LayerState:
-    ring = torch.zeros(cfg.sliding_window + backtrack, cfg.head_dim, dtype=dtype, device=device)
-    st = LayerState(ring=ring)
-    if ratio:
-        st.compressor = _compressor(ratio, cfg.head_dim, dtype, device, backtrack)
-    if ratio == 4:
-        st.indexer = _compressor(ratio, cfg.index_head_dim, dtype, device, backtrack)
-    return st
-
-
-def new_sequence_state(cfg: ModelConfig, dtype: torch.dtype, device="cpu", backtrack: int = 0,
-                       with_mtp: bool = True) -> SequenceState:
-    """A fresh state: tails reset (z = -inf) so nothing leaks between sequences (spec §5.1)."""
-    layers = [_layer(cfg, cfg.layer_ratio(i), dtype, device, backtrack) for i in range(cfg.num_hidden_layers)]
-    mtp = [_layer(cfg, cfg.mtp_ratio(i), dtype, device, backtrack)
-           for i in range(cfg.num_nextn_predict_layers)] if with_mtp else []
-    return SequenceState(layers=layers, mtp_layers=mtp)
+def new_sequence_state(cfg, dtype: torch.dtype, device="cpu", backtrack: int = 0,
+                       with_mtp: bool = True, max_tokens: int = 8192) -> SequenceState:
+    """A standalone state with a private one-slot cache for up to `max_tokens` positions (tests and
+    tools; the engine binds states from its shared `StateCache`)."""
+    from .state_cache import CacheLayout, StateCache
+    layout = CacheLayout.from_config(cfg, dtype, backtrack, with_mtp=with_mtp)
+    cache = StateCache(layout, num_slots=1, num_blocks=-(-max_tokens // layout.block_size), device=device)
+    return cache.bind(0, list(range(cache.num_blocks)))

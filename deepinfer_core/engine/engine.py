@@ -1,113 +1,156 @@
-"""The step loop: schedule -> one batched forward over every scheduled chunk -> sample the rows that
-produce tokens -> stop checks -> free finished sequences. Host-side policy lives in the scheduler,
-tensors in the runner; this file only moves data between them.
+"""The step loop: schedule -> plan -> execute (forward + sample) -> post-process (tokens, logprobs,
+stop checks, freeing finished sequences). Policy lives in the scheduler, tensors in the executor
+and the runner; this file only moves plain data between them.
+
+Zero-overhead scheduling (on by default): the executor runs step N on a worker thread while the
+host post-processes step N-1 and plans step N+1. A sequence that stops at step N has already been
+planned into step N+1; that extra token is dropped. Tokens come from the counter-based RNG keyed by
+(seed, position), so the outputs are the same with the overlap on or off.
 """
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
-
-from ..ops.sampler import apply_penalties, compute_logprobs
 from .output_processor import check_stop, logprobs_entry
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SeqStatus
+from .step_executor import ChunkPlan, SampleSpec, StepExecutor, StepPlan, StepResult
 
 
 class Engine:
-    def __init__(self, runner: Any, sampler: Any, scheduler: Scheduler, tokenizer: Any, eos_token_id: int | None):
-        self.runner, self.sampler, self.scheduler = runner, sampler, scheduler
-        self.tokenizer, self.eos_token_id = tokenizer, eos_token_id
+    def __init__(self, runner: Any, sampler: Any, scheduler: Scheduler, tokenizer: Any,
+                 eos_token_id: int | None, async_scheduling: bool = False):
+        self.scheduler, self.tokenizer, self.eos_token_id = scheduler, tokenizer, eos_token_id
+        self.executor = StepExecutor(runner, sampler)
+        self.async_scheduling = async_scheduling
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if async_scheduling else None
+        self._in_flight: tuple[list[ScheduledChunk], Future] | None = None
+        self._released: list[int] = []
+        self._finished_ids: list[int] = []
+        self.num_steps = 0
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
-    @torch.no_grad()
     def step(self) -> list[Sequence]:
-        """Run one step; returns the sequences that finished in it."""
+        """Plan and launch one step, post-process the previous one (async) or this one (sync);
+        returns the sequences that finished."""
         out = self.scheduler.schedule()
         for seq in out.preempted:
-            self._release(seq)
+            self._released.append(seq.seq_id)
+            seq.prompt_logprobs = None             # recomputed from scratch with the prompt
         if not out.chunks:
-            raise RuntimeError("scheduler scheduled nothing while requests are pending "
-                               "(the state cache is too small for any waiting request)")
-        modes = [self._logit_mode(c) for c in out.chunks]
-        for c in out.chunks:
-            if c.seq.state is None:
-                c.seq.state = self.runner.new_sequence()
-            if c.seq.request.metrics.first_scheduled_time is None:
-                c.seq.request.metrics.first_scheduled_time = time.time()
-        logits = self.runner.forward_batch([c.seq.token_slice(c.start, c.start + c.num_tokens) for c in out.chunks],
-                                           [c.seq.state for c in out.chunks], logit_modes=modes)
-        rows, sampling, row = [], [], 0
-        for c, mode in zip(out.chunks, modes):
-            c.seq.num_computed += c.num_tokens
-            n_rows = {"none": 0, "last": 1, "all": c.num_tokens}[mode]
-            if mode == "all":
-                self._prompt_logprobs(c, logits[row:row + n_rows])
-            if c.samples:
-                rows.append(row + n_rows - 1)
-                sampling.append(c.seq)
-            row += n_rows
-        return self._sample_and_finish(logits[rows] if rows else logits[:0], sampling)
+            if self._in_flight is None:
+                raise RuntimeError("scheduler scheduled nothing while requests are pending "
+                                   "(the state cache is too small for any waiting request)")
+            return self._process(*self._take_in_flight())
+        plan = self._plan(out.chunks)
+        self.num_steps += 1
+        if self._pool is None:
+            return self._process(out.chunks, self.executor.execute(plan))
+        future = self._pool.submit(self.executor.execute, plan)
+        finished = self._process(*self._take_in_flight()) if self._in_flight is not None else []
+        self._in_flight = (out.chunks, future)
+        return finished
 
-    # ---- helpers ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drain the last step, let the executor drop every remaining state, stop the worker."""
+        try:
+            while self._in_flight is not None:
+                self._process(*self._take_in_flight())
+            self.executor.execute(StepPlan([], self._released, self._finished_ids))
+            self._released, self._finished_ids = [], []
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+
+    def abort_all(self) -> None:
+        """After a failure: finish every sequence so the cache's slots and blocks return."""
+        self._in_flight = None
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.finish(seq)
+            self._released.append(seq.seq_id)
+            self._finished_ids.append(seq.seq_id)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.executor.execute(StepPlan([], self._released, self._finished_ids))
+        self._released, self._finished_ids = [], []
+
+    # ---- host side -----------------------------------------------------------------------------
+    def _take_in_flight(self) -> tuple[list[ScheduledChunk], StepResult]:
+        chunks, future = self._in_flight
+        self._in_flight = None
+        return chunks, future.result()
+
+    def _plan(self, chunks: list[ScheduledChunk]) -> StepPlan:
+        now = time.time()
+        plans = []
+        for c in chunks:
+            seq = c.seq
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+            known_end = min(c.start + c.num_tokens, seq.num_tokens)
+            p = ChunkPlan(seq.seq_id, seq.slot, c.block_ids, c.start, seq.token_slice(c.start, known_end),
+                          pending=known_end < c.start + c.num_tokens, logit_mode=self._logit_mode(c))
+            if p.logit_mode == "all":
+                p.prompt_targets = seq.prompt_ids[c.start + 1:c.start + c.num_tokens + 1]
+                p.prompt_logprobs = seq.request.params.prompt_logprobs
+            if c.samples:
+                params = seq.request.params
+                p.sample = SampleSpec(params, seq.completion.seed, seq.prompt_ids,
+                                      params.all_stop_token_ids(self.eos_token_id))
+            plans.append(p)
+        plan = StepPlan(plans, self._released, self._finished_ids)
+        self._released, self._finished_ids = [], []
+        return plan
+
     @staticmethod
     def _logit_mode(c: ScheduledChunk) -> str:
         if c.seq.want_prompt_logprobs and c.start < len(c.seq.prompt_ids):
             return "all"
         return "last" if c.samples else "none"
 
-    def _prompt_logprobs(self, c: ScheduledChunk, rows: torch.Tensor) -> None:
-        """Row r predicts prompt token start + r + 1 (the first prompt token gets None)."""
-        seq, k = c.seq, c.seq.request.params.prompt_logprobs
-        if seq.prompt_logprobs is None:
-            seq.prompt_logprobs = [None]
-        targets = seq.prompt_ids[c.start + 1:c.start + c.num_tokens + 1]
-        if targets and len(seq.prompt_logprobs) < len(seq.prompt_ids):
-            res = compute_logprobs(rows[:len(targets)], k, torch.tensor(targets, device=rows.device))
-            tok = self.tokenizer if seq.request.params.detokenize else None
-            seq.prompt_logprobs.extend(logprobs_entry(res, r, t, tok) for r, t in enumerate(targets))
-
-    def _sample_and_finish(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sequence]:
-        if not seqs:
-            return []
-        params = [s.request.params for s in seqs]
-        outs = [s.completion.token_ids for s in seqs]
-        proc = apply_penalties(logits, params, outs, [s.prompt_ids for s in seqs])
-        for i, s in enumerate(seqs):            # min_tokens: stop tokens may not be sampled yet
-            if len(outs[i]) < params[i].min_tokens:
-                stop = [t for t in params[i].all_stop_token_ids(self.eos_token_id) if t < proc.shape[-1]]
-                if stop:
-                    proc = proc.clone() if proc is logits else proc
-                    proc[i, stop] = float("-inf")
-        positions = [s.num_tokens for s in seqs]
-        tokens = self.sampler.sample(proc, params, positions, [s.completion.seed for s in seqs]).tolist()
+    def _process(self, chunks: list[ScheduledChunk], result: StepResult) -> list[Sequence]:
+        for i, lp in result.prompt_logprobs.items():
+            self._add_prompt_logprobs(chunks[i], lp)
         finished, now = [], time.time()
-        for i, (s, tok) in enumerate(zip(seqs, tokens)):
-            p, comp = params[i], s.completion
-            if p.logprobs is not None:
-                res = compute_logprobs(logits[i:i + 1], p.logprobs, torch.tensor([tok]))
+        sampled = [c for c in chunks if c.samples]
+        for c, tok, lp in zip(sampled, result.tokens, result.logprobs):
+            seq = c.seq
+            seq.num_pending -= 1
+            if seq.status is SeqStatus.FINISHED:
+                continue                           # planned before its stop was seen: dropped
+            params, comp = seq.request.params, seq.completion
+            if lp is not None:
                 comp.logprobs = comp.logprobs if comp.logprobs is not None else []
-                comp.logprobs.append(logprobs_entry(res, 0, tok, self.tokenizer if p.detokenize else None))
-                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + float(res.sampled_logprobs[0])
-            comp.token_ids.append(int(tok))
-            m = s.request.metrics
+                comp.logprobs.append(logprobs_entry(lp, 0, tok, self.tokenizer if params.detokenize else None))
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + float(lp.sampled_logprobs[0])
+            comp.token_ids.append(tok)
+            m = seq.request.metrics
             m.token_times.append(now)
             m.first_token_time = m.first_token_time or now
-            if check_stop(comp, p, eos_token_id=self.eos_token_id, max_tokens=s.max_tokens, tokenizer=self.tokenizer):
-                self.scheduler.finish(s)
-                self._release(s)
-                finished.append(s)
+            if check_stop(comp, params, eos_token_id=self.eos_token_id, max_tokens=seq.max_tokens,
+                          tokenizer=self.tokenizer):
+                self.scheduler.finish(seq)
+                self._released.append(seq.seq_id)
+                self._finished_ids.append(seq.seq_id)
+                finished.append(seq)
         return finished
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.state is not None:
-            self.runner.release(seq.state)
-            seq.state = None
-        if seq.status is SeqStatus.WAITING:      # preempted: recompute from scratch later
-            seq.prompt_logprobs = None
+    def _add_prompt_logprobs(self, c: ScheduledChunk, res) -> None:
+        """Row r predicts prompt token start + r + 1 (the first prompt token gets None). A chunk
+        planned before a preemption reset the list is ignored (its rows are recomputed)."""
+        seq = c.seq
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        if len(seq.prompt_logprobs) != c.start + 1:
+            return
+        targets = seq.prompt_ids[c.start + 1:c.start + c.num_tokens + 1]
+        tok = self.tokenizer if seq.request.params.detokenize else None
+        seq.prompt_logprobs.extend(logprobs_entry(res, r, t, tok) for r, t in enumerate(targets))

@@ -2,9 +2,8 @@
 status. Plain Python (the scheduler reads these; it never touches tensors)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
 
 from .output_processor import CompletionState, Request
 
@@ -23,8 +22,10 @@ class Sequence:
     max_tokens: int                       # output tokens allowed (params and max_model_len)
     want_prompt_logprobs: bool = False
     status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0                 # tokens whose state is in the cache (next position)
-    state: Any = None                     # the runner's per-sequence state while resident
+    num_computed: int = 0                 # positions scheduled into the cache (next position)
+    num_pending: int = 0                  # tokens being sampled by steps not yet post-processed
+    slot: int = -1                        # state slot while resident (-1: none)
+    block_table: list[int] = field(default_factory=list)
     prompt_logprobs: list | None = None
 
     @property
@@ -34,6 +35,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.completion.token_ids)
+
+    @property
+    def num_outputs_scheduled(self) -> int:
+        """Output tokens known plus those still being sampled."""
+        return len(self.completion.token_ids) + self.num_pending
 
     @property
     def max_total_tokens(self) -> int:

@@ -23,12 +23,12 @@ class PortableAttentionBackend:
             comp_rows = comp_mask = None
             if attn.compressor is not None:
                 self.compress(st.compressor, inp.comp_kv[sl], inp.comp_z[sl], start, attn.compressor.finalize)
-                comp_rows = st.compressor.rows[: st.compressor.n_rows]
+                comp_rows = st.compressor.read_rows()
                 comp_mask = self.causal_block_mask(pos, attn.ratio, st.compressor.n_rows)
             if attn.indexer is not None:
                 ix = st.indexer
                 self.compress(ix, inp.idx_kv[sl], inp.idx_z[sl], start, attn.indexer.compressor.finalize)
-                comp_mask = self.index_select(inp.idx_q[sl], inp.idx_w[sl], ix.rows[: ix.n_rows], pos,
+                comp_mask = self.index_select(inp.idx_q[sl], inp.idx_w[sl], ix.read_rows(), pos,
                                               attn.ratio, attn.indexer.topk, attn.indexer.head_dim)
             out[sl] = self.attend(attn, inp.q[sl], inp.kv[sl], st, start, pos, comp_rows, comp_mask)
             self.write_ring(st, inp.kv[sl], start)
@@ -59,8 +59,7 @@ class PortableAttentionBackend:
                 slot_kv, slot_z = ext_kv[cur], ext_z[cur]
             pooled = (slot_kv * torch.softmax(slot_z, dim=1)).sum(dim=1)          # fp32, per channel
             rows = finalize(pooled, blocks * m)
-            cs.ensure_capacity(last)
-            cs.rows[first:last] = rows.to(cs.rows.dtype)
+            cs.write_rows(first, rows)
         cs.n_rows = last
         keep = torch.arange(max(start, end - cs.tail_len), end, device=kv.device)
         cs.tail_kv[keep % cs.tail_len] = kv[keep - start]

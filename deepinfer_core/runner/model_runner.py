@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
-from ..cache.sequence_state import SequenceState, new_sequence_state
+from ..cache.budget import CacheRequest, resolve_num_blocks
+from ..cache.sequence_state import SequenceState
+from ..cache.state_cache import CacheLayout, StateCache
 from ..config import ModelConfig
 from ..model import ForwardBatch, ModelOps, bind_ops, build_model, process_weights
 from ..model.attention import Numerics
@@ -64,16 +66,80 @@ class ModelRunner:
             from ..envs import read_settings
             max_backtracking_tokens = read_settings().effective_max_backtracking_tokens
         self.backtrack = max_backtracking_tokens
+        self.cache: StateCache | None = None
+        self._cache_request: CacheRequest | None = None
+        self.profile_tokens = 8192              # the engine sets its max_num_batched_tokens
         log.info("model loaded in %.1f s", self.loaded.load_seconds)
 
-    def new_sequence(self) -> SequenceState:
-        return new_sequence_state(self.model_config, self.dtype, self.device, self.backtrack)
+    # ---- state cache ---------------------------------------------------------------------------
+    def cache_layout(self) -> CacheLayout:
+        return CacheLayout.from_config(self.model_config, self.dtype, self.backtrack)
 
+    def allocate_cache(self, request: CacheRequest) -> StateCache:
+        """Size and allocate the state cache once (again only when the request changed and nothing
+        is resident)."""
+        if self.cache is not None and self._cache_request == request:
+            return self.cache
+        if self.cache is not None and not self.cache.allocator.empty:
+            raise RuntimeError("state cache: cannot re-size while sequences are resident")
+        self.cache = None                       # free the old pools before sizing the new ones
+        layout = self.cache_layout()
+        num_blocks, note = resolve_num_blocks(layout, request, self.device, self._profile_activation_bytes)
+        self.cache = StateCache(layout, request.num_slots, num_blocks, self.device)
+        self._cache_request = request
+        log.info("state cache: %d slots x %d B + %d blocks x %d B = %.1f MiB (%s)", request.num_slots,
+                 layout.slot_bytes, num_blocks, layout.block_bytes, self.cache.nbytes() / 2**20, note)
+        return self.cache
+
+    def bind_sequence(self, slot: int, block_ids: list[int]) -> SequenceState:
+        """A fresh engine-managed state (the scheduler owns its slot and blocks)."""
+        return self.cache.bind(slot, block_ids)
+
+    def new_sequence(self) -> SequenceState:
+        """A self-managed state: its slot and blocks come from the cache's allocator and go back on
+        `release` (tests and tools that drive the runner without the engine)."""
+        if self.cache is None:
+            self.allocate_cache(CacheRequest(num_slots=8, max_model_len=self.model_config.max_position_embeddings))
+        alloc = self.cache.allocator
+        state = self.cache.bind(alloc.allocate_slot(), [])
+
+        def grow(st: SequenceState, need: int) -> None:
+            st.table.set(st.table.ids + alloc.allocate_blocks(need - len(st.table)))
+        state.grow = grow
+        return state
+
+    def release(self, state: SequenceState) -> None:
+        if state.grow is not None and state.slot >= 0:     # self-managed: give everything back
+            self.cache.allocator.free_blocks(state.table.ids)
+            self.cache.allocator.free_slot(state.slot)
+        state.table.set([])
+        state.slot = -1
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak extra device memory of one forward over a full token budget (CUDA only)."""
+        n = min(int(self.profile_tokens), int(self.model_config.max_position_embeddings))
+        layout = self.cache_layout()
+        scratch = StateCache(layout, 1, -(-n // layout.block_size), self.device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            self.model(ForwardBatch.build([[0] * n], [scratch.bind(0, list(range(scratch.num_blocks)))],
+                                          self.device))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del scratch
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ---- forward --------------------------------------------------------------------------------
     @torch.no_grad()
     def forward_batch(self, token_ids: list[list[int]], seqs: list[SequenceState],
                       all_logits: bool = False, logit_modes: list[str] | None = None) -> torch.Tensor:
         """Feed each sequence its new tokens at its next positions; fp32 logits of the wanted rows
         (see ForwardBatch.build for `logit_modes`)."""
+        for st, toks in zip(seqs, token_ids):
+            st.reserve(len(toks))
         batch = ForwardBatch.build(token_ids, seqs, self.device, all_logits=all_logits, logit_modes=logit_modes)
         out = self.model(batch)
         batch.commit()
@@ -81,7 +147,3 @@ class ModelRunner:
 
     def forward(self, seq: SequenceState, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         return self.forward_batch([token_ids], [seq], all_logits)
-
-    def release(self, seq: SequenceState) -> None:
-        seq.layers.clear()
-        seq.mtp_layers.clear()

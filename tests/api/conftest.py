@@ -55,6 +55,9 @@ class FakeRunner:
         self.seqs.append(seq)
         return seq
 
+    def bind_sequence(self, slot: int, block_ids: list[int]) -> FakeSeq:
+        return self.new_sequence()
+
     def forward(self, seq: FakeSeq, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         assert not seq.released and token_ids
         assert len(seq.tokens) + len(token_ids) <= self.model_config.max_position_embeddings

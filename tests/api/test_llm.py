@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import deepinfer_core.api.llm as llm_mod
+from deepinfer_core.api.llm import InvalidRequestError
 from deepinfer_core import LLM, RequestOutput, SamplingParams
 
 S = SamplingParams
@@ -236,11 +237,11 @@ def test_use_tqdm(make_llm, fake, capsys):
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(prompts=None), ValueError, "prompts"),
     (dict(prompts=5), TypeError, "prompts"),
-    (dict(prompts=[[1, 2]]), TypeError, "prompts"),
+    (dict(prompts=[[1, 2]]), ValueError, "prompts"),
     (dict(prompts=[{"x": 1}]), ValueError, "prompts"),
     (dict(prompts=["w1"], prompt_token_ids=[[1], [2]]), ValueError, "prompt_token_ids"),
     (dict(prompt_token_ids=5), TypeError, "prompt_token_ids"),
-    (dict(prompt_token_ids=[[3], 4]), TypeError, "prompt_token_ids"),
+    (dict(prompt_token_ids=[[3], 4]), ValueError, "prompt_token_ids"),
     (dict(prompts=[""]), ValueError, "prompt 0 is empty"),
     (dict(prompt_token_ids=[[3], []]), ValueError, "prompt 1 is empty"),
     (dict(prompt_token_ids=[[3, 32]]), ValueError, "token id 32"),
@@ -253,9 +254,15 @@ def test_use_tqdm(make_llm, fake, capsys):
 ])
 def test_bad_generate_inputs(make_llm, fake, kwargs, exc, match):
     llm, runner = make_llm(fake.random_logits, max_model_len=64)
-    with pytest.raises(exc, match=match):
+    with pytest.raises(exc, match=match) as info:
         llm.generate(use_tqdm=False, **kwargs)
-    assert runner.calls == []       # validation happens before any forward
+    if isinstance(info.value, InvalidRequestError):
+        # a bad request inside a good call: the good ones ran, the bad one never reached the model
+        bad = set(info.value.errors)
+        assert all((o is None) == (i in bad) for i, o in enumerate(info.value.outputs))
+        assert len(runner.calls) > 0 or len(bad) == len(info.value.outputs)
+    else:
+        assert runner.calls == []   # a malformed call runs nothing
 
 
 def test_text_prompt_without_tokenizer(make_llm, fake):
@@ -267,11 +274,14 @@ def test_text_prompt_without_tokenizer(make_llm, fake):
     assert run(llm, ids=[[3]], params=S(max_tokens=2, ignore_eos=True))[0].outputs[0].text == ""
 
 
-def test_failed_validation_does_not_advance_request_counter(make_llm, fake):
+def test_bad_request_keeps_its_id_and_the_good_one_completes(make_llm, fake):
     llm, _ = make_llm(fake.random_logits)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequestError, match="request 1: .*token id 99") as info:
         run(llm, ids=[[3], [99]])
-    assert run(llm, ids=[[3]])[0].request_id == "0"
+    good, bad = info.value.outputs
+    assert bad is None and good.request_id == "0" and len(good.outputs[0].token_ids) > 0
+    assert isinstance(info.value.errors[1], ValueError)
+    assert run(llm, ids=[[3]])[0].request_id == "2"     # ids are never reused
 
 
 # ---- constructor --------------------------------------------------------------------------------

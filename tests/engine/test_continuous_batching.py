@@ -30,7 +30,8 @@ def run(llm, ps, params=GREEDY, **opts) -> list[list[int]]:
     finally:
         for k, v in saved.items():
             setattr(llm, k, v)
-    assert llm.last_engine.scheduler.blocks.num_used == 0 and not llm.last_engine.has_unfinished()
+    eng = llm.last_engine
+    assert eng.scheduler.blocks.allocator.empty and eng.executor.num_states == 0 and not eng.has_unfinished()
     return [o.outputs[0].token_ids for o in out]
 
 

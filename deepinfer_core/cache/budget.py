@@ -1,0 +1,56 @@
+"""How many paged blocks the state cache gets: from an explicit block count, an explicit byte budget,
+`gpu_memory_utilization` of a CUDA device, or the CPU byte budget of the env table."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .state_cache import CacheLayout
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """What the user asked for; the first field that is set wins (in this order)."""
+
+    num_slots: int                              # = max_num_seqs
+    num_blocks: int | None = None               # exact block count (tests, tools)
+    memory_bytes: int | None = None             # LLM(kv_cache_memory_bytes=...)
+    gpu_memory_utilization: float = 0.9         # fraction of the whole device the engine may use
+    max_model_len: int | None = None            # caps the blocks at what max_num_seqs full sequences need
+
+
+def validate_utilization(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"gpu_memory_utilization={value!r}; allowed: a number in (0, 1]")
+    return float(value)
+
+
+def resolve_num_blocks(layout: CacheLayout, req: CacheRequest, device: str,
+                       activation_bytes: Callable[[], int] = lambda: 0) -> tuple[int, str]:
+    """(number of blocks, one line saying where the figure came from)."""
+    cap = None
+    if req.max_model_len is not None:
+        cap = req.num_slots * -(-req.max_model_len // layout.block_size)
+    if req.num_blocks is not None:
+        return req.num_blocks, f"num_cache_blocks={req.num_blocks}"
+    if req.memory_bytes is not None:
+        budget, name = req.memory_bytes, "kv_cache_memory_bytes"
+    elif str(device).startswith("cuda"):
+        util = validate_utilization(req.gpu_memory_utilization)
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        used = total - free                    # weights, other processes, the CUDA context
+        budget = int(util * total) - used - activation_bytes()
+        name = "gpu_memory_utilization"
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization={util}: {util * total / 2**30:.1f} GiB allowed but "
+                             f"{used / 2**30:.1f} GiB already in use plus activations; raise it")
+    else:
+        from ..envs import get
+        budget, name = get("DEEPINFER_CPU_KV_CACHE_BYTES"), "DEEPINFER_CPU_KV_CACHE_BYTES"
+    n = layout.num_blocks_for_budget(budget, req.num_slots, name)
+    note = f"{name}: {budget} bytes"
+    if cap is not None and n > cap:
+        n, note = cap, note + f", capped at max_num_seqs x max_model_len = {cap} blocks"
+    return n, note

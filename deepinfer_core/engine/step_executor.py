@@ -1,0 +1,125 @@
+"""The device side of one engine step: bind states, resolve pending input tokens, run the batched
+forward, apply penalties and the min_tokens mask, sample, and compute logprobs.
+
+It runs steps strictly in submission order (inline, or on one worker thread when scheduling is
+asynchronous), so it can keep the facts a step needs from the previous one: each sequence's state
+and every token it sampled. The host plans step N+1 without waiting for step N's tokens; a chunk
+marked `pending` takes its last input token from this executor's record instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..ops.sampler import LogprobsResult, apply_penalties, compute_logprobs
+
+
+@dataclass
+class SampleSpec:
+    params: Any                         # SamplingParams
+    seed: int
+    prompt_ids: list[int]
+    stop_ids: list[int]                 # masked while fewer than min_tokens outputs exist
+
+
+@dataclass
+class ChunkPlan:
+    seq_id: int
+    slot: int
+    block_ids: tuple[int, ...]
+    start: int                          # 0 = the sequence (re)starts: bind a fresh state
+    known_ids: list[int]                # input tokens the host knows
+    pending: bool                       # one more input: this sequence's newest sampled token
+    logit_mode: str                     # "all" (prompt logprobs) | "last" | "none"
+    sample: SampleSpec | None = None
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_logprobs: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.known_ids) + int(self.pending)
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ChunkPlan]
+    released: list[int] = field(default_factory=list)    # sequences whose state is gone
+    finished: list[int] = field(default_factory=list)    # ... and whose token record can go too
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]                                     # one per sampling chunk, in order
+    logprobs: list[LogprobsResult | None]
+    prompt_logprobs: dict[int, LogprobsResult]            # chunk index -> result
+
+
+class StepExecutor:
+    def __init__(self, runner: Any, sampler: Any):
+        self.runner, self.sampler = runner, sampler
+        self.states: dict[int, Any] = {}
+        self.outputs: dict[int, list[int]] = {}           # every token each sequence sampled
+
+    @property
+    def num_states(self) -> int:
+        return len(self.states)
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> StepResult:
+        for sid in plan.released:
+            state = self.states.pop(sid, None)
+            if state is not None:
+                self.runner.release(state)
+        for sid in plan.finished:
+            self.outputs.pop(sid, None)
+        if not plan.chunks:
+            return StepResult([], [], {})
+        states, inputs = [], []
+        for c in plan.chunks:
+            if c.start == 0:
+                if c.seq_id in self.states:
+                    self.runner.release(self.states.pop(c.seq_id))
+                self.states[c.seq_id] = self.runner.bind_sequence(c.slot, list(c.block_ids))
+            state = self.states[c.seq_id]
+            if hasattr(state, "table") and len(state.table) != len(c.block_ids):
+                state.table.set(list(c.block_ids))
+            states.append(state)
+            inputs.append(c.known_ids + [self.outputs[c.seq_id][-1]] if c.pending else c.known_ids)
+        logits = self.runner.forward_batch(inputs, states, logit_modes=[c.logit_mode for c in plan.chunks])
+        rows, sampling, prompt_lp, row = [], [], {}, 0
+        for i, c in enumerate(plan.chunks):
+            n_rows = {"none": 0, "last": 1, "all": c.num_tokens}[c.logit_mode]
+            if c.prompt_targets:
+                t = torch.tensor(c.prompt_targets, device=logits.device)
+                prompt_lp[i] = compute_logprobs(logits[row:row + len(t)], c.prompt_logprobs, t)
+            if c.sample is not None:
+                rows.append(row + n_rows - 1)
+                sampling.append(c)
+            row += n_rows
+        tokens, logprobs = self._sample(logits[rows] if rows else logits[:0], sampling)
+        return StepResult(tokens, logprobs, prompt_lp)
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ChunkPlan]) -> tuple[list[int], list]:
+        if not chunks:
+            return [], []
+        specs = [c.sample for c in chunks]
+        params = [s.params for s in specs]
+        outs = [self.outputs.setdefault(c.seq_id, []) for c in chunks]
+        proc = apply_penalties(logits, params, outs, [s.prompt_ids for s in specs])
+        for i, s in enumerate(specs):           # min_tokens: stop tokens may not be sampled yet
+            if len(outs[i]) < s.params.min_tokens:
+                stop = [t for t in s.stop_ids if t < proc.shape[-1]]
+                if stop:
+                    proc = proc.clone() if proc is logits else proc
+                    proc[i, stop] = float("-inf")
+        positions = [c.start + c.num_tokens for c in chunks]
+        tokens = self.sampler.sample(proc, params, positions, [s.seed for s in specs]).tolist()
+        logprobs = []
+        for i, (s, tok) in enumerate(zip(specs, tokens)):
+            outs[i].append(int(tok))
+            k = s.params.logprobs
+            logprobs.append(None if k is None else
+                            compute_logprobs(logits[i:i + 1], k, torch.tensor([tok], device=logits.device)))
+        return [int(t) for t in tokens], logprobs
