@@ -30,6 +30,7 @@ class Engine:
         self._released: list[int] = []
         self._finished_ids: list[int] = []
         self.num_steps = 0
+        self.num_dropped_tokens = 0        # sampled for a sequence that had already stopped (async)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -43,7 +44,6 @@ class Engine:
         out = self.scheduler.schedule()
         for seq in out.preempted:
             self._released.append(seq.seq_id)
-            seq.prompt_logprobs = None             # recomputed from scratch with the prompt
         if not out.chunks:
             if self._in_flight is None:
                 raise RuntimeError("scheduler scheduled nothing while requests are pending "
@@ -125,7 +125,8 @@ class Engine:
             seq = c.seq
             seq.num_pending -= 1
             if seq.status is SeqStatus.FINISHED:
-                continue                           # planned before its stop was seen: dropped
+                self.num_dropped_tokens += 1       # planned before its stop was seen: dropped
+                continue
             params, comp = seq.request.params, seq.completion
             if lp is not None:
                 comp.logprobs = comp.logprobs if comp.logprobs is not None else []
@@ -144,13 +145,13 @@ class Engine:
         return finished
 
     def _add_prompt_logprobs(self, c: ScheduledChunk, res) -> None:
-        """Row r predicts prompt token start + r + 1 (the first prompt token gets None). A chunk
-        planned before a preemption reset the list is ignored (its rows are recomputed)."""
+        """Row r predicts prompt token start + r + 1 (the first prompt token gets None). Entries are
+        written by position, so a chunk recomputed after a preemption simply overwrites its own."""
         seq = c.seq
-        if seq.prompt_logprobs is None:
-            seq.prompt_logprobs = [None]
-        if len(seq.prompt_logprobs) != c.start + 1:
-            return
+        entries = seq.prompt_logprobs if seq.prompt_logprobs is not None else [None]
         targets = seq.prompt_ids[c.start + 1:c.start + c.num_tokens + 1]
+        end = c.start + 1 + len(targets)
+        entries.extend([None] * (end - len(entries)))
         tok = self.tokenizer if seq.request.params.detokenize else None
-        seq.prompt_logprobs.extend(logprobs_entry(res, r, t, tok) for r, t in enumerate(targets))
+        entries[c.start + 1:end] = [logprobs_entry(res, r, t, tok) for r, t in enumerate(targets)]
+        seq.prompt_logprobs = entries
