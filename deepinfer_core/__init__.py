@@ -1,12 +1,14 @@
 """DeepInfer: an inference engine for the DeepSeek-V4 model family.
 
-Public API: `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`, `Logprob`.
+Public API: `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`, `Logprob`,
+`InvalidRequestError`.
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "InvalidRequestError",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -17,7 +19,7 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from .api.sampling_params import SamplingParams
         return SamplingParams
-    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob", "InvalidRequestError"):
         from .api import outputs
         return getattr(outputs, name)
     raise AttributeError(f"module 'deepinfer_core' has no attribute {name!r}")

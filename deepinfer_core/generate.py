@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import envs
+from .api.options import LLM_OPTION_DEFAULTS
+from .api.outputs import InvalidRequestError
 from .api.sampling_params import SamplingParams
 
 logger = logging.getLogger("deepinfer.generate")
@@ -36,7 +38,7 @@ KNOWN_REPO_IDS = (
 
 # LLM defaults, shown in --help only (absent flags leave LLM's own defaults in force). Written out
 # rather than read from LLM so that --help and input errors need not import torch; a test keeps them equal.
-ENGINE_DEFAULTS = {"dtype": "float32", "simulate_qat": True, "max_num_batched_tokens": 8192}
+ENGINE_DEFAULTS = {"dtype": "float32", "simulate_qat": True, **LLM_OPTION_DEFAULTS}
 
 # Help for every SamplingParams field (the flag's type and default come from the dataclass).
 SAMPLING_HELP = {
@@ -182,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="maximum prompt + output tokens (default: the model's max_position_embeddings)")
     eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=argparse.SUPPRESS,
                      help=f"prefill chunk size in tokens (default: {defaults['max_num_batched_tokens']})")
+    eng.add_argument("--max-num-seqs", type=_positive_int, default=argparse.SUPPRESS,
+                     help=f"sequences per step, = state-cache slots (default: {defaults['max_num_seqs']})")
+    eng.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=argparse.SUPPRESS,
+                     help="state-cache budget in bytes (default: gpu_memory_utilization on CUDA, "
+                          "DEEPINFER_CPU_KV_CACHE_BYTES on CPU)")
 
     _add_sampling_flags(parser.add_argument_group("sampling (SamplingParams fields)"))
 
@@ -333,7 +340,8 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """LLM keyword arguments for the engine flags given."""
-    names = ("tokenizer", "dtype", "simulate_qat", "max_model_len", "max_num_batched_tokens")
+    names = ("tokenizer", "dtype", "simulate_qat", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+             "kv_cache_memory_bytes")
     return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 
@@ -360,22 +368,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.output_json and not Path(args.output_json).expanduser().parent.is_dir():
             raise UsageError(f"--output-json: directory {Path(args.output_json).parent} does not exist")
         llm = load_llm(choose_model(args.model), **engine_options_from_args(args))
-        outputs = llm.generate(prompts, params, use_tqdm=args.progress)
+        failure = None
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=args.progress)
+        except InvalidRequestError as exc:     # the valid prompts completed: show them, then fail
+            outputs, failure = exc.outputs, exc
     except (ValueError, TypeError) as exc:
         logger.debug("generate failed", exc_info=True)   # the traceback, for DEBUG logging only
         return _fail(_one_line(exc))
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    print_outputs(outputs)
+    print_outputs([o for o in outputs if o is not None])
     if args.output_json:
-        data = [output_to_json(o, params) for o in outputs]
+        errors = failure.errors if failure is not None else {}
+        data = [output_to_json(o, params) if o is not None else {"index": i, "error": _one_line(errors[i])}
+                for i, o in enumerate(outputs)]
         try:
             Path(args.output_json).expanduser().write_text(
                 json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         except OSError as exc:
             return _fail(f"--output-json: cannot write {args.output_json}: {exc}")
-    return 0
+    return _fail(_one_line(failure)) if failure is not None else 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 
 from ..cache.block_allocator import BlockAllocator
+from .options import LLM_OPTION_DEFAULTS
 from ..cache.budget import CacheRequest, validate_utilization
 from ..engine.engine import Engine
 from ..engine.output_processor import CompletionState, Request
@@ -30,7 +31,7 @@ from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine.sequence import Sequence as EngineSequence
 from ..ops.sampler import Sampler, mix_seed
 from ..plugin_context import normalize_dtype
-from .outputs import RequestMetrics, RequestOutput
+from .outputs import InvalidRequestError, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -46,23 +47,10 @@ _IGNORED_KWARGS = frozenset({
     "enable_prefix_caching", "disable_custom_all_reduce", "ignore_len", "tokens_per_block",
     "lookahead_tokens", "compilation_config", "quantization", "kv_cache_dtype", "engine_type",
 })
-# Options the LLM itself uses, with defaults.
-_LLM_OPTIONS = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "decode_sequence": False,
-                "num_cache_blocks": None, "kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.9,
-                "async_scheduling": None}
+# Options the LLM itself uses, with defaults (shared with the CLI's help).
+_LLM_OPTIONS = LLM_OPTION_DEFAULTS
 # Options handed to ModelRunner(**options).
 _RUNNER_OPTIONS = frozenset({"load_format", "batch_invariant", "max_backtracking_tokens"})
-
-
-class InvalidRequestError(ValueError):
-    """Some requests of a generate call were invalid; the valid ones completed (`outputs`, with None
-    at the invalid indices); `errors` maps each invalid index to its ValueError."""
-
-    def __init__(self, errors: dict[int, ValueError], outputs: list):
-        self.errors, self.outputs = errors, outputs
-        lines = "; ".join(f"request {i}: {e}" for i, e in sorted(errors.items()))
-        super().__init__(f"generate: {len(errors)} of {len(outputs)} requests invalid ({lines}); "
-                         f"the other {len(outputs) - len(errors)} completed, see .outputs")
 
 
 # ---- reusable request-processing pieces ----------------------------------------------------------

@@ -66,3 +66,14 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0         # prefix-cache hits (no prefix cache yet)
+
+
+class InvalidRequestError(ValueError):
+    """Some requests of a generate call were invalid; the valid ones completed (`outputs`, with None
+    at the invalid indices); `errors` maps each invalid index to its ValueError."""
+
+    def __init__(self, errors: dict[int, ValueError], outputs: list):
+        self.errors, self.outputs = errors, outputs
+        lines = "; ".join(f"request {i}: {e}" for i, e in sorted(errors.items()))
+        super().__init__(f"generate: {len(errors)} of {len(outputs)} requests invalid ({lines}); "
+                         f"the other {len(outputs) - len(errors)} completed, see .outputs")

@@ -190,7 +190,7 @@ def test_engine_help_defaults_match_llm():
     sig = inspect.signature(llm.LLM.__init__).parameters
     assert generate.ENGINE_DEFAULTS == {"dtype": sig["dtype"].default,
                                         "simulate_qat": sig["simulate_qat"].default,
-                                        "max_num_batched_tokens": llm._LLM_OPTIONS["max_num_batched_tokens"]}
+                                        **llm._LLM_OPTIONS}
 
 
 # ---- the bundled tiny model -----------------------------------------------------------------------
@@ -244,3 +244,14 @@ def test_bundled_build_failure_leaves_nothing_and_stale_model_is_rebuilt(monkeyp
     assert bundled_model.bundled_tiny_model_dir() == first and len(fake_builder) == 2
     assert bundled_model.is_complete(first, bundled_model.fingerprint())
     assert sorted(p.name for p in no_model_configured.parent.iterdir()) == ["tiny-v4"]
+
+
+def test_a_bad_prompt_beside_good_ones_fails_but_keeps_their_outputs(capsys, tmp_path, tiny_ckpt_dir):
+    path = tmp_path / "out.json"
+    rc, out, err = run_cli(capsys, "--model", tiny_ckpt_dir, "--prompt-token-ids", "5,6",
+                           "--prompt-token-ids", "999999999", "--max-tokens", "2", "--temperature", "0",
+                           "--ignore-eos", "--output-json", path, *ENGINE)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "request 1" in err and "vocab_size" in err
+    assert "token ids [5, 6]" in out
+    good, bad = json.loads(path.read_text())
+    assert len(good["outputs"][0]["token_ids"]) == 2 and "vocab_size" in bad["error"] and bad["index"] == 1
