@@ -41,15 +41,18 @@ def resolve_num_blocks(layout: CacheLayout, req: CacheRequest, device: str,
         util = validate_utilization(req.gpu_memory_utilization)
         free, total = torch.cuda.mem_get_info(torch.device(device))
         used = total - free                    # weights, other processes, the CUDA context
-        budget = int(util * total) - used - activation_bytes()
+        act = activation_bytes()
+        budget = int(util * total) - used - act
         name = "gpu_memory_utilization"
         if budget <= 0:
-            raise ValueError(f"gpu_memory_utilization={util}: {util * total / 2**30:.1f} GiB allowed but "
-                             f"{used / 2**30:.1f} GiB already in use plus activations; raise it")
+            raise ValueError(f"gpu_memory_utilization={util}: {util * total / 2**30:.2f} GiB allowed but "
+                             f"{used / 2**30:.2f} GiB are in use and one step's activations need "
+                             f"{act / 2**30:.2f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens")
+        name = f"gpu_memory_utilization ({used / 2**30:.2f} GiB in use, {act / 2**30:.2f} GiB activations)"
     else:
         from ..envs import get
         budget, name = get("DEEPINFER_CPU_KV_CACHE_BYTES"), "DEEPINFER_CPU_KV_CACHE_BYTES"
-    n = layout.num_blocks_for_budget(budget, req.num_slots, name)
+    n = layout.num_blocks_for_budget(budget, req.num_slots, name.split(" (")[0])
     note = f"{name}: {budget} bytes"
     if cap is not None and n > cap:
         n, note = cap, note + f", capped at max_num_seqs x max_model_len = {cap} blocks"

@@ -86,7 +86,7 @@ class ModelRunner:
         layout = self.cache_layout()
         num_blocks, note = resolve_num_blocks(layout, request, self.device, self._profile_activation_bytes)
         self.cache = StateCache(layout, request.num_slots, num_blocks, self.device)
-        self._cache_request = request
+        self._cache_request, self.cache_note = request, note
         log.info("state cache: %d slots x %d B + %d blocks x %d B = %.1f MiB (%s)", request.num_slots,
                  layout.slot_bytes, num_blocks, layout.block_bytes, self.cache.nbytes() / 2**20, note)
         return self.cache

@@ -1,0 +1,53 @@
+"""The engine on a CUDA device with the portable ops (no NVIDIA kernels yet): the state cache sized
+from gpu_memory_utilization with exact accounting, and greedy tokens equal to the CPU run.
+Run on a GPU machine: `python -m pytest -q -m gpu tests/gpu`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+
+def prompts(n: int, lengths, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 129280, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cuda_llm(tiny_ckpt_dir):
+    return LLM(model=str(tiny_ckpt_dir), dtype="float32", simulate_qat=False, device="cuda",
+               gpu_memory_utilization=0.04, max_num_seqs=256)
+
+
+def test_cache_sized_from_gpu_memory_utilization(cuda_llm):
+    cache = cuda_llm.runner.cache
+    print(f"[gpu] {cuda_llm.runner.cache_note}")
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert cache.nbytes() == cache.layout.cache_bytes(cache.num_slots, cache.num_blocks)
+    assert all(t.is_cuda for t in cache.tensors())
+    # the budget binds (fewer blocks than 256 full-length sequences would use) and is respected
+    assert "capped" not in cuda_llm.runner.cache_note
+    assert cache.num_blocks < 256 * (cuda_llm.max_model_len // 128)
+    assert torch.cuda.memory_allocated() <= 0.04 * total
+    print(f"[gpu] cache {cache.num_blocks} blocks x {cache.layout.block_bytes} B + 256 slots x "
+          f"{cache.layout.slot_bytes} B = {cache.nbytes() / 2**20:.1f} MiB; allocated "
+          f"{torch.cuda.memory_allocated() / 2**20:.1f} MiB of {total / 2**30:.1f} GiB")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_on_cuda_equals_cpu(cuda_llm, tiny_ckpt_dir, async_scheduling):
+    ps = prompts(16, [3, 17, 40, 140, 9, 64, 200, 25], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    cuda_llm.async_scheduling = async_scheduling
+    gpu = [o.outputs[0].token_ids for o in cuda_llm.generate(prompt_token_ids=ps, sampling_params=params,
+                                                              use_tqdm=False)]
+    assert cuda_llm.last_engine.scheduler.blocks.allocator.empty
+    cpu_llm = LLM(model=str(tiny_ckpt_dir), dtype="float32", simulate_qat=False)
+    cpu = [o.outputs[0].token_ids for o in cpu_llm.generate(prompt_token_ids=ps, sampling_params=params,
+                                                             use_tqdm=False)]
+    assert gpu == cpu
