@@ -145,7 +145,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: Any = "float32",
                  simulate_qat: bool = True, seed: int = 0, max_model_len: int | None = None,
-                 device: str = "cpu", **engine_options: Any):
+                 device: str | None = None, **engine_options: Any):
         dtype_name = normalize_dtype(dtype)
         runner_options = self._split_options(engine_options)
         if model is None:
@@ -157,7 +157,7 @@ class LLM:
         runner = _make_runner(model_dir, dtype=dtype_name, simulate_qat=simulate_qat, device=device,
                               **runner_options)
         self._setup(runner, tok, seed, max_model_len)
-        self.model_dir, self.dtype, self.device = model_dir, dtype_name, device
+        self.model_dir, self.dtype, self.device = model_dir, dtype_name, runner.device
         self._allocator()            # size the state cache now: a budget that is too small fails here
 
     @classmethod

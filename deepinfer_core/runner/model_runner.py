@@ -30,7 +30,7 @@ class LoadedModel:
     load_seconds: float
 
 
-def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True, device: str = "cpu",
+def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True, device: str | None = None,
                options: dict | None = None) -> LoadedModel:
     """Config -> hooks -> graph on the meta device -> checkpoint (one shard at a time) -> runtime weights."""
     from ..model.weights import load_checkpoint   # local: the loader pulls in safetensors
@@ -39,6 +39,7 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
     cfg = ModelConfig.from_file(model_dir)
     pm = get_plugin_manager()
     platform = pm.detect_platform()
+    device = device or ("cuda" if platform.device_type == "cuda" else platform.device_type)   # None: the platform's
     ctx = BuildContext(model_config=cfg, platform=platform, device=device, dtype=normalize_dtype(dtype),
                        simulate_qat=bool(simulate_qat), options=dict(options or {}))
     pm.configure(ctx)
@@ -55,12 +56,12 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True,
-                 device: str = "cpu", max_backtracking_tokens: int | None = None, **options):
+                 device: str | None = None, max_backtracking_tokens: int | None = None, **options):
         self.loaded = load_model(model_dir, dtype=dtype, simulate_qat=simulate_qat, device=device, options=options)
         self.model = self.loaded.model
         self.sampler = self.loaded.sampler      # chosen through deepinfer_sampler, once
         self.model_config: ModelConfig = self.model.cfg
-        self.device = device
+        self.device = self.loaded.ctx.device
         self.dtype = self.loaded.ctx.torch_dtype
         if max_backtracking_tokens is None:      # the env table is the one source of the default
             from ..envs import read_settings

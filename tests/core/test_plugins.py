@@ -216,10 +216,10 @@ def test_get_plugin_manager_caches(monkeypatch):
 
 @pytest.mark.parametrize("pkg,src,name", [("deepinfer_nvidia", "backends/nvidia_sm100", "nvidia"),
                                           ("deepinfer_ascend", "backends/ascend950", "ascend")])
-def test_backend_skeleton_detection(pkg, src, name, monkeypatch, tmp_path):
+def test_backend_detection(pkg, src, name, monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(REPO / src))
     mod = __import__(f"{pkg}.plugin", fromlist=["plugin"])
-    assert mod.DEEPINFER_PLUGIN_INFO["status"] == "skeleton"
+    assert mod.DEEPINFER_PLUGIN_INFO["status"] == {"nvidia": "partial", "ascend": "skeleton"}[name]
     monkeypatch.setattr(mod, "PROBE_PATHS", (str(tmp_path / "absent"),))
     assert mod.deepinfer_detect_platform(None) is None
     assert mod.deepinfer_detect_platform("cpu") is None
@@ -272,3 +272,21 @@ def test_cli_table_lists_installed_skeletons(site):
     if NO_NVIDIA:
         assert proc.returncode == 0 and "active backend: none" in proc.stdout
         assert "nvidia" in proc.stdout.split("active backend:")[1]
+
+
+def test_nvidia_linear_method_declines_off_gpu_and_without_qat(monkeypatch):
+    """The FP8 method is chosen only for fp8 weights, the QAT numerics, the nvidia platform and an
+    SM90+ CUDA device; everything else falls through to the core."""
+    from types import SimpleNamespace
+    monkeypatch.syspath_prepend(str(REPO / "backends/nvidia_sm100"))
+    mod = __import__("deepinfer_nvidia.plugin", fromlist=["plugin"])
+    nvidia = SimpleNamespace(name="nvidia")
+    ctx = SimpleNamespace(platform=nvidia, simulate_qat=True, device="cpu")
+    assert mod.deepinfer_linear_method(ctx, "fp8") is None                   # not a CUDA device
+    monkeypatch.setattr(mod, "_fp8_capable", lambda device: True)
+    assert mod.deepinfer_linear_method(SimpleNamespace(platform=SimpleNamespace(name="cpu"),
+                                                       simulate_qat=True, device="cuda"), "fp8") is None
+    assert mod.deepinfer_linear_method(SimpleNamespace(platform=nvidia, simulate_qat=False, device="cuda"),
+                                       "fp8") is None
+    assert mod.deepinfer_linear_method(SimpleNamespace(platform=nvidia, simulate_qat=True, device="cuda"),
+                                       "fp4") is None

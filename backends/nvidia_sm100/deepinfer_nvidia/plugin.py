@@ -1,4 +1,6 @@
-"""NVIDIA backend plugin. Skeleton: it claims the platform; every op still comes from the core.
+"""NVIDIA backend plugin (SM90 Hopper and SM100 Blackwell): claims the platform and serves FP8
+linear layers from the Triton kernels in `deepinfer_kernels`; attention, MoE and mHC still come from
+the core's portable ops (on the GPU) until their kernels land.
 
 Detection is import-light on purpose (it runs in every process): it looks at the driver's procfs
 entry and device node only, never at torch.cuda, so no CUDA context is created.
@@ -9,10 +11,11 @@ from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.plugin_context import probe_platform
 
 NAME = "nvidia"
+MIN_CAPABILITY = (9, 0)      # FP8 tensor cores (Hopper); SM100 runs the same Triton code
 DEEPINFER_PLUGIN_INFO = {
-    "status": "skeleton",
-    "note": "platform detection only; SM100 kernels (attention, MoE, FP8/FP4 GEMM) land in a "
-            "later issue, the core's portable ops run meanwhile",
+    "status": "partial",
+    "note": "FP8 block-scaled linear layers on the tensor cores (Triton); attention, MoE, mHC and "
+            "sampling still run the core's portable PyTorch ops on the GPU",
 }
 # Either path means a loaded NVIDIA kernel driver (tests may replace this tuple).
 PROBE_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidia0")
@@ -21,4 +24,22 @@ PROBE_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidia0")
 @hookimpl
 def deepinfer_detect_platform(requested):
     # PROBE_PATHS is read at call time so tests can replace it
-    return probe_platform(requested, NAME, "cuda", PROBE_PATHS, "NVIDIA driver", "NVIDIA GPU (skeleton backend: portable ops)")
+    return probe_platform(requested, NAME, "cuda", PROBE_PATHS, "NVIDIA driver",
+                          "NVIDIA GPU (FP8 Triton linear layers; other ops portable)")
+
+
+def _fp8_capable(device) -> bool:
+    import torch
+    dev = torch.device(device)
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= MIN_CAPABILITY
+
+
+@hookimpl
+def deepinfer_linear_method(ctx, weight_format):
+    """FP8 weights with the QAT numerics on an SM90+ GPU; anything else falls through to the core."""
+    if ctx.platform.name != NAME or weight_format != "fp8" or not ctx.simulate_qat:
+        return None
+    if not _fp8_capable(ctx.device):
+        return None
+    from .linear import Fp8LinearMethod
+    return Fp8LinearMethod(ctx.torch_dtype, ctx.simulate_qat, ctx.model_config.weight_block_size or (128, 128))

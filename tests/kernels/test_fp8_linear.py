@@ -1,0 +1,44 @@
+"""The nvidia backend's FP8 linear method (act_quant + block-scaled FP8 GEMM) against the core's
+portable method with the QAT simulation on: same function, only the summation order differs."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer_core.model.layers import Linear
+from deepinfer_core.ops.portable_linear import PortableLinearMethod
+from deepinfer_core.ops.quant import quantize_fp8_block
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "nvidia_sm100"))
+from deepinfer_nvidia.linear import Fp8LinearMethod  # noqa: E402
+
+
+def make_layer(in_f: int, out_f: int, act_quant: bool, seed: int) -> Linear:
+    layer = Linear(in_f, out_f, "fp8", act_quant=act_quant)
+    q, s = quantize_fp8_block(torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    layer.weight.copy_(q)
+    layer.scale.copy_(s)
+    return layer
+
+
+@pytest.mark.parametrize("tokens,in_f,out_f", [(1, 256, 128), (6, 384, 256), (35, 256, 512)])
+def test_fp8_method_equals_the_portable_qat_method(kdev, tokens, in_f, out_f):
+    ours, ref = make_layer(in_f, out_f, True, 1), make_layer(in_f, out_f, True, 1)
+    Fp8LinearMethod(torch.float32, True).process_weights(ours)
+    PortableLinearMethod(torch.float32, True).process_weights(ref)
+    assert ours.weight.dtype == torch.float8_e4m3fn          # stays FP8 (1 byte per weight)
+    x = torch.randn(2, tokens, in_f, generator=torch.Generator().manual_seed(2)) * 2
+    got = Fp8LinearMethod(torch.float32, True).apply(ours.to(kdev), x.to(kdev)).cpu()
+    want = PortableLinearMethod(torch.float32, True).apply(ref, x)
+    assert got.shape == want.shape == (2, tokens, out_f)
+    assert ((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_layers_without_activation_quant_fall_back_to_the_portable_method():
+    layer = make_layer(256, 128, False, 3)
+    method = Fp8LinearMethod(torch.bfloat16, True)
+    method.process_weights(layer)
+    assert layer.weight.dtype == torch.bfloat16 and not method.uses_fp8(layer)
