@@ -10,6 +10,8 @@ no split-K, so a row's result does not depend on how many other rows share the l
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +23,7 @@ WEIGHT_BLOCK = 128
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
                      N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, WB: tl.constexpr):
+                     GROUP_M: tl.constexpr, WB: tl.constexpr, PRECISE_ACC: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -49,7 +51,9 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, st
         w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         sa = tl.load(sa_ptrs + kb, mask=m_ok, other=0.0)
         sw = tl.load(sw_ptrs + kb, mask=n_ok, other=0.0)
-        acc += tl.dot(a, w) * sa[:, None] * sw[None, :]
+        # promote to fp32 after every 32-deep FP8 MMA: Hopper's FP8 tensor cores accumulate with a
+        # short mantissa otherwise (~1e-4 relative error at K = 128)
+        acc += tl.dot(a, w, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sw[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
@@ -69,7 +73,8 @@ def tile_config(M: int) -> dict:
 
 
 def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
-             out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+             out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
+             precise_acc: int = 32) -> torch.Tensor:
     """qa [M, K] e4m3, sa [M, ceil(K/128)] fp32, qw [N, K] e4m3, sw [ceil(N/128), ceil(K/128)] fp32
     -> C [M, N] in out_dtype."""
     M, K = qa.shape
@@ -88,5 +93,72 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
         raise ValueError(f"fp8_gemm: BLOCK_N={cfg['BLOCK_N']} must divide the weight block {WEIGHT_BLOCK}")
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _fp8_gemm_kernel[grid](qa, sa, qw, sw, c, M, N, K, qa.stride(0), qw.stride(0), c.stride(0), N_KG=n_kg,
-                           BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, **cfg)
+                           BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, PRECISE_ACC=precise_acc, **cfg)
+    return c
+
+
+@triton.jit
+def _w8a16_gemm_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_cm,
+                       N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, WB: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
+    sw_ptrs = ws_ptr + (offs_n // WB) * N_KG
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, N_KG):
+        k_ok = offs_k < K - kb * BLOCK_K
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        w = w.to(tl.float32).to(x.dtype)       # e4m3 is exact in bf16 (via fp32: the interpreter needs it)
+        sw = tl.load(sw_ptrs + kb, mask=n_ok, other=0.0)
+        if UPCAST:        # Triton's interpreter multiplies bf16 tiles wrongly; bf16 products are exact in fp32
+            part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            part = tl.dot(x, w, input_precision="ieee")
+        else:
+            part = tl.dot(x, w)
+        acc += part * sw[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def w8a16_gemm(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """x [M, K] bf16 or fp32 (not quantised) times FP8 weights qw [N, K] with block scales sw
+    [ceil(N/128), ceil(K/128)]: the weights stay FP8 in memory and are widened tile by tile. fp32
+    inputs multiply in IEEE fp32 (no tf32), matching the core's float32 path."""
+    M, K = x.shape
+    N = qw.shape[0]
+    n_kg = triton.cdiv(K, BLOCK_K)
+    if qw.shape[1] != K or tuple(sw.shape) != (triton.cdiv(N, WEIGHT_BLOCK), n_kg):
+        raise ValueError(f"w8a16_gemm: shapes x {tuple(x.shape)}, qw {tuple(qw.shape)}, sw {tuple(sw.shape)} "
+                         f"do not fit (blocks of {WEIGHT_BLOCK})")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    qw, sw = qw.contiguous(), sw.contiguous().float()
+    c = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0:
+        return c
+    cfg = dict(config or tile_config(M))
+    if x.dtype == torch.float32:            # fp32 tiles: halve the tile to fit shared memory
+        cfg.update(BLOCK_M=min(cfg["BLOCK_M"], 64), BLOCK_N=min(cfg["BLOCK_N"], 64), num_stages=2)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _w8a16_gemm_kernel[grid](x, qw, sw, c, M, N, K, x.stride(0), qw.stride(0), c.stride(0), N_KG=n_kg,
+                             BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, IEEE=x.dtype == torch.float32,
+                             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg)
     return c

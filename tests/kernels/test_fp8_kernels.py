@@ -44,7 +44,7 @@ def test_fp8_gemm_matches_dequantised_matmul(kdev, M, N, K):
     out = fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), out_dtype=torch.float32)
     ref = reference_gemm(qa.cpu(), sa.cpu(), qw, sw)
     err = (out.cpu().double() - ref).norm() / ref.norm()
-    assert err < 1e-6, f"relative error {err:.2e}"
+    assert err < 1e-6, f"relative error {err:.2e}"      # products are exact; only the sum order differs
     bf = fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), out_dtype=torch.bfloat16)
     assert bf.dtype == torch.bfloat16 and torch.allclose(bf.cpu().double(), ref, rtol=1e-2, atol=1e-2)
 
@@ -79,3 +79,16 @@ def test_rmsnorm_matches_the_layer(kdev, rows, dim, dtype):
     want = norm(x)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("M,N,K,dtype", [(1, 128, 256, torch.float32), (9, 192, 384, torch.bfloat16),
+                                         (40, 256, 200, torch.float32), (70, 128, 256, torch.bfloat16)])
+def test_w8a16_gemm_matches_dequantised_matmul(kdev, M, N, K, dtype):
+    from deepinfer_kernels.fp8_gemm import w8a16_gemm
+    g = torch.Generator().manual_seed(M * N + K)
+    qw, sw = quantize_fp8_block(torch.randn(N, K, generator=g) * 0.05)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    out = w8a16_gemm(x.to(kdev), qw.to(kdev), e8m0_to_float(sw).to(kdev))
+    ref = x.double() @ dequant_fp8_block(qw, sw, (128, 128), torch.float32).double().T
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert out.dtype == dtype and err < (1e-6 if dtype == torch.float32 else 1e-2), f"relative error {err:.2e}"

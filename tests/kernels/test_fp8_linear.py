@@ -37,8 +37,23 @@ def test_fp8_method_equals_the_portable_qat_method(kdev, tokens, in_f, out_f):
     assert ((got - want).norm() / want.norm()) < 1e-5
 
 
-def test_layers_without_activation_quant_fall_back_to_the_portable_method():
-    layer = make_layer(256, 128, False, 3)
+@pytest.mark.parametrize("act_quant,simulate_qat", [(False, True), (True, False)])
+def test_unquantised_activations_keep_fp8_weights(kdev, act_quant, simulate_qat):
+    """No activation quantisation (a bf16 layer of the reference, or QAT off): the weights stay FP8 and
+    the product equals the portable method's dequantised matmul."""
+    ours, ref = make_layer(256, 128, act_quant, 3), make_layer(256, 128, act_quant, 3)
+    method = Fp8LinearMethod(torch.float32, simulate_qat)
+    method.process_weights(ours)
+    PortableLinearMethod(torch.float32, simulate_qat).process_weights(ref)
+    assert ours.weight.dtype == torch.float8_e4m3fn and method.uses_fp8(ours)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    got = method.apply(ours.to(kdev), x.to(kdev)).cpu()
+    want = PortableLinearMethod(torch.float32, simulate_qat).apply(ref, x)
+    assert ((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_grouped_layers_use_the_portable_method():
+    layer = Linear(256, 256, "fp8", act_quant=False, grouped=True)
     method = Fp8LinearMethod(torch.bfloat16, True)
     method.process_weights(layer)
     assert layer.weight.dtype == torch.bfloat16 and not method.uses_fp8(layer)

@@ -3,9 +3,10 @@ GPU; activations are quantised per token and per 128 channels (the reference's a
 multiplied by the block-scaled FP8 GEMM (`deepinfer_kernels`).
 
 This *is* the QAT numerics: the reference quantises those activations to FP8 before the product, so
-with simulate_qat=True the result equals the portable path up to summation order. With
-simulate_qat=False (or bf16 / FP4 weights, or a layer without activation quantisation) the layer
-falls back to the core's portable method.
+with simulate_qat=True the result equals the portable path up to summation order. Without
+activation quantisation (simulate_qat=False, or a layer the reference computes in bf16) the weights
+still stay FP8 and are widened tile by tile (`w8a16_gemm`). bf16 and FP4 weights, and the grouped
+wo_a, use the core's portable method.
 """
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ from deepinfer_core.ops.quant import e8m0_to_float
 
 class Fp8LinearMethod:
     def __init__(self, dtype: torch.dtype, simulate_qat: bool, block=(128, 128)):
-        self.dtype, self.block = dtype, tuple(block)
+        self.dtype, self.block, self.simulate_qat = dtype, tuple(block), simulate_qat
         self.fallback = PortableLinearMethod(dtype, simulate_qat, block)
 
     def uses_fp8(self, layer) -> bool:
         return getattr(layer, "fp8_scale", None) is not None
 
     def process_weights(self, layer) -> None:
-        if layer.fmt != "fp8" or not layer.act_quant or self.block != (128, 128):
+        if layer.fmt != "fp8" or self.block != (128, 128) or layer.grouped:
             self.fallback.process_weights(layer)
             return
         layer.register_buffer("weight", layer.weight.contiguous(), persistent=False)
@@ -34,11 +35,15 @@ class Fp8LinearMethod:
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_fp8(layer):
             return self.fallback.apply(layer, x)
-        from deepinfer_kernels.fp8_gemm import fp8_gemm
+        from deepinfer_kernels.fp8_gemm import fp8_gemm, w8a16_gemm
         from deepinfer_kernels.fp8_quant import act_quant
-        lead = x.shape[:-1]
-        qa, sa = act_quant(x.reshape(-1, x.shape[-1]))
-        y = fp8_gemm(qa, sa, layer.weight, layer.fp8_scale, out_dtype=layer.compute_dtype or self.dtype)
+        lead, out_dtype = x.shape[:-1], layer.compute_dtype or self.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        if layer.act_quant and self.simulate_qat:
+            qa, sa = act_quant(x2)
+            y = fp8_gemm(qa, sa, layer.weight, layer.fp8_scale, out_dtype=out_dtype)
+        else:
+            y = w8a16_gemm(x2.to(out_dtype), layer.weight, layer.fp8_scale, out_dtype=out_dtype)
         return y.view(*lead, y.shape[-1])
 
     def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
