@@ -274,10 +274,12 @@ def test_cli_table_lists_installed_skeletons(site):
         assert "nvidia" in proc.stdout.split("active backend:")[1]
 
 
-def test_nvidia_linear_method_declines_off_gpu_and_without_qat(monkeypatch):
-    """The FP8 method is chosen only for fp8 weights, the QAT numerics, the nvidia platform and an
-    SM90+ CUDA device; everything else falls through to the core."""
+def test_nvidia_linear_method_declines_off_gpu(monkeypatch):
+    """The FP8 method is chosen only for fp8 weights, the nvidia platform and an SM90+ CUDA device;
+    everything else falls through to the core."""
     from types import SimpleNamespace
+
+    import torch
     monkeypatch.syspath_prepend(str(REPO / "backends/nvidia_sm100"))
     mod = __import__("deepinfer_nvidia.plugin", fromlist=["plugin"])
     nvidia = SimpleNamespace(name="nvidia")
@@ -286,7 +288,8 @@ def test_nvidia_linear_method_declines_off_gpu_and_without_qat(monkeypatch):
     monkeypatch.setattr(mod, "_fp8_capable", lambda device: True)
     assert mod.deepinfer_linear_method(SimpleNamespace(platform=SimpleNamespace(name="cpu"),
                                                        simulate_qat=True, device="cuda"), "fp8") is None
-    assert mod.deepinfer_linear_method(SimpleNamespace(platform=nvidia, simulate_qat=False, device="cuda"),
-                                       "fp8") is None
+    qat_off = SimpleNamespace(platform=nvidia, simulate_qat=False, device="cuda", torch_dtype=torch.bfloat16,
+                              model_config=SimpleNamespace(weight_block_size=(128, 128)))
+    assert type(mod.deepinfer_linear_method(qat_off, "fp8")).__name__ == "Fp8LinearMethod"
     assert mod.deepinfer_linear_method(SimpleNamespace(platform=nvidia, simulate_qat=True, device="cuda"),
                                        "fp4") is None

@@ -27,6 +27,13 @@ def test_act_quant_equals_the_core_fake_quant_bit_for_bit(kdev, M, K):
     assert torch.equal(deq, want)
 
 
+def fp8_tolerance(device: str) -> float:
+    """Products of two e4m3 values are exact, so the interpreter (fp32 sums) lands near 1e-7. Hopper's
+    FP8 tensor cores add the 32 products of one MMA step with a short mantissa: ~1e-4 relative, the
+    hardware's own limit (DeepGEMM shows the same); Triton promotes to fp32 between steps."""
+    return 1e-6 if device == "cpu" else 5e-4
+
+
 def reference_gemm(qa, sa, qw, sw_e8m0) -> torch.Tensor:
     K = qa.shape[1]
     a = qa.double() * sa.double().repeat_interleave(128, 1)[:, :K]
@@ -44,7 +51,7 @@ def test_fp8_gemm_matches_dequantised_matmul(kdev, M, N, K):
     out = fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), out_dtype=torch.float32)
     ref = reference_gemm(qa.cpu(), sa.cpu(), qw, sw)
     err = (out.cpu().double() - ref).norm() / ref.norm()
-    assert err < 1e-6, f"relative error {err:.2e}"      # products are exact; only the sum order differs
+    assert err < fp8_tolerance(kdev), f"relative error {err:.2e}"
     bf = fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), out_dtype=torch.bfloat16)
     assert bf.dtype == torch.bfloat16 and torch.allclose(bf.cpu().double(), ref, rtol=1e-2, atol=1e-2)
 

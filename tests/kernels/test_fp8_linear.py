@@ -34,7 +34,8 @@ def test_fp8_method_equals_the_portable_qat_method(kdev, tokens, in_f, out_f):
     got = Fp8LinearMethod(torch.float32, True).apply(ours.to(kdev), x.to(kdev)).cpu()
     want = PortableLinearMethod(torch.float32, True).apply(ref, x)
     assert got.shape == want.shape == (2, tokens, out_f)
-    assert ((got - want).norm() / want.norm()) < 1e-5
+    # the FP8 tensor cores' short accumulator on a GPU (see test_fp8_kernels.fp8_tolerance)
+    assert ((got - want).norm() / want.norm()) < (1e-5 if kdev == "cpu" else 5e-4)
 
 
 @pytest.mark.parametrize("act_quant,simulate_qat", [(False, True), (True, False)])

@@ -36,8 +36,9 @@ def _fp8_capable(device) -> bool:
 
 @hookimpl
 def deepinfer_linear_method(ctx, weight_format):
-    """FP8 weights with the QAT numerics on an SM90+ GPU; anything else falls through to the core."""
-    if ctx.platform.name != NAME or weight_format != "fp8" or not ctx.simulate_qat:
+    """FP8 weights on an SM90+ GPU (FP8 x FP8 with the QAT numerics, FP8 weights x bf16/fp32
+    activations without); other formats and devices fall through to the core."""
+    if ctx.platform.name != NAME or weight_format != "fp8":
         return None
     if not _fp8_capable(ctx.device):
         return None
