@@ -157,7 +157,7 @@ class LLM:
         runner = _make_runner(model_dir, dtype=dtype_name, simulate_qat=simulate_qat, device=device,
                               **runner_options)
         self._setup(runner, tok, seed, max_model_len)
-        self.model_dir, self.dtype, self.device = model_dir, dtype_name, runner.device
+        self.model_dir, self.dtype, self.device = model_dir, dtype_name, getattr(runner, "device", device)
         self._allocator()            # size the state cache now: a budget that is too small fails here
 
     @classmethod
