@@ -5,8 +5,9 @@ operands with `deepinfer_core.ops.quant` and multiply in float32).
 
 qa: activations e4m3 [M, K] with per-token, per-128-channel scales sa [M, K/128] (`fp8_quant`);
 qw: weights e4m3 [N, K] with 128x128 block scales sw [N/128, K/128], as stored in the checkpoint.
-BLOCK_K is 128, so each K step multiplies one exact fp32 partial product by one scale pair; there is
-no split-K, so a row's result does not depend on how many other rows share the launch.
+BLOCK_K is 128, so each K step multiplies one fp32 partial product by one scale pair. Decode shapes
+with few output tiles split K (a fixed function of N and K) and add the slices in a fixed order, so a
+row's result does not depend on how many other rows share the launch.
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ WEIGHT_BLOCK = 128
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm, stride_cs,
                      N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, WB: tl.constexpr, PRECISE_ACC: tl.constexpr):
+                     GROUP_M: tl.constexpr, WB: tl.constexpr, PRECISE_ACC: tl.constexpr,
+                     KG_PER_SPLIT: tl.constexpr):
     pid = tl.program_id(0)
+    split = tl.program_id(1)              # split-K slice: K groups split*KG_PER_SPLIT ..
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     # grouped launch order: neighbouring programs share weight tiles in L2
@@ -40,24 +43,54 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, st
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
     sa_ptrs = as_ptr + offs_m * N_KG
     sw_ptrs = ws_ptr + (offs_n // WB) * N_KG
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, N_KG):   # constexpr: one compile per K (the model has a handful)
-        k_ok = offs_k < K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        sa = tl.load(sa_ptrs + kb, mask=m_ok, other=0.0)
-        sw = tl.load(sw_ptrs + kb, mask=n_ok, other=0.0)
-        # promote to fp32 after every 32-deep FP8 MMA: Hopper's FP8 tensor cores accumulate with a
-        # short mantissa otherwise (~1e-4 relative error at K = 128)
+    for i in range(0, KG_PER_SPLIT):     # constexpr trip count: one compile per K and split
+        kb = split * KG_PER_SPLIT + i
+        live = kb < N_KG
+        k_ok = (offs_k < K - kb * BLOCK_K) & live
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + (kb * BLOCK_K + offs_k)[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (kb * BLOCK_K + offs_k)[:, None],
+                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        sa = tl.load(sa_ptrs + kb, mask=m_ok & live, other=0.0)
+        sw = tl.load(sw_ptrs + kb, mask=n_ok & live, other=0.0)
+        # fp32 promotion after every 32-deep FP8 MMA; what remains (~1e-4 relative) is the rounding
+        # inside one Hopper FP8 MMA, a property of the hardware
         acc += tl.dot(a, w, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sw[None, :]
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    c_ptrs = c_ptr + split * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, c_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """c = p[0] + p[1] + ... in this fixed order (torch.sum may reorder by shape)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, SPLITS):
+        acc += tl.load(p_ptr + s * numel + offs, mask=ok, other=0.0)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+def split_k(N: int, K: int, cfg: dict, M: int, num_sms: int) -> int:
+    """Decode GEMMs with few output tiles (wkv: N=512 -> 8 tiles for 132 SMs) split K so that every
+    SM streams weights. The split depends on N and K only for all M <= 64, so a row's summation order
+    does not change with the batch there."""
+    if M > 64:
+        return 1
+    tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    n_kg = triton.cdiv(K, BLOCK_K)
+    if tiles >= num_sms // 2:
+        return 1
+    return max(1, min(n_kg, num_sms // tiles))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132          # the interpreter: an H100/H200's count, so CI exercises the split path
 
 
 def tile_config(M: int) -> dict:
@@ -74,7 +107,7 @@ def tile_config(M: int) -> dict:
 
 def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
-             precise_acc: int = 32) -> torch.Tensor:
+             precise_acc: int = 32, splits: int | None = None) -> torch.Tensor:
     """qa [M, K] e4m3, sa [M, ceil(K/128)] fp32, qw [N, K] e4m3, sw [ceil(N/128), ceil(K/128)] fp32
     -> C [M, N] in out_dtype."""
     M, K = qa.shape
@@ -91,9 +124,17 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
     cfg = dict(config or tile_config(M))
     if cfg["BLOCK_N"] > WEIGHT_BLOCK or WEIGHT_BLOCK % cfg["BLOCK_N"]:
         raise ValueError(f"fp8_gemm: BLOCK_N={cfg['BLOCK_N']} must divide the weight block {WEIGHT_BLOCK}")
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _fp8_gemm_kernel[grid](qa, sa, qw, sw, c, M, N, K, qa.stride(0), qw.stride(0), c.stride(0), N_KG=n_kg,
-                           BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, PRECISE_ACC=precise_acc, **cfg)
+    if splits is None:
+        splits = split_k(N, K, cfg, M, _num_sms(qa.device))
+    per = triton.cdiv(n_kg, splits)
+    splits = triton.cdiv(n_kg, per)
+    dest = c if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=qa.device)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), splits)
+    _fp8_gemm_kernel[grid](qa, sa, qw, sw, dest, M, N, K, qa.stride(0), qw.stride(0), N, M * N, N_KG=n_kg,
+                           BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, PRECISE_ACC=precise_acc,
+                           KG_PER_SPLIT=per, **cfg)
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](dest, c, M * N, SPLITS=splits, BLOCK=1024)
     return c
 
 

@@ -99,3 +99,19 @@ def test_w8a16_gemm_matches_dequantised_matmul(kdev, M, N, K, dtype):
     ref = x.double() @ dequant_fp8_block(qw, sw, (128, 128), torch.float32).double().T
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert out.dtype == dtype and err < (1e-6 if dtype == torch.float32 else 1e-2), f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_split_k_matches_the_unsplit_gemm(kdev, splits):
+    from deepinfer_kernels.fp8_gemm import split_k, tile_config as cfg_for
+    g = torch.Generator().manual_seed(splits)
+    qw, sw = quantize_fp8_block(torch.randn(128, 640, generator=g) * 0.05)
+    qa, sa = act_quant(torch.randn(3, 640, generator=g).to(kdev))
+    args = (qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), torch.float32)
+    one, many = fp8_gemm(*args, splits=1), fp8_gemm(*args, splits=splits)
+    ref = reference_gemm(qa.cpu(), sa.cpu(), qw, sw)
+    for out in (one, many):
+        assert (out.cpu().double() - ref).norm() / ref.norm() < fp8_tolerance(kdev)
+    # decode shapes with few output tiles split; the split ignores M up to 64 rows
+    assert split_k(512, 4096, cfg_for(1), 1, 132) == split_k(512, 4096, cfg_for(64), 64, 132) > 1
+    assert split_k(32768, 1024, cfg_for(1), 1, 132) == 1 and split_k(512, 4096, cfg_for(65), 65, 132) == 1
