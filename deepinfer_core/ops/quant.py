@@ -172,6 +172,36 @@ def dequant_fp4(w_packed: torch.Tensor, scale: torch.Tensor, block: int = 32,
     return (w * s.repeat_interleave(block, 1)[:, :w.shape[1]]).to(dtype)
 
 
+def fp4_to_fp8_block(w_packed: torch.Tensor, scale: torch.Tensor, block: int = 32,
+                     out_block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Re-encode FP4 weights (e2m1, one UE8M0 scale per `block` inputs) as FP8 e4m3 with one UE8M0
+    scale per `out_block`, exactly, or None when that is impossible.
+
+    An e2m1 value has at most 2 significant bits, so v * 2^(s - S) fits e4m3 whenever it stays inside
+    e4m3's exponent range. S = (largest group scale in the 128x128 block) - 6 keeps 6 * 2^6 = 384 <= 448;
+    the smallest non-zero, 0.5 * 2^(s_min - S), must stay >= 2^-9 (e4m3's smallest subnormal), i.e. the
+    group scales of one block may span 14 binades at most. The result is checked bit for bit.
+    """
+    v = unpack_fp4(w_packed)                                     # [O, K] e2m1 values (float32)
+    O, K = v.shape
+    bo, bi = out_block
+    e = (e8m0_to_float(scale) if scale.dtype in (torch.float8_e8m0fnu, torch.uint8) else scale.float())
+    e = e.repeat_interleave(block, 1)[:, :K]                     # per-element group scale
+    exp = torch.log2(e).round().to(torch.int32)
+    nbo, nbi = -(-O // bo), -(-K // bi)
+    padded = torch.full((nbo * bo, nbi * bi), -1000, dtype=torch.int32, device=v.device)
+    padded[:O, :K] = torch.where(v != 0, exp, torch.full_like(exp, -1000))   # zeros do not constrain
+    blk_max = padded.view(nbo, bo, nbi, bi).amax(dim=(1, 3))     # [nbo, nbi]
+    blk_max = torch.where(blk_max < -500, torch.zeros_like(blk_max), blk_max)   # all-zero block
+    S = (blk_max - 6).clamp(-127, 127)
+    S_full = S.repeat_interleave(bo, 0)[:O].repeat_interleave(bi, 1)[:, :K]
+    q = (v * torch.exp2((exp - S_full).float())).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    s8 = _float_to_e8m0(torch.exp2(S.float()))
+    if not torch.equal(dequant_fp8_block(q, s8, out_block, torch.float32), v * e):
+        return None
+    return q, s8
+
+
 # ---- encoders (tiny checkpoints, tests) --------------------------------------------------------
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)

@@ -292,4 +292,4 @@ def test_nvidia_linear_method_declines_off_gpu(monkeypatch):
                               model_config=SimpleNamespace(weight_block_size=(128, 128)))
     assert type(mod.deepinfer_linear_method(qat_off, "fp8")).__name__ == "Fp8LinearMethod"
     assert mod.deepinfer_linear_method(SimpleNamespace(platform=nvidia, simulate_qat=True, device="cuda"),
-                                       "fp4") is None
+                                       "bf16") is None

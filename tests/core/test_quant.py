@@ -242,3 +242,17 @@ def test_quantize_fp4_hand_and_roundtrip():
     q2, s2 = quantize_fp4(wq)
     assert torch.equal(dequant_fp4(q2, s2, dtype=torch.float32), wq)
     assert torch.equal(dequant_fp4(q, s), wq.to(torch.bfloat16))
+
+
+def test_fp4_to_fp8_re_encoding_is_exact_or_refused():
+    from deepinfer_core.ops.quant import dequant_fp4, dequant_fp8_block, fp4_to_fp8_block, quantize_fp4
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 384, generator=g) * 0.02
+    w[5, 64:96] *= 2 ** 10                     # group scales spanning 10 binades in one block: still exact
+    w[200:, :] = 0.0                           # an all-zero block
+    packed, scale = quantize_fp4(w)
+    q, s = fp4_to_fp8_block(packed, scale)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 3)
+    assert torch.equal(dequant_fp8_block(q, s, (128, 128), torch.float32), dequant_fp4(packed, scale, 32, torch.float32))
+    w[0, :32] *= 2 ** 20                       # 20 binades apart: e4m3 cannot hold both ends
+    assert fp4_to_fp8_block(*quantize_fp4(w)) is None

@@ -58,3 +58,20 @@ def test_grouped_layers_use_the_portable_method():
     method = Fp8LinearMethod(torch.bfloat16, True)
     method.process_weights(layer)
     assert layer.weight.dtype == torch.bfloat16 and not method.uses_fp8(layer)
+
+
+def test_fp4_experts_are_re_encoded_to_fp8_exactly(kdev):
+    from deepinfer_core.ops.quant import quantize_fp4
+    ours, ref = Linear(256, 128, "fp4"), Linear(256, 128, "fp4")
+    packed, scale = quantize_fp4(torch.randn(128, 256, generator=torch.Generator().manual_seed(5)) * 0.02)
+    for layer in (ours, ref):
+        layer.weight.copy_(packed)
+        layer.scale.copy_(scale)
+    method = Fp8LinearMethod(torch.float32, True)
+    method.process_weights(ours)
+    PortableLinearMethod(torch.float32, True).process_weights(ref)
+    assert ours.weight.dtype == torch.float8_e4m3fn and method.uses_fp8(ours)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(6))
+    got = method.apply(ours.to(kdev), x.to(kdev)).cpu()
+    want = PortableLinearMethod(torch.float32, True).apply(ref, x)
+    assert ((got - want).norm() / want.norm()) < (1e-5 if kdev == "cpu" else 5e-4)

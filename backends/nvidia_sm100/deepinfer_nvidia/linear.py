@@ -5,15 +5,21 @@ multiplied by the block-scaled FP8 GEMM (`deepinfer_kernels`).
 This *is* the QAT numerics: the reference quantises those activations to FP8 before the product, so
 with simulate_qat=True the result equals the portable path up to summation order. Without
 activation quantisation (simulate_qat=False, or a layer the reference computes in bf16) the weights
-still stay FP8 and are widened tile by tile (`w8a16_gemm`). bf16 and FP4 weights, and the grouped
-wo_a, use the core's portable method.
+still stay FP8 and are widened tile by tile (`w8a16_gemm`). FP4 checkpoint weights (the routed
+experts) are re-encoded to FP8 with 128x128 scales at load when that is exact (`fp4_to_fp8_block`;
+SM90 has no FP4 tensor cores), else dequantised by the portable method. bf16 weights and the
+grouped wo_a use the core's portable method.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from deepinfer_core.ops.portable_linear import PortableLinearMethod
-from deepinfer_core.ops.quant import e8m0_to_float
+from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block
+
+log = logging.getLogger("deepinfer.nvidia")
 
 
 class Fp8LinearMethod:
@@ -25,11 +31,20 @@ class Fp8LinearMethod:
         return getattr(layer, "fp8_scale", None) is not None
 
     def process_weights(self, layer) -> None:
-        if layer.fmt != "fp8" or self.block != (128, 128) or layer.grouped:
+        if layer.fmt not in ("fp8", "fp4") or self.block != (128, 128) or layer.grouped:
             self.fallback.process_weights(layer)
             return
-        layer.register_buffer("weight", layer.weight.contiguous(), persistent=False)
-        layer.register_buffer("fp8_scale", e8m0_to_float(layer.scale).contiguous(), persistent=False)
+        weight, scale = layer.weight, layer.scale
+        if layer.fmt == "fp4":
+            encoded = fp4_to_fp8_block(weight, scale)
+            if encoded is None:
+                log.warning("FP4 weight %s cannot be re-encoded to FP8 exactly (group scales span > 14 "
+                            "binades in a 128x128 block); dequantising it instead", tuple(weight.shape))
+                self.fallback.process_weights(layer)
+                return
+            weight, scale = encoded
+        layer.register_buffer("weight", weight.contiguous(), persistent=False)
+        layer.register_buffer("fp8_scale", e8m0_to_float(scale).contiguous(), persistent=False)
         layer.scale = None
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:

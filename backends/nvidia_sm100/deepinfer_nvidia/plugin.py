@@ -14,8 +14,8 @@ NAME = "nvidia"
 MIN_CAPABILITY = (9, 0)      # FP8 tensor cores (Hopper); SM100 runs the same Triton code
 DEEPINFER_PLUGIN_INFO = {
     "status": "partial",
-    "note": "FP8 block-scaled linear layers on the tensor cores (Triton); attention, MoE, mHC and "
-            "sampling still run the core's portable PyTorch ops on the GPU",
+    "note": "FP8 block-scaled linear layers (and FP4 experts re-encoded to FP8) on the tensor cores "
+            "(Triton); attention, MoE routing, mHC and sampling still run the core's portable ops",
 }
 # Either path means a loaded NVIDIA kernel driver (tests may replace this tuple).
 PROBE_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidia0")
@@ -36,9 +36,10 @@ def _fp8_capable(device) -> bool:
 
 @hookimpl
 def deepinfer_linear_method(ctx, weight_format):
-    """FP8 weights on an SM90+ GPU (FP8 x FP8 with the QAT numerics, FP8 weights x bf16/fp32
-    activations without); other formats and devices fall through to the core."""
-    if ctx.platform.name != NAME or weight_format != "fp8":
+    """FP8 (and FP4, re-encoded to FP8 at load) weights on an SM90+ GPU: FP8 x FP8 with the QAT
+    numerics, FP8 weights x bf16/fp32 activations without; bf16 weights and other devices fall
+    through to the core."""
+    if ctx.platform.name != NAME or weight_format not in ("fp8", "fp4"):
         return None
     if not _fp8_capable(ctx.device):
         return None
