@@ -27,7 +27,8 @@ def test_greedy_on_the_nvidia_backend_matches_the_cpu_backend(tiny_ckpt_dir):
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
     gpu = LLM(model=str(tiny_ckpt_dir), dtype="float32", simulate_qat=False)
     assert gpu.device == "cuda" and gpu.runner.loaded.ctx.platform.name == "nvidia"
-    fp8 = [m for m in gpu.runner.model.modules() if getattr(m, "fmt", None) == "fp8" and not m.grouped]
+    fp8 = [m for m in gpu.runner.model.modules() if getattr(m, "fmt", None) in ("fp8", "fp4") and not m.grouped]
+    assert any(m.fmt == "fp4" for m in fp8)            # routed experts: FP4 in the checkpoint, FP8 on the GPU
     assert fp8 and all(type(m.method).__name__ == "Fp8LinearMethod" and m.weight.dtype == torch.float8_e4m3fn
                        for m in fp8)
     cpu = LLM(model=str(tiny_ckpt_dir), dtype="float32", simulate_qat=False, device="cpu")
