@@ -39,7 +39,7 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
     cfg = ModelConfig.from_file(model_dir)
     pm = get_plugin_manager()
     platform = pm.detect_platform()
-    device = device or ("cuda" if platform.device_type == "cuda" else platform.device_type)   # None: the platform's
+    device = device or platform.device_type        # None: the detected platform's device
     ctx = BuildContext(model_config=cfg, platform=platform, device=device, dtype=normalize_dtype(dtype),
                        simulate_qat=bool(simulate_qat), options=dict(options or {}))
     pm.configure(ctx)
@@ -69,6 +69,7 @@ class ModelRunner:
         self.backtrack = max_backtracking_tokens
         self.cache: StateCache | None = None
         self._cache_request: CacheRequest | None = None
+        self.cache_note = ""                     # where the cache's size came from (logged, tests)
         self.profile_tokens = 8192              # the engine sets its max_num_batched_tokens
         log.info("model loaded in %.1f s", self.loaded.load_seconds)
 
