@@ -110,6 +110,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
+    return value
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -186,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"prefill chunk size in tokens (default: {defaults['max_num_batched_tokens']})")
     eng.add_argument("--max-num-seqs", type=_positive_int, default=argparse.SUPPRESS,
                      help=f"sequences per step, = state-cache slots (default: {defaults['max_num_seqs']})")
+    eng.add_argument("--gpu-memory-utilization", type=_fraction, default=argparse.SUPPRESS,
+                     help=f"CUDA: fraction of device memory the engine may use "
+                          f"(default: {defaults['gpu_memory_utilization']})")
     eng.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=argparse.SUPPRESS,
                      help="state-cache budget in bytes (default: gpu_memory_utilization on CUDA, "
                           "DEEPINFER_CPU_KV_CACHE_BYTES on CPU)")
@@ -341,7 +354,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """LLM keyword arguments for the engine flags given."""
     names = ("tokenizer", "dtype", "simulate_qat", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
-             "kv_cache_memory_bytes")
+             "gpu_memory_utilization", "kv_cache_memory_bytes")
     return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 

@@ -123,6 +123,7 @@ def bad_jsonl(tmp_path):
     (["--prompt", "a", "--no-such-flag"], "--no-such-flag"),
     (["--prompt", "a", "--dtype", "float16"], "--dtype"),
     (["--prompt", "a", "--max-model-len", "0"], "--max-model-len"),
+    (["--prompt", "a", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["--prompt", "a", "--stop-token-ids", "x"], "--stop-token-ids"),
     (["--prompt", "a", "--extra-args", "[1]"], "--extra-args"),
     (["--prompt", "a", "--temperature", "-1"], "temperature"),
