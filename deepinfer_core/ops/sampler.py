@@ -51,6 +51,37 @@ def counter_uniform(seed: int, position: int, case: int = CASE_SAMPLE, namespace
     return (x >> 11) * 2.0 ** -53
 
 
+def _signed64(x: int) -> int:
+    """A uint64 as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    x &= MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64_t(x: torch.Tensor) -> torch.Tensor:
+    """`splitmix64` on int64 tensors: multiplication wraps mod 2^64 like the uint64 original."""
+    z = x + _signed64(GOLDEN)
+    z = (z ^ _shr(z, 30)) * _signed64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _signed64(0x94D049BB133111EB)
+    return z ^ _shr(z, 31)
+
+
+def counter_uniform_tensor(seeds: Sequence[int], positions: Sequence[int], device, case: int = CASE_SAMPLE,
+                           namespace: str = "main") -> torch.Tensor:
+    """`counter_uniform` for many rows at once, computed on `device` (float64, bit-identical): the
+    host only copies the seeds and positions, so sampling needs no per-row host work or sync."""
+    offset = DRAFT_OFFSET if namespace == "draft" else 0
+    key = torch.tensor([_signed64(sd + offset) for sd in seeds], dtype=torch.int64, device=device)
+    pos = torch.tensor(list(positions), dtype=torch.int64, device=device)
+    counter = (3 * pos + case) * _signed64(GOLDEN)
+    x = _splitmix64_t(_splitmix64_t(key) ^ counter)
+    return _shr(x, 11).to(torch.float64) * 2.0 ** -53
+
+
 # ---- filtering ----------------------------------------------------------------------------------
 TOP_P_PROBE = 1024   # top-p first looks at this many best tokens; a full sort only if they are not enough
 SMALL_VOCAB = 4096   # up to this vocabulary size one batched full sort is cheaper than per-row work
@@ -169,8 +200,7 @@ class Sampler:
             out[greedy] = logits[greedy].argmax(dim=-1)
         if rand:
             probs = processed_probs(logits[rand], [params[i] for i in rand])
-            u = torch.tensor([counter_uniform(seeds[i], positions[i]) for i in rand],
-                             dtype=torch.float64, device=logits.device)
+            u = counter_uniform_tensor([seeds[i] for i in rand], [positions[i] for i in rand], logits.device)
             out[rand] = inverse_cdf(probs, u)
         return out
 

@@ -244,3 +244,14 @@ def test_penalties_per_row():
 def test_sample_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="rows"):
         Sampler().sample(torch.zeros(2, 4), [S()], [0], [0])
+
+
+def test_device_counter_uniform_is_bit_identical_to_the_host_one():
+    from deepinfer_core.ops.sampler import counter_uniform_tensor
+    import random
+    rng = random.Random(0)
+    seeds = [0, 1, MASK64, (1 << 63), (1 << 63) - 1] + [rng.getrandbits(64) for _ in range(200)]
+    positions = [0, 1, 2**31, 2**40, 7] + [rng.randrange(1 << 20) for _ in range(200)]
+    for case, ns in [(0, "main"), (1, "main"), (2, "draft")]:
+        got = counter_uniform_tensor(seeds, positions, "cpu", case=case, namespace=ns).tolist()
+        assert got == [counter_uniform(s, p, case, ns) for s, p in zip(seeds, positions)]
