@@ -35,6 +35,7 @@ def resolve_num_blocks(layout: CacheLayout, req: CacheRequest, device: str,
         cap = req.num_slots * -(-req.max_model_len // layout.block_size)
     if req.num_blocks is not None:
         return req.num_blocks, f"num_cache_blocks={req.num_blocks}"
+    detail = ""                                  # the CUDA figures behind the budget, for the log line
     if req.memory_bytes is not None:
         budget, name = req.memory_bytes, "kv_cache_memory_bytes"
     elif str(device).startswith("cuda"):
@@ -48,12 +49,12 @@ def resolve_num_blocks(layout: CacheLayout, req: CacheRequest, device: str,
             raise ValueError(f"gpu_memory_utilization={util}: {util * total / 2**30:.2f} GiB allowed but "
                              f"{used / 2**30:.2f} GiB are in use and one step's activations need "
                              f"{act / 2**30:.2f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens")
-        name = f"gpu_memory_utilization ({used / 2**30:.2f} GiB in use, {act / 2**30:.2f} GiB activations)"
+        detail = f" ({used / 2**30:.2f} GiB in use, {act / 2**30:.2f} GiB activations)"
     else:
         from ..envs import get
         budget, name = get("DEEPINFER_CPU_KV_CACHE_BYTES"), "DEEPINFER_CPU_KV_CACHE_BYTES"
-    n = layout.num_blocks_for_budget(budget, req.num_slots, name.split(" (")[0])
-    note = f"{name}: {budget} bytes"
+    n = layout.num_blocks_for_budget(budget, req.num_slots, name)
+    note = f"{name}{detail}: {budget} bytes"
     if cap is not None and n > cap:
         n, note = cap, note + f", capped at max_num_seqs x max_model_len = {cap} blocks"
     return n, note
