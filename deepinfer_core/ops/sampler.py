@@ -87,6 +87,12 @@ TOP_P_PROBE = 1024   # top-p first looks at this many best tokens; a full sort o
 SMALL_VOCAB = 4096   # up to this vocabulary size one batched full sort is cheaper than per-row work
 
 
+def batched_sort_pays(probs: torch.Tensor) -> bool:
+    """One batched full sort of every row: always on an accelerator (fast there, and the per-row path
+    reads values back to the host), on the CPU only for small vocabularies."""
+    return probs.device.type != "cpu" or probs.shape[-1] <= SMALL_VOCAB
+
+
 def sorted_prefix(row: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `m` (value, id) of one row in (value descending, id ascending) order.
 
@@ -120,9 +126,9 @@ def _top_k_top_p_keep(row: torch.Tensor, k: int, p: float) -> torch.Tensor:
     return ids[before < p * total]       # smallest prefix whose mass reaches top_p
 
 
-def _top_k_top_p_small_vocab(probs: torch.Tensor, top_k: Sequence[int],
+def _top_k_top_p_batched(probs: torch.Tensor, top_k: Sequence[int],
                              top_p: Sequence[float]) -> torch.Tensor:
-    """Same rule as `_top_k_top_p_keep`, for every row at once from one full sort (small vocabularies)."""
+    """Same rule as `_top_k_top_p_keep`, for every row at once from one full sort (no host sync)."""
     vocab = probs.shape[-1]
     dev = probs.device
     k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=dev)
@@ -148,8 +154,8 @@ def filter_probs(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[floa
     vocab = probs.shape[-1]
     rows = [r for r in range(probs.shape[0]) if 0 < top_k[r] < vocab or top_p[r] < 1]
     out = probs
-    if rows and vocab <= SMALL_VOCAB:
-        out = _top_k_top_p_small_vocab(probs, top_k, top_p)
+    if rows and batched_sort_pays(probs):
+        out = _top_k_top_p_batched(probs, top_k, top_p)
     elif rows:
         out = probs.clone()
         for r in rows:
@@ -157,8 +163,8 @@ def filter_probs(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[floa
             keep = _top_k_top_p_keep(probs[r], k, float(top_p[r]))
             out[r] = 0.0
             out[r, keep] = probs[r, keep]
-    m = torch.tensor(list(min_p), dtype=torch.float64, device=probs.device)
-    if bool((m > 0).any()):
+    if any(mp > 0 for mp in min_p):      # decided on the host: no device sync
+        m = torch.tensor([float(mp) for mp in min_p], dtype=torch.float64, device=probs.device)
         pmax = out.max(dim=-1, keepdim=True).values
         out = out.masked_fill(out < m[:, None] * pmax, 0.0)
     return out
@@ -219,10 +225,13 @@ def compute_logprobs(logits: torch.Tensor, k: int, sampled_ids: torch.Tensor | N
     raw logits (vLLM's default: before penalties, temperature and filtering)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     k = max(0, min(k, lp.shape[-1]))
-    vals = lp.new_empty(lp.shape[0], k)
-    ids = torch.empty(lp.shape[0], k, dtype=torch.long, device=lp.device)
-    for r in range(lp.shape[0] if k else 0):
-        vals[r], ids[r] = sorted_prefix(lp[r], k)
+    if k and batched_sort_pays(lp):
+        vals, ids = (t[:, :k] for t in torch.sort(lp, dim=-1, descending=True, stable=True))
+    else:
+        vals = lp.new_empty(lp.shape[0], k)
+        ids = torch.empty(lp.shape[0], k, dtype=torch.long, device=lp.device)
+        for r in range(lp.shape[0] if k else 0):
+            vals[r], ids[r] = sorted_prefix(lp[r], k)
     slp = ranks = None
     if sampled_ids is not None:
         slp = lp.gather(-1, sampled_ids.view(-1, 1).to(lp.device)).squeeze(1)
