@@ -16,9 +16,17 @@ class RotaryTable:
         self.rope_dim = rope_dim
         freqs = yarn_inv_freq(rope_dim, base, yarn or YarnScaling())
         self.inv_freq = torch.tensor(freqs, dtype=torch.float32, device=device)
+        self._on_device = {self.inv_freq.device: self.inv_freq}
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The table on `device`, copied there once (a copy per call would be a host transfer per
+        layer, and cannot be captured in a CUDA graph)."""
+        if device not in self._on_device:
+            self._on_device[device] = self.inv_freq.to(device)
+        return self._on_device[device]
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        angles = positions.to(torch.float32)[:, None] * self._inv_freq(positions.device)[None, :]
         return angles.cos(), angles.sin()
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
