@@ -68,10 +68,21 @@ class CompressorState:
 
 
 @dataclass
+class LayerPools:
+    """One layer's whole pools, every slot and block (batched kernels index them with device
+    metadata; the per-sequence views below serve the portable ops)."""
+
+    ring: torch.Tensor                                   # [num_slots, ring_len, head_dim]
+    compressor: dict[str, torch.Tensor] | None = None    # tail_kv, tail_z [num_slots, ...], rows [num_blocks, ...]
+    indexer: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
 class LayerState:
     ring: torch.Tensor                         # [ring_size, head_dim], slot = pos % ring_size
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None     # CSA layers: the indexer's own compressor + keys
+    pools: LayerPools | None = None            # the layer's pools of the cache this state lives in
 
 
 @dataclass(eq=False)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_allocator import BlockAllocator
-from .sequence_state import BlockTable, CompressorState, LayerState, SequenceState
+from .sequence_state import BlockTable, CompressorState, LayerPools, LayerState, SequenceState
 
 BLOCK_SIZE = 128     # a multiple of every compression ratio, so no row straddles two blocks
 _FP32 = 4
@@ -110,6 +110,7 @@ class StateCache:
             self.rings.append(torch.empty(num_slots, L.ring_len, L.head_dim, dtype=L.dtype, device=device))
             self.comp.append(self._compressor_pools(r, L.head_dim) if r else None)
             self.index.append(self._compressor_pools(r, L.index_head_dim) if r == 4 else None)
+        self.layer_pools = [LayerPools(ring, comp, index) for ring, comp, index in zip(self.rings, self.comp, self.index)]
 
     def _compressor_pools(self, ratio: int, d: int) -> dict[str, torch.Tensor]:
         L, c = self.layout, coff(ratio)
@@ -134,7 +135,7 @@ class StateCache:
         table = BlockTable(block_ids, self.device)
         layers = []
         for i, r in enumerate(self.layout.ratios):
-            st = LayerState(ring=self.rings[i][slot])
+            st = LayerState(ring=self.rings[i][slot], pools=self.layer_pools[i])
             if r:
                 st.compressor = self._compressor_state(self.comp[i], r, slot, table, fresh)
             if r == 4:

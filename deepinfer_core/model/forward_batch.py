@@ -6,7 +6,8 @@ per-token tensor, starting at absolute position `starts[i]`. Decode (1 token), c
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,6 +22,9 @@ class ForwardBatch:
     lens: list[int]                   # number of new tokens of each sequence
     states: list[SequenceState]       # one per sequence, updated in place
     logits_rows: torch.Tensor         # [N] rows of the flat batch whose logits are wanted
+    # Built once per forward by the attention backend on its first layer (device metadata that
+    # every layer shares); opaque to the core.
+    backend_meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
