@@ -41,7 +41,7 @@ logger = logging.getLogger("deepinfer.llm")
 _IGNORED_KWARGS = frozenset({
     "expert_parallel_size", "tensor_parallel_size", "pipeline_parallel_size",
     "data_parallel_size", "context_parallel_size", "engram_parallel_size", "engine_rank",
-    "engine_group_rank", "trust_remote_code", "enforce_eager", "revision", "tokenizer_revision",
+    "engine_group_rank", "trust_remote_code", "revision", "tokenizer_revision",
     "tokenizer_mode", "swap_space", "cpu_offload_gb", "disable_log_stats", "served_model_name",
     "stop_preempted_request", "offline_inference", "chunked_prefill", "enable_chunked_prefill",
     "enable_prefix_caching", "disable_custom_all_reduce", "ignore_len", "tokens_per_block",
@@ -50,7 +50,7 @@ _IGNORED_KWARGS = frozenset({
 # Options the LLM itself uses, with defaults (shared with the CLI's help).
 _LLM_OPTIONS = LLM_OPTION_DEFAULTS
 # Options handed to ModelRunner(**options).
-_RUNNER_OPTIONS = frozenset({"load_format", "batch_invariant", "max_backtracking_tokens"})
+_RUNNER_OPTIONS = frozenset({"load_format", "batch_invariant", "max_backtracking_tokens", "enforce_eager"})
 
 
 # ---- reusable request-processing pieces ----------------------------------------------------------

@@ -15,7 +15,8 @@ import torch
 
 class BlockTable:
     """The block ids of one sequence, shared by every paged pool of every layer (one logical
-    block = `block_size` positions in all of them). `ids` is a host list; `tensor` mirrors it."""
+    block = `block_size` positions in all of them). `ids` is a host list; `tensor` mirrors it,
+    copied on first use only (batched backends read the host list, never this tensor)."""
 
     def __init__(self, ids: list[int], device) -> None:
         self.device = device
@@ -23,7 +24,13 @@ class BlockTable:
 
     def set(self, ids: list[int]) -> None:
         self.ids = list(ids)
-        self.tensor = torch.tensor(self.ids, dtype=torch.int64, device=self.device)
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = torch.tensor(self.ids, dtype=torch.int64, device=self.device)
+        return self._tensor
 
     def __len__(self) -> int:
         return len(self.ids)

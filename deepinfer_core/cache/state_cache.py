@@ -99,15 +99,19 @@ class CacheLayout:
 class StateCache:
     """The pools of one model's state, plus the allocator of their slots and blocks."""
 
-    def __init__(self, layout: CacheLayout, num_slots: int, num_blocks: int, device="cpu"):
-        self.layout, self.num_slots, self.num_blocks, self.device = layout, num_slots, num_blocks, device
+    def __init__(self, layout: CacheLayout, num_slots: int, num_blocks: int, device="cpu", spare: bool = False):
+        """`spare`: one more slot and block than the allocator hands out (`spare_slot`, `spare_block`),
+        for CUDA-graph padding; `num_slots`/`num_blocks` count the pools, spare included."""
+        self.layout, self.device = layout, device
+        self.num_slots, self.num_blocks = num_slots + spare, num_blocks + spare
         self.allocator = BlockAllocator(num_blocks, num_slots)
+        self.spare_slot, self.spare_block = (num_slots, num_blocks) if spare else (None, None)
         L = layout
         # torch.empty: pages are touched only when used; nothing is read before it is written
         # (visibility is by position and tails are reset when a slot is bound).
         self.rings, self.comp, self.index = [], [], []
         for r in L.ratios:
-            self.rings.append(torch.empty(num_slots, L.ring_len, L.head_dim, dtype=L.dtype, device=device))
+            self.rings.append(torch.empty(self.num_slots, L.ring_len, L.head_dim, dtype=L.dtype, device=device))
             self.comp.append(self._compressor_pools(r, L.head_dim) if r else None)
             self.index.append(self._compressor_pools(r, L.index_head_dim) if r == 4 else None)
         self.layer_pools = [LayerPools(ring, comp, index) for ring, comp, index in zip(self.rings, self.comp, self.index)]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..cache.sequence_state import SequenceState
+from ..ops.transfer import to_device
 
 
 @dataclass
@@ -57,8 +58,9 @@ class ForwardBatch:
                 rows.append(off + len(toks) - 1)
             starts.append(s)
             lens.append(len(toks))
-        t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(t(ids), t(pos), starts, lens, list(states), t(rows))
+        ids_pos_rows = to_device(ids + pos + rows, torch.int64, device)      # one host->device copy
+        n = len(ids)
+        return cls(ids_pos_rows[:n], ids_pos_rows[n:2 * n], starts, lens, list(states), ids_pos_rows[2 * n:])
 
     def commit(self) -> None:
         """Advance every sequence past its new tokens (after the forward succeeded)."""

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .transfer import to_device
+
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 DRAFT_OFFSET = 1_000_000_007            # DS-DeepInfer's offset of the draft namespace
@@ -75,8 +77,8 @@ def counter_uniform_tensor(seeds: Sequence[int], positions: Sequence[int], devic
     """`counter_uniform` for many rows at once, computed on `device` (float64, bit-identical): the
     host only copies the seeds and positions, so sampling needs no per-row host work or sync."""
     offset = DRAFT_OFFSET if namespace == "draft" else 0
-    key = torch.tensor([_signed64(sd + offset) for sd in seeds], dtype=torch.int64, device=device)
-    pos = torch.tensor(list(positions), dtype=torch.int64, device=device)
+    key = to_device([_signed64(sd + offset) for sd in seeds], torch.int64, device)
+    pos = to_device(list(positions), torch.int64, device)
     counter = (3 * pos + case) * _signed64(GOLDEN)
     x = _splitmix64_t(_splitmix64_t(key) ^ counter)
     return _shr(x, 11).to(torch.float64) * 2.0 ** -53
@@ -131,8 +133,8 @@ def _top_k_top_p_batched(probs: torch.Tensor, top_k: Sequence[int],
     """Same rule as `_top_k_top_p_keep`, for every row at once from one full sort (no host sync)."""
     vocab = probs.shape[-1]
     dev = probs.device
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=dev)
-    p = torch.tensor([float(pp) for pp in top_p], dtype=torch.float64, device=dev)
+    k = to_device([kk if 0 < kk < vocab else vocab for kk in top_k], torch.int64, dev)
+    p = to_device([float(pp) for pp in top_p], torch.float64, dev)
     vals, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     keep = torch.arange(vocab, device=dev)[None, :] < k[:, None]
     csum = (vals * keep).cumsum(-1)
@@ -164,7 +166,7 @@ def filter_probs(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[floa
             out[r] = 0.0
             out[r, keep] = probs[r, keep]
     if any(mp > 0 for mp in min_p):      # decided on the host: no device sync
-        m = torch.tensor([float(mp) for mp in min_p], dtype=torch.float64, device=probs.device)
+        m = to_device([float(mp) for mp in min_p], torch.float64, probs.device)
         pmax = out.max(dim=-1, keepdim=True).values
         out = out.masked_fill(out < m[:, None] * pmax, 0.0)
     return out
@@ -172,7 +174,7 @@ def filter_probs(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[floa
 
 def processed_probs(logits: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
     """The exact (unnormalised) distribution that `Sampler.sample` draws from, [R, V] float64."""
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=logits.device)
+    temps = to_device([float(p.temperature) for p in params], torch.float64, logits.device)
     probs = torch.softmax(logits.to(torch.float64) / temps[:, None], dim=-1)
     return filter_probs(probs, [p.top_k for p in params], [p.top_p for p in params],
                         [p.min_p for p in params])
@@ -203,11 +205,13 @@ class Sampler:
         rand = [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS]
         if greedy:
             # torch.argmax returns the first maximal index: the lowest id wins ties.
-            out[greedy] = logits[greedy].argmax(dim=-1)
+            g = to_device(greedy, torch.int64, logits.device)
+            out[g] = logits[g].argmax(dim=-1)
         if rand:
-            probs = processed_probs(logits[rand], [params[i] for i in rand])
+            r = to_device(rand, torch.int64, logits.device)
+            probs = processed_probs(logits[r], [params[i] for i in rand])
             u = counter_uniform_tensor([seeds[i] for i in rand], [positions[i] for i in rand], logits.device)
-            out[rand] = inverse_cdf(probs, u)
+            out[r] = inverse_cdf(probs, u)
         return out
 
 

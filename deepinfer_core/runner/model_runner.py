@@ -19,6 +19,7 @@ from ..model.attention import Numerics
 from ..model.deepseek_v4 import DeepseekV4Model
 from ..plugin_context import BuildContext, normalize_dtype
 from ..plugins import get_plugin_manager
+from .cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4")
@@ -28,6 +29,7 @@ class LoadedModel:
     ctx: BuildContext
     sampler: object
     load_seconds: float
+    ops: ModelOps | None = None
 
 
 def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True, device: str | None = None,
@@ -51,22 +53,26 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))
     process_weights(model)
     model.to(device)
-    return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0)
+    return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops)
 
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True,
-                 device: str | None = None, max_backtracking_tokens: int | None = None, **options):
+                 device: str | None = None, max_backtracking_tokens: int | None = None,
+                 enforce_eager: bool | None = None, **options):
         self.loaded = load_model(model_dir, dtype=dtype, simulate_qat=simulate_qat, device=device, options=options)
         self.model = self.loaded.model
         self.sampler = self.loaded.sampler      # chosen through deepinfer_sampler, once
         self.model_config: ModelConfig = self.model.cfg
         self.device = self.loaded.ctx.device
         self.dtype = self.loaded.ctx.torch_dtype
-        if max_backtracking_tokens is None:      # the env table is the one source of the default
-            from ..envs import read_settings
-            max_backtracking_tokens = read_settings().effective_max_backtracking_tokens
+        from ..envs import read_settings        # the env table is the one source of the defaults
+        settings = read_settings()
+        if max_backtracking_tokens is None:
+            max_backtracking_tokens = settings.effective_max_backtracking_tokens
         self.backtrack = max_backtracking_tokens
+        self.enforce_eager = settings.enforce_eager if enforce_eager is None else bool(enforce_eager)
+        self.graphs: DecodeGraphs | None = None
         self.cache: StateCache | None = None
         self._cache_request: CacheRequest | None = None
         self.cache_note = ""                     # where the cache's size came from (logged, tests)
@@ -82,16 +88,29 @@ class ModelRunner:
         is resident)."""
         if self.cache is not None and self._cache_request == request:
             return self.cache
+        self.graphs = None
         if self.cache is not None and not self.cache.allocator.empty:
             raise RuntimeError("state cache: cannot re-size while sequences are resident")
         self.cache = None                       # free the old pools before sizing the new ones
         layout = self.cache_layout()
         num_blocks, note = resolve_num_blocks(layout, request, self.device, self._profile_activation_bytes)
-        self.cache = StateCache(layout, request.num_slots, num_blocks, self.device)
+        use_graphs = self._graphs_wanted()
+        # decode graphs pad batches into one extra slot and block of their own
+        self.cache = StateCache(layout, request.num_slots, num_blocks, self.device, spare=use_graphs)
+        if use_graphs:
+            self.graphs = DecodeGraphs(self.model, self.cache, self.loaded.ops.attention, request.num_slots,
+                                       -(-(request.max_model_len or self.model_config.max_position_embeddings)
+                                         // layout.block_size))
+            note += "; +1 slot and block for CUDA-graph padding"
         self._cache_request, self.cache_note = request, note
         log.info("state cache: %d slots x %d B + %d blocks x %d B = %.1f MiB (%s)", request.num_slots,
                  layout.slot_bytes, num_blocks, layout.block_bytes, self.cache.nbytes() / 2**20, note)
         return self.cache
+
+    def _graphs_wanted(self) -> bool:
+        ops = self.loaded.ops
+        return (torch.device(self.device).type == "cuda" and not self.enforce_eager and ops is not None
+                and DecodeGraphs.supported(ops.attention))
 
     def bind_sequence(self, slot: int, block_ids: list[int]) -> SequenceState:
         """A fresh engine-managed state (the scheduler owns its slot and blocks)."""
@@ -142,6 +161,12 @@ class ModelRunner:
         (see ForwardBatch.build for `logit_modes`)."""
         for st, toks in zip(seqs, token_ids):
             st.reserve(len(toks))
+        if self.graphs is not None and self.graphs.fits(token_ids, seqs, all_logits, logit_modes):
+            logits = self.graphs.run(token_ids, seqs)
+            if logits is not None:
+                for st in seqs:
+                    st.num_tokens += 1
+                return logits
         batch = ForwardBatch.build(token_ids, seqs, self.device, all_logits=all_logits, logit_modes=logit_modes)
         out = self.model(batch)
         batch.commit()

@@ -1,6 +1,6 @@
-"""NVIDIA backend plugin (SM90 Hopper and SM100 Blackwell): claims the platform and serves FP8
-linear layers from the Triton kernels in `deepinfer_kernels`; attention, MoE and mHC still come from
-the core's portable ops (on the GPU) until their kernels land.
+"""NVIDIA backend plugin (SM90 Hopper and SM100 Blackwell): claims the platform and serves the linear
+layers, attention, MoE and mHC from the Triton kernels in `deepinfer_kernels` (the sampler is the
+core's, which runs on the device without host syncs).
 
 Detection is import-light on purpose (it runs in every process): it looks at the driver's procfs
 entry and device node only, never at torch.cuda, so no CUDA context is created.
@@ -14,8 +14,9 @@ NAME = "nvidia"
 MIN_CAPABILITY = (9, 0)      # FP8 tensor cores (Hopper); SM100 runs the same Triton code
 DEEPINFER_PLUGIN_INFO = {
     "status": "partial",
-    "note": "FP8 block-scaled linear layers (and FP4 experts re-encoded to FP8) on the tensor cores "
-            "(Triton); attention, MoE routing, mHC and sampling still run the core's portable ops",
+    "note": "Triton kernels for FP8 linear layers (FP4 experts re-encoded to FP8), the fused FP8 MoE, "
+            "sparse attention with the indexer and compressors, mHC; decode CUDA graphs. Not yet: FP8 "
+            "KV storage, fused RMSNorm/RoPE, SM100-specific paths",
 }
 # Either path means a loaded NVIDIA kernel driver (tests may replace this tuple).
 PROBE_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidia0")
@@ -25,7 +26,7 @@ PROBE_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidia0")
 def deepinfer_detect_platform(requested):
     # PROBE_PATHS is read at call time so tests can replace it
     return probe_platform(requested, NAME, "cuda", PROBE_PATHS, "NVIDIA driver",
-                          "NVIDIA GPU (FP8 Triton linear layers; other ops portable)")
+                          "NVIDIA GPU (Triton kernels)")
 
 
 def _fp8_capable(device) -> bool:
@@ -34,14 +35,48 @@ def _fp8_capable(device) -> bool:
     return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= MIN_CAPABILITY
 
 
+def _serves(ctx) -> bool:
+    """This backend's ops run on an SM90+ GPU of the nvidia platform; anything else falls through."""
+    return ctx.platform.name == NAME and _fp8_capable(ctx.device)
+
+
+def model_ratios(cfg) -> tuple[int, ...]:
+    """Every compression ratio of the main and MTP layers."""
+    return tuple({cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers)}
+                 | {cfg.mtp_ratio(i) for i in range(cfg.num_nextn_predict_layers)})
+
+
+@hookimpl
+def deepinfer_attention_backend(ctx):
+    if not _serves(ctx):
+        return None
+    from .attention import NvidiaAttentionBackend
+    return NvidiaAttentionBackend(model_ratios(ctx.model_config))
+
+
 @hookimpl
 def deepinfer_linear_method(ctx, weight_format):
     """FP8 (and FP4, re-encoded to FP8 at load) weights on an SM90+ GPU: FP8 x FP8 with the QAT
     numerics, FP8 weights x bf16/fp32 activations without; bf16 weights and other devices fall
     through to the core."""
-    if ctx.platform.name != NAME or weight_format not in ("fp8", "fp4"):
-        return None
-    if not _fp8_capable(ctx.device):
+    if weight_format not in ("fp8", "fp4") or not _serves(ctx):
         return None
     from .linear import Fp8LinearMethod
     return Fp8LinearMethod(ctx.torch_dtype, ctx.simulate_qat, ctx.model_config.weight_block_size or (128, 128))
+
+
+@hookimpl
+def deepinfer_mhc_method(ctx):
+    if not _serves(ctx):
+        return None
+    from .mhc import NvidiaMHC
+    c = ctx.model_config
+    return NvidiaMHC(c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+
+@hookimpl
+def deepinfer_moe_method(ctx):
+    if not _serves(ctx):
+        return None
+    from .moe import NvidiaMoEMethod
+    return NvidiaMoEMethod()

@@ -1,0 +1,98 @@
+"""Device metadata of one forward batch, built once on the host and shared by every layer.
+
+The batched kernels never look at Python objects: they read rows, positions, state slots and block
+tables from these tensors (layouts in `deepinfer_kernels`' module docs). Everything is computed from
+host lists the scheduler already holds and copied to the GPU in one transfer: no device sync.
+
+`StaticMeta` is the CUDA-graph form: fixed shapes (sequences padded to the graph's batch size, block
+tables to the longest possible, closed-block lists to one per sequence), refilled in place before
+each replay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from deepinfer_core.ops.transfer import copy_into, to_device
+from deepinfer_kernels.compressor import new_blocks
+
+
+@dataclass
+class NewBlocks:
+    """The compressed rows one batch closes for one compression ratio (idx < 0 = padding)."""
+
+    seq: torch.Tensor          # [N] int32 sequence of each closed block
+    idx: torch.Tensor          # [N] int32 logical block (= row) index within its sequence
+    count: int                 # real (unpadded) closed blocks; 0 lets eager batches skip the kernels
+
+
+@dataclass
+class AttentionMeta:
+    cu_seqlens: torch.Tensor   # [S+1] int32
+    seq_start: torch.Tensor    # [S] int32
+    token_seq: torch.Tensor    # [T] int32
+    positions: torch.Tensor    # [T] int64
+    slots: torch.Tensor        # [S] int32
+    block_table: torch.Tensor  # [S, max_blocks] int32 (0-padded)
+    new_blocks: dict[int, NewBlocks]
+    max_rows: dict[int, int]   # per ratio: the most compressed rows any query of the batch sees
+
+
+def _host_parts(starts, lens, slots, tables, ratios, max_blocks: int, blocks_len: int | None):
+    """The int32 lists of the metadata, in a fixed order; closed-block lists padded to `blocks_len`."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    token_seq = [s for s, n in enumerate(lens) for _ in range(n)]
+    flat_table = [b for t in tables for b in list(t) + [0] * (max_blocks - len(t))]
+    parts = [cu, list(starts), token_seq, list(slots), flat_table]
+    counts = []
+    for r in ratios:
+        seq, idx = new_blocks(starts, lens, r)
+        counts.append(len(seq))
+        if blocks_len is not None:
+            if len(seq) > blocks_len:
+                raise ValueError(f"batch closes {len(seq)} ratio-{r} blocks; the static metadata holds {blocks_len}")
+            seq, idx = seq + [0] * (blocks_len - len(seq)), idx + [-1] * (blocks_len - len(idx))
+        parts.extend([seq, idx])
+    return parts, counts
+
+
+def _views(flat: torch.Tensor, parts_sizes: list[int], ratios, num_seqs: int, max_blocks: int, positions,
+           counts, max_rows) -> AttentionMeta:
+    views = list(torch.split(flat, parts_sizes))
+    cu_t, start_t, seq_t, slot_t, table_t = views[:5]
+    new_blocks = {}
+    for i, r in enumerate(ratios):
+        seq_v, idx_v = views[5 + 2 * i], views[6 + 2 * i]
+        new_blocks[r] = NewBlocks(seq_v, idx_v, counts[i])
+    return AttentionMeta(cu_t, start_t, seq_t, positions, slot_t, table_t.view(num_seqs, max_blocks),
+                         new_blocks, max_rows)
+
+
+def build_meta(batch, ratios: tuple[int, ...]) -> AttentionMeta:
+    starts, lens, states = batch.starts, batch.lens, batch.states
+    tables = [st.table.ids for st in states]
+    max_blocks = max(1, max(len(t) for t in tables))
+    parts, counts = _host_parts(starts, lens, [st.slot for st in states], tables, ratios, max_blocks, None)
+    flat = to_device([v for p in parts for v in p], torch.int32, batch.positions.device)
+    max_rows = {r: max((st + n) // r for st, n in zip(starts, lens)) for r in ratios}
+    return _views(flat, [len(p) for p in parts], ratios, len(lens), max_blocks, batch.positions, counts, max_rows)
+
+
+class StaticMeta:
+    """Fixed-shape metadata for a CUDA graph of `num_seqs` one-token sequences (decode)."""
+
+    def __init__(self, ratios: tuple[int, ...], num_seqs: int, max_blocks: int, positions: torch.Tensor):
+        self.ratios, self.num_seqs, self.max_blocks = ratios, num_seqs, max_blocks
+        n = num_seqs
+        self.sizes = [n + 1, n, n, n, n * max_blocks] + [n, n] * len(ratios)
+        self.flat = torch.zeros(sum(self.sizes), dtype=torch.int32, device=positions.device)
+        rows = {r: max_blocks * 128 // r for r in ratios}      # the most rows a block table can hold
+        self.meta = _views(self.flat, self.sizes, ratios, n, max_blocks, positions, [n] * len(ratios), rows)
+
+    def fill(self, starts: list[int], slots: list[int], tables: list[list[int]]) -> None:
+        """Copy one decode step's values in place (one host->device transfer)."""
+        parts, _ = _host_parts(starts, [1] * len(starts), slots, tables, self.ratios, self.max_blocks,
+                               self.num_seqs)
+        copy_into(self.flat, [v for p in parts for v in p])

@@ -1,0 +1,160 @@
+"""The NVIDIA backend's MoE method: routing, permutation, FP8 grouped GEMMs with the SwiGLU epilogue
+and the fixed-order combine from `deepinfer_kernels.moe`, with no host synchronisation in `apply`
+(CUDA-graph safe) and results independent of the batch's row order.
+
+`process_weights` stacks every routed expert, plus the shared expert as expert E, into
+w13 [E+1, 2, I, D] / w2 [E+1, D, I] e4m3 with float32 128x128 block scales, registered on the MoE
+module (so `model.to(device)` moves them once) and frees the per-expert buffers, so memory is not
+doubled. FP4 experts are re-encoded to FP8 exactly as `Fp8LinearMethod` does. The numerics follow
+the experts' own linear method (`Fp8LinearMethod`): its compute dtype, and activation quantisation
+exactly where it would apply it (simulate_qat and the layer's act_quant). A layer whose experts are
+not FP8 (bf16 model, FP4 that cannot be re-encoded, another linear method) keeps the core's
+portable method, which runs each expert through its own linear layers.
+
+Note the call order of `deepinfer_core.model.process_weights` (pre-order): the MoE method runs before
+its experts' linear layers were processed, so the raw checkpoint tensors are read here and the
+experts' linears get a stand-in method whose `process_weights` does nothing.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from deepinfer_core.ops.portable_moe import PortableMoE
+from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block
+
+from .linear import Fp8LinearMethod
+
+log = logging.getLogger("deepinfer.nvidia")
+BLOCK = 128
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """Per-layer numerics of the fused path (tensors live as buffers on the MoE module)."""
+    n_routed: int
+    compute_dtype: torch.dtype
+    quant_in: bool          # act_quant of the w1/w3 input
+    quant_mid: bool         # act_quant of the w2 input
+    swiglu_limit: float
+
+
+class _FusedAway:
+    """Stand-in linear method for expert layers whose weights moved into the MoE's stacked tensors."""
+
+    def process_weights(self, layer) -> None:
+        pass
+
+    def apply(self, layer, x):
+        raise RuntimeError("this expert's weights were moved into its MoE layer's fused tensors "
+                           "(NvidiaMoEMethod); run the MoE layer instead")
+
+
+def _expert_fp8(lin) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(e4m3 weight [N, K], float32 block scales [N/128, K/128]) of an expert linear, or None when it
+    is not served as FP8 by Fp8LinearMethod (bf16, non-128 blocks, FP4 not re-encodable)."""
+    if getattr(lin, "fp8_scale", None) is not None:        # already processed by Fp8LinearMethod
+        return lin.weight, lin.fp8_scale
+    method = lin.method
+    if (not isinstance(method, Fp8LinearMethod) or method.block != (BLOCK, BLOCK) or lin.grouped
+            or lin.fmt not in ("fp8", "fp4") or getattr(lin, "scale", None) is None):
+        return None
+    if lin.fmt == "fp4":
+        enc = fp4_to_fp8_block(lin.weight, lin.scale)
+        if enc is None:
+            return None
+        return enc[0], e8m0_to_float(enc[1])
+    return lin.weight, e8m0_to_float(lin.scale)
+
+
+def _numerics(lin) -> tuple[torch.dtype, bool]:
+    """(compute dtype, act_quant applied) as Fp8LinearMethod.apply decides them for this layer."""
+    method = lin.method
+    return lin.compute_dtype or method.dtype, bool(lin.act_quant and method.simulate_qat)
+
+
+class NvidiaMoEMethod:
+    """Same interface as the core's PortableMoE: `process_weights(moe)` once after loading, then
+    `apply(moe, x, input_ids)` per forward."""
+
+    def __init__(self, config: dict | None = None) -> None:
+        self.portable = PortableMoE()
+        self.config = config        # tile-config override for `fused_moe` (tuning, tests); None = heuristic
+
+    @staticmethod
+    def fused(moe) -> bool:
+        return getattr(moe, "nv_fused", None) is not None
+
+    @torch.no_grad()
+    def process_weights(self, moe) -> None:
+        if self.fused(moe):
+            return
+        self.portable.process_weights(moe)          # gate weight -> fp32 (routing reads it as is)
+        moe.nv_fused = None
+        experts = list(moe.experts) + [moe.shared_experts]
+        linears = [(ex.w1, ex.w3, ex.w2) for ex in experts]
+        w1 = experts[0].w1
+        I, D = w1.out_features, w1.in_features
+        if not isinstance(w1.method, Fp8LinearMethod) and getattr(w1, "fp8_scale", None) is None:
+            log.info("MoE layer %s: experts are not FP8 (%s); portable MoE", moe.layer_id, w1.fmt)
+            return
+        numerics = {(_numerics(a), _numerics(b), _numerics(c)) for a, b, c in linears}
+        shapes = {(a.out_features, a.in_features, b.out_features, b.in_features, c.out_features, c.in_features)
+                  for a, b, c in linears}
+        if len(shapes) != 1 or shapes.pop() != (I, D, I, D, D, I) or len(numerics) != 1:
+            log.warning("MoE layer %s: experts differ in shape or numerics; portable MoE", moe.layer_id)
+            return
+        (dt1, q1), (dt3, q3), (dt2, q2) = numerics.pop()
+        if q1 != q3 or len({dt1, dt3, dt2}) != 1:
+            log.warning("MoE layer %s: w1/w3/w2 numerics differ; portable MoE", moe.layer_id)
+            return
+        E1, nbi, nbd = len(experts), triton.cdiv(I, BLOCK), triton.cdiv(D, BLOCK)
+        dev = w1.weight.device
+        w13 = torch.empty((E1, 2, I, D), dtype=torch.float8_e4m3fn, device=dev)
+        s13 = torch.empty((E1, 2, nbi, nbd), dtype=torch.float32, device=dev)
+        w2 = torch.empty((E1, D, I), dtype=torch.float8_e4m3fn, device=dev)
+        s2 = torch.empty((E1, nbd, nbi), dtype=torch.float32, device=dev)
+        for i, (l1, l3, l2) in enumerate(linears):
+            for dst_w, dst_s, lin in ((w13[i, 0], s13[i, 0], l1), (w13[i, 1], s13[i, 1], l3), (w2[i], s2[i], l2)):
+                enc = _expert_fp8(lin)
+                if enc is None:      # nothing freed yet: the portable method takes the layer as loaded
+                    log.warning("MoE layer %s: expert weights not servable as FP8 (%s); portable MoE",
+                                moe.layer_id, lin.fmt)
+                    return
+                dst_w.copy_(enc[0])
+                dst_s.copy_(enc[1])
+        for lin in (lin for trio in linears for lin in trio):
+            lin.register_buffer("weight", torch.empty(0, dtype=torch.float8_e4m3fn, device=dev), persistent=False)
+            lin.scale = None
+            if hasattr(lin, "fp8_scale"):
+                lin.fp8_scale = None
+            lin.method = _FusedAway()
+        for name, t in (("nv_w13", w13), ("nv_s13", s13), ("nv_w2", w2), ("nv_s2", s2)):
+            moe.register_buffer(name, t, persistent=False)
+        moe.nv_fused = _Fused(n_routed=len(moe.experts), compute_dtype=dt1, quant_in=q1, quant_mid=q2,
+                              swiglu_limit=float(moe.experts[0].swiglu_limit))
+
+    def route(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k+1] int32, weights [T, k+1] fp32); the last column is the shared expert."""
+        from deepinfer_kernels.moe_routing import route_topk
+        gate = moe.gate
+        logits = x.float() @ gate.weight.t()
+        return route_topk(logits, gate.topk, bias=gate.bias, tid2eid=gate.tid2eid if gate.hash_routed else None,
+                          input_ids=input_ids.reshape(-1) if gate.hash_routed else None,
+                          renormalize=gate.renormalize, routed_scale=gate.routed_scale, shared_expert=True)
+
+    def apply(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        spec = moe.nv_fused if self.fused(moe) else None
+        if spec is None:
+            return self.portable.apply(moe, x, input_ids)
+        from deepinfer_kernels.moe import fused_moe
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        ids, w = self.route(moe, x2, input_ids)
+        out = fused_moe(x2, ids, w, moe.nv_w13, moe.nv_s13, moe.nv_w2, moe.nv_s2, n_clamped=spec.n_routed,
+                        swiglu_limit=spec.swiglu_limit, quant_in=spec.quant_in, quant_mid=spec.quant_mid,
+                        compute_dtype=spec.compute_dtype, shared_last=True, config=self.config)
+        return out.view(*lead, out.shape[-1])

@@ -1,0 +1,393 @@
+"""Prefill / decode benchmark sweep of DeepInfer (whatever backend the plugin manager picks: the
+NVIDIA one on an SM90+ GPU) against transformers' DeepseekV4ForCausalLM on the same config and the
+same random weights, in one process.
+
+The model is V4-Flash at full width with `--layers` layers (CSA/HCA alternating, FP8 dense weights
+and FP8 experts, random values; `sweep_model`). Decode steps run at fabricated state of the wanted
+context (no prefill of batch x context tokens); prefill runs one prompt from position 0. Every shape
+gets its roofline (`roofline`: the bytes and FLOPs the step must move) and per-layer and 43-layer
+figures (`sweep_report`). Prints tables, writes benchmarks/results/sweep_<gpu>.json and a PNG.
+
+    python benchmarks/sweep.py                                   # the H200 sweep (see examples/sweep)
+    python benchmarks/sweep.py --device cpu --tiny --layers 1 --batches 1,2 --contexts 64 --prefill 128
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # the sibling modules, run as a script
+
+import roofline as RL  # noqa: E402
+from sweep_model import (bench_config, build_random_model, cache_layout, decode_states, finish_model,  # noqa: E402
+                         full_config, load_base_config, prefill_cache, random_ids, weight_bytes)
+from sweep_report import extrapolate, fractions, print_tables, print_verdicts, verdicts  # noqa: E402
+from sweep_timing import Clock, cuda_graph_timing, layer_split  # noqa: E402
+
+from deepinfer_core.config import ModelConfig  # noqa: E402
+from deepinfer_core.model import ForwardBatch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sizes(text: str) -> list[int]:
+    """'1,8,64' or '1k,32k' -> ints (k = 1024)."""
+    out = []
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = ap.add_argument_group("model")
+    m.add_argument("--device", default=None, help="torch device (default: the detected platform's)")
+    m.add_argument("--dtype", default="bfloat16", help="compute dtype: bfloat16 | float32")
+    m.add_argument("--no-qat", action="store_true", help="simulate_qat=False (default: the engine's True)")
+    m.add_argument("--tiny", action="store_true", help="tiny dimensions (deepinfer_core/tools/tiny_config.py)")
+    m.add_argument("--config", default=None, help="config.json to take the width from (default: shared V4-Flash)")
+    m.add_argument("--layers", type=int, default=4, help="main layers built and run (CSA/HCA alternating)")
+    m.add_argument("--full-layers", type=int, default=43, help="depth the figures are extrapolated to")
+    m.add_argument("--expert-dtype", default="fp8", choices=("fp8", "fp4", "bf16"))
+    m.add_argument("--vocab", type=int, default=None, help="override vocab_size (CPU smoke runs)")
+    m.add_argument("--seed", type=int, default=0)
+    s = ap.add_argument_group("shapes and timing")
+    s.add_argument("--batches", type=sizes, default=sizes("1,8,64,256"))
+    s.add_argument("--contexts", type=sizes, default=sizes("1k,4k,16k,32k"))
+    s.add_argument("--prefill", type=sizes, default=sizes("4k,16k"), help="prompt lengths")
+    s.add_argument("--prefill-chunk", type=int, default=16384, help="max_num_batched_tokens per forward")
+    s.add_argument("--warmup", type=int, default=2)
+    s.add_argument("--reps", type=int, default=5)
+    s.add_argument("--max-shape-seconds", type=float, default=20.0, help="stop repeating a shape after this")
+    s.add_argument("--cuda-graph", action="store_true", help="also time decode steps replayed from a CUDA graph")
+    s.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds for the whole run; shapes not started by then are recorded as not run (0: no limit)")
+    h = ap.add_argument_group("transformers")
+    h.add_argument("--no-hf", action="store_true", help="skip transformers")
+    h.add_argument("--hf-max-prefill", type=int, default=4096)
+    h.add_argument("--hf-max-batch", type=int, default=8)
+    h.add_argument("--hf-max-context", type=int, default=4096)
+    h.add_argument("--hf-max-tokens", type=int, default=8192, help="HF decode needs a real prefill of batch x context")
+    h.add_argument("--hf-reps", type=int, default=3)
+    p = ap.add_argument_group("peaks and output")
+    p.add_argument("--peak-bw", type=float, default=RL.Peaks.bw, help="HBM bytes/s")
+    p.add_argument("--peak-bf16", type=float, default=RL.Peaks.bf16, help="bf16 FLOP/s")
+    p.add_argument("--peak-fp8", type=float, default=RL.Peaks.fp8, help="FP8 FLOP/s")
+    p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--no-plot", action="store_true")
+    return ap
+
+
+def _err(e: BaseException) -> str:
+    if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e):
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return "failed: out of memory"
+    traceback.print_exc(file=sys.stderr)
+    return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def over_budget(a) -> str | None:
+    """The 'not run' status once --time-budget is spent (checked before every shape)."""
+    if a.time_budget and time.perf_counter() - a.t_start > a.time_budget:
+        return f"not run: --time-budget {a.time_budget:.0f} s spent"
+    return None
+
+
+def _free(device) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- our engine ----------------------------------------------------------------------------------
+
+def run_prefill(built, layout, n: int, chunk: int, clock: Clock, a) -> dict:
+    model, dev = built.model, built.ctx.device
+    cache = prefill_cache(layout, n, dev)
+    ids = random_ids(n, built.cfg.vocab_size, a.seed + n)
+    holder = {}
+
+    def setup():
+        holder["st"] = cache.bind(0, list(range(cache.num_blocks)))       # fresh tails, position 0
+
+    def run():
+        st = holder["st"]
+        for s in range(0, n, chunk):
+            batch = ForwardBatch.build([ids[s:s + chunk]], [st], dev)
+            model(batch)
+            batch.commit()
+    with torch.no_grad():
+        t = clock.time(run, setup, a.warmup, a.reps, a.max_shape_seconds)
+        split = layer_split(model, run, clock, setup)
+    return {"ours": {"eager": t.to_dict()}, "split": split, "step_ms": t.median_ms}
+
+
+def run_decode(built, layout, b: int, c: int, clock: Clock, a, graph_note: dict) -> dict:
+    model, dev = built.model, built.ctx.device
+    cache, states = decode_states(layout, b, c, dev, a.seed)
+    toks = [[t] for t in random_ids(b, built.cfg.vocab_size, a.seed + b + c)]
+    run = lambda: model(ForwardBatch.build(toks, states, dev))  # noqa: E731  (no commit: same position every run)
+    with torch.no_grad():
+        t = clock.time(run, None, a.warmup, a.reps, a.max_shape_seconds)
+        split = layer_split(model, run, clock)
+    out = {"ours": {"eager": t.to_dict()}, "split": split, "step_ms": t.median_ms}
+    if a.cuda_graph and clock.cuda:
+        if graph_note.get("broken"):
+            out["ours"]["cuda_graph"] = {"status": f"not tried: capture failed earlier ({graph_note['broken']})"}
+        else:
+            try:
+                g = cuda_graph_timing(model, ForwardBatch.build(toks, states, dev), clock, max(a.reps, 10),
+                                      a.max_shape_seconds)
+                out["ours"]["cuda_graph"] = {"status": "ok", **g.to_dict()}
+                out["step_ms"] = min(out["step_ms"], g.median_ms)
+            except Exception as e:                      # a sync or host read inside the forward
+                graph_note["broken"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                out["ours"]["cuda_graph"] = {"status": f"failed: {graph_note['broken']}"}
+                _free(dev)
+    return out
+
+
+# ---- transformers --------------------------------------------------------------------------------
+
+def hf_build(a, cfg_dict: dict, built) -> tuple[object | None, dict]:
+    """transformers' model on our checkpoint-format weights (call before `finish_model`)."""
+    import sweep_hf as H
+    info: dict = {}
+    t0 = time.perf_counter()
+    try:
+        import transformers
+        info["version"] = transformers.__version__
+        hf = H.build_hf(dict(built.model.state_dict()), cfg_dict, built.ctx.device, built.ctx.torch_dtype,
+                        built.cfg.weight_block_size or (128, 128))
+    except Exception as e:
+        info["status"] = f"not run: could not build transformers' model: {_err(e)}"
+        return None, info
+    info.update(status="ok", build_s=time.perf_counter() - t0,
+                weight_bytes=sum(p.numel() * p.element_size() for p in hf.state_dict().values()))
+    return hf, info
+
+
+def hf_runs(a, hf, built, layout, clock: Clock, info: dict) -> tuple[dict, dict]:
+    """({tokens: prefill timing}, {(batch, ctx): decode timing}) of transformers, plus an agreement
+    check of one prompt's logits against ours (in `info`)."""
+    import sweep_hf as H
+    dev, V = built.ctx.device, built.cfg.vocab_size
+    pre, dec = {}, {}
+    try:                                                # same weights? compare one prompt's last logits
+        n = 48
+        ids = random_ids(n, V, a.seed + 7)
+        cache = prefill_cache(layout, n, dev)
+        with torch.no_grad():
+            ours = built.model(ForwardBatch.build([ids], [cache.bind(0, list(range(cache.num_blocks)))], dev)).logits[0]
+        ref = H.hf_step(hf, torch.tensor([ids], device=dev), H.new_cache(hf))[0].float()
+        info["agreement"] = {"prompt_tokens": n, "max_rel_err": float((ours - ref).abs().max() / ref.abs().max()),
+                             "argmax_equal": bool(ours.argmax() == ref.argmax()),
+                             "note": f"last-position logits; ours {built.ctx.dtype} with simulate_qat="
+                                     f"{built.ctx.simulate_qat} (FP8 activations), transformers unquantised; "
+                                     "float32 without QAT they agree to ~1e-6 (tests/benchmarks)"}
+    except Exception as e:
+        info["agreement"] = {"status": _err(e)}
+    for n in a.prefill:
+        if over_budget(a):
+            pre[n] = {"status": over_budget(a)}
+            continue
+        if n > a.hf_max_prefill:
+            pre[n] = {"status": f"not run: prefill of {n} tokens > --hf-max-prefill {a.hf_max_prefill}"}
+            continue
+        try:
+            ids = torch.tensor([random_ids(n, V, a.seed + n)], device=dev)
+            t = clock.time(lambda: H.hf_step(hf, ids, H.new_cache(hf)), None, 1, a.hf_reps, a.max_shape_seconds)
+            pre[n] = {"status": "ok", **t.to_dict()}
+        except Exception as e:
+            pre[n] = {"status": _err(e)}
+    for b in a.batches:
+        for c in a.contexts:
+            why = [f"batch {b} > --hf-max-batch {a.hf_max_batch}"] if b > a.hf_max_batch else []
+            why += [f"context {c} > --hf-max-context {a.hf_max_context}"] if c > a.hf_max_context else []
+            why += [f"batch x context {b * c} > --hf-max-tokens {a.hf_max_tokens}"] if b * c > a.hf_max_tokens else []
+            if why or over_budget(a):
+                dec[(b, c)] = {"status": over_budget(a) or "not run: " + "; ".join(why)}
+                continue
+            try:
+                cache = H.new_cache(hf)
+                ids = torch.tensor([random_ids(c, V, a.seed + i) for i in range(b)], device=dev)
+                H.hf_step(hf, ids, cache)                   # HF's own prefill of the context (not timed)
+                step = torch.randint(2, V, (b, 1), device=dev)
+                t = clock.time(lambda: H.hf_step(hf, step, cache), None, 1, a.hf_reps, a.max_shape_seconds)
+                dec[(b, c)] = {"status": "ok", "note": f"steps at positions {c}..", **t.to_dict()}
+            except Exception as e:
+                dec[(b, c)] = {"status": _err(e)}
+            finally:
+                cache = None
+                _free(dev)
+    return pre, dec
+
+
+# ---- rows ----------------------------------------------------------------------------------------
+
+def finish_row(row: dict, roof, full_roof, ratios, full_ratios, peaks, hf: dict | None, n_tokens: int) -> None:
+    row["roofline"] = {"bench": roof.to_dict(peaks), "full": full_roof.to_dict(peaks)}
+    row["hf"] = hf or {"status": "not run: --no-hf"}
+    if row.get("status") != "ok":
+        return
+    ms = row["step_ms"]
+    row.update(fractions(ms, roof, peaks))
+    ex = extrapolate(ms, row.get("split"), ratios, full_ratios, roof, peaks)
+    row["extrapolated"] = ex
+    row["per_layer_ms"] = ex["per_layer_ms"]
+    full = fractions(ex["full_ms"], full_roof, peaks)
+    row.update({f"full_{k}": v for k, v in full.items()})          # full_x_roofline, full_hbm_frac, ...
+    if row["hf"].get("status") == "ok":
+        row["speedup_vs_hf"] = row["hf"]["median_ms"] / ms
+    if "batch" in row:
+        row.update(tpot_ms=ex["full_ms"], output_tok_s=row["batch"] / (ex["full_ms"] / 1e3),
+                   output_tok_s_measured_model=row["batch"] / (ms / 1e3))
+    else:
+        row.update(ttft_ms=ex["full_ms"], prefill_tok_s=n_tokens / (ms / 1e3),
+                   prefill_tok_s_full=n_tokens / (ex["full_ms"] / 1e3))
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:
+        return ""
+
+
+def versions() -> dict:
+    """Installed versions, read from the package metadata (importing transformers costs seconds)."""
+    from importlib import metadata
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    for dist in ("triton", "transformers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parser().parse_args(argv)
+    a.t_start = t_start = time.perf_counter()
+    peaks = RL.Peaks(a.peak_bw, a.peak_bf16, a.peak_fp8)
+    base, source = load_base_config(a.config, a.tiny)
+    if a.vocab:
+        base["vocab_size"] = a.vocab
+    cfg_dict = bench_config(base, a.layers, a.expert_dtype)
+    full_dict = full_config(base, cfg_dict, a.full_layers)
+    built = build_random_model(cfg_dict, a.device, a.dtype, not a.no_qat, a.seed)
+    dev, cfg = built.ctx.device, built.cfg
+    full_cfg = ModelConfig.from_dict(full_dict)
+    ratios = [cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers)]
+    full_ratios = [full_cfg.layer_ratio(i) for i in range(full_cfg.num_hidden_layers)]
+    clock = Clock(dev)
+    gpu = torch.cuda.get_device_name(torch.device(dev)) if clock.cuda else "cpu"
+    ops = built.ops_summary()
+    print(f"[sweep] {gpu}: {a.layers}-layer model ({source}), ratios {ratios}, fp8 linear {ops['linear']['fp8']}, "
+          f"attention {ops['attention']}, moe {ops['moe']}", flush=True)
+    ckpt_bytes = weight_bytes(built.model)
+    layout = cache_layout(cfg, built.ctx.torch_dtype)
+    hf, hf_info = (None, {"status": "not run: --no-hf"}) if a.no_hf else hf_build(a, cfg_dict, built)
+    finish_model(built)                                  # the weights in our runtime form from here on
+    hf_pre, hf_dec = {}, {}
+    if hf is not None:
+        hf_pre, hf_dec = hf_runs(a, hf, built, layout, clock, hf_info)
+        hf = None                                        # free transformers' copy before our sweep
+        _free(dev)
+    elem = torch.empty((), dtype=layout.dtype).element_size()
+    prefill_rows, decode_rows = [], []
+    for n in a.prefill:
+        row = {"tokens": n, "chunk": a.prefill_chunk, "label": f"prefill {n}", "status": over_budget(a) or "ok"}
+        try:
+            if row["status"] == "ok":
+                row.update(run_prefill(built, layout, n, a.prefill_chunk, clock, a))
+        except Exception as e:
+            row["status"] = _err(e)
+        _free(dev)
+        finish_row(row, RL.prefill_roofline(cfg, ratios, n, a.prefill_chunk, elem),
+                   RL.prefill_roofline(full_cfg, full_ratios, n, a.prefill_chunk, elem), ratios, full_ratios, peaks,
+                   None if a.no_hf else hf_pre.get(n), n)
+        prefill_rows.append(row)
+        print(f"[sweep] prefill {n}: {row['status']} {row.get('step_ms', float('nan')):.3f} ms", flush=True)
+    graph_note: dict = {}
+    for b in a.batches:
+        for c in a.contexts:
+            row = {"batch": b, "context": c, "label": f"decode b{b} c{c}", "status": over_budget(a) or "ok"}
+            try:
+                if row["status"] == "ok":
+                    row.update(run_decode(built, layout, b, c, clock, a, graph_note))
+            except Exception as e:
+                row["status"] = _err(e)
+            _free(dev)
+            finish_row(row, RL.decode_roofline(cfg, ratios, b, c, elem),
+                       RL.decode_roofline(full_cfg, full_ratios, b, c, elem), ratios, full_ratios, peaks,
+                       None if a.no_hf else hf_dec.get((b, c)), b)
+            decode_rows.append(row)
+            print(f"[sweep] decode b{b} c{c}: {row['status']} {row.get('step_ms', float('nan')):.3f} ms", flush=True)
+    vs = verdicts(decode_rows, prefill_rows)
+    print_tables(decode_rows, prefill_rows, a.full_layers, a.layers)
+    print_verdicts(vs)
+    result = {
+        "schema": "deepinfer-sweep/1", "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "gpu": gpu, "device": str(dev), "commit": _git("rev-parse", "HEAD") or None,
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "versions": versions(),
+        "command": [sys.executable, *sys.argv] if argv is None else ["sweep.py", *argv],
+        "config_source": source, "config": cfg_dict, "layers": a.layers, "ratios": ratios,
+        "full_layers": a.full_layers, "full_ratios": full_ratios, "ops": built.ops_summary(),
+        "weights": {"checkpoint_format_bytes": ckpt_bytes, "runtime_bytes": weight_bytes(built.model),
+                    "note": "MTP block not built (never run)"},
+        "cache": {"dtype": str(layout.dtype), "backtrack": layout.backtrack, "slot_bytes": layout.slot_bytes,
+                  "block_bytes": layout.block_bytes},
+        "peaks": {"bw": peaks.bw, "bf16": peaks.bf16, "fp8": peaks.fp8},
+        "assumptions": RL.ASSUMPTIONS + [
+            "decode state fabricated: random pools, num_tokens = context, one new token per sequence at position "
+            "context, no commit (every timed step writes the same position); at a context that is a multiple of "
+            "128 the timed step closes no compressed block (the roofline amortises the pooling over steps)",
+            "per-layer figures: block times from CUDA events on forward hooks (one extra run), scaled to the median; "
+            "embed+head = the remainder; full-depth figures = embed+head + the schedule's layers at their kind's "
+            "time (window-only layers at the HCA time)",
+            "embed_head_ms = time outside the blocks: embedding, hc_head, LM head and the step's host-side "
+            "batch building",
+            "roofline and FP8-peak verdicts use the full-depth extrapolation against the full-depth roofline "
+            "(the measured model's figures are in each verdict's info); the transformers comparison uses the "
+            "measured model; decode step = min(eager, CUDA graph) median"],
+        "settings": {k: getattr(a, k) for k in ("warmup", "reps", "max_shape_seconds", "time_budget", "prefill_chunk",
+                                                "cuda_graph", "seed", "dtype", "no_qat", "hf_max_prefill",
+                                                "hf_max_batch", "hf_max_context", "hf_max_tokens", "hf_reps")},
+        "hf": hf_info, "prefill": prefill_rows, "decode": decode_rows, "verdicts": vs,
+    }
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "sweep_" + gpu.replace(" ", "_") + ("_tiny" if a.tiny else "")
+    png = out_dir / f"{stem}.png"
+    if a.no_plot:
+        result["plot"] = "not drawn: --no-plot"
+    else:
+        try:
+            from plot_sweep import plot
+            result["plot"] = plot(result, png)
+        except Exception as e:                             # the plot never takes the sweep down
+            result["plot"] = f"not drawn: {type(e).__name__}: {e}"
+        print(f"[sweep] plot: {result['plot']}")
+    result["elapsed_s"] = time.perf_counter() - t_start
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(f"[sweep] wrote {path} ({result['elapsed_s']:.0f} s)")
+    result["json_path"] = str(path)
+    return result
+
+
+if __name__ == "__main__":
+    main()

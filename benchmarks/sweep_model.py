@@ -1,0 +1,269 @@
+"""The sweep's model: a V4-Flash-width DeepSeek-V4 with few layers and random weights, built without a
+checkpoint on disk, plus fabricated decode state.
+
+The build mirrors `deepinfer_core.runner.model_runner.load_model` step for step (plugin manager ->
+BuildContext -> configure -> ModelOps -> graph -> weights -> bind_ops -> process_weights), except that
+the checkpoint-format buffers are filled in place on the target device with random values of the
+magnitudes `tools/make_tiny_checkpoint.py` uses (unit-variance outputs through every linear, O(1) mHC
+mixes). FP8 weights are drawn straight into e4m3 (bf16 chunks, no fp32 copy of the model) with one
+power-of-two UE8M0 scale per 128x128 block. A 4-layer V4-Flash model is ~27 GB of FP8.
+
+Decode at context C needs no prefill: visibility is by position, so random pool contents, a block
+table covering C + 1 positions and `num_tokens = C` are a valid state for a one-token step at C.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer_core.cache.sequence_state import SequenceState
+from deepinfer_core.cache.state_cache import CacheLayout, StateCache
+from deepinfer_core.config import ModelConfig
+from deepinfer_core.model import ModelOps, bind_ops, build_model, process_weights
+from deepinfer_core.model.attention import Numerics
+from deepinfer_core.plugin_context import BuildContext, normalize_dtype
+from deepinfer_core.plugins import get_plugin_manager
+from deepinfer_core.runner.model_runner import WEIGHT_FORMATS
+from deepinfer_core.tools.make_tiny_checkpoint import float_values
+from deepinfer_core.tools.tiny_config import tiny_config_dict
+
+REPO = Path(__file__).resolve().parents[1]
+FLASH_CONFIG_PATHS = (REPO.parent / "shared/data/deepseek-v4-flash/config.json",
+                      Path("/work/shared/data/deepseek-v4-flash/config.json"))
+BENCH_PATTERN = (4, 128)           # the sweep model's layers: CSA, HCA, CSA, HCA, ...
+FP8 = torch.float8_e4m3fn
+E8M0 = torch.float8_e8m0fnu
+FP8_STD = 64.0                     # std of the e4m3 codes (amax ~ 4.5 sigma ~ 290 < 448)
+SMALL = 1 << 20                    # tensors up to this size take make_tiny_checkpoint's exact values
+CHUNK = 1 << 24                    # elements per bf16 temporary when drawing large tensors
+
+
+# ---- configs -----------------------------------------------------------------------------------
+
+# V4-Flash's config.json values that shape the model (a copy, used when the shared file is absent,
+# e.g. on a GPU machine that only has the repository).
+V4_FLASH: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "hc_eps": 1e-06, "hc_mult": 4,
+    "hc_sinkhorn_iters": 20, "head_dim": 512, "hidden_act": "silu", "hidden_size": 4096, "index_head_dim": 128,
+    "index_n_heads": 64, "index_topk": 512, "initializer_range": 0.02, "max_position_embeddings": 1048576,
+    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 64, "num_experts_per_tok": 6, "num_hidden_layers": 43, "num_hash_layers": 3,
+    "num_key_value_heads": 1, "num_nextn_predict_layers": 1, "o_groups": 8, "o_lora_rank": 1024,
+    "q_lora_rank": 1024, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 128,
+    "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 129280, "compress_rope_theta": 160000,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+}
+
+
+def load_base_config(path: str | None = None, tiny: bool = False) -> tuple[dict[str, Any], str]:
+    """(config dict, where it came from): the tiny config, `path`, the shared V4-Flash config.json,
+    or (when that file is absent) the copy above."""
+    if tiny:
+        return tiny_config_dict(), "deepinfer_core.tools.tiny_config"
+    cands = [Path(path)] if path else list(FLASH_CONFIG_PATHS)
+    for p in cands:
+        p = p / "config.json" if p.is_dir() else p
+        if p.is_file():
+            return json.loads(p.read_text()), str(p)
+    if path:
+        raise FileNotFoundError(f"--config {path}: no config.json there")
+    return copy.deepcopy(V4_FLASH), "benchmarks/sweep_model.py V4_FLASH (copy of V4-Flash config.json)"
+
+
+def bench_config(base: dict[str, Any], layers: int, expert_dtype: str = "fp8") -> dict[str, Any]:
+    """`base` cut to `layers` main layers alternating CSA/HCA (+ the base's MTP entries, not run),
+    every linear FP8 (experts too unless `expert_dtype` says otherwise)."""
+    d = copy.deepcopy(base)
+    n_base, n_mtp = int(base["num_hidden_layers"]), int(base.get("num_nextn_predict_layers", 1))
+    mtp = list(base["compress_ratios"][n_base:n_base + n_mtp])
+    mtp += [0] * (n_mtp - len(mtp))
+    d["num_hidden_layers"] = layers
+    d["compress_ratios"] = [BENCH_PATTERN[i % len(BENCH_PATTERN)] for i in range(layers)] + mtp
+    d["num_hash_layers"] = min(int(base.get("num_hash_layers", 0)), layers)
+    d["expert_dtype"] = expert_dtype
+    if d.get("quantization_config"):
+        d["quantization_config"] = {**d["quantization_config"], "expert_dtype": expert_dtype}
+    return d
+
+
+def full_config(base: dict[str, Any], bench: dict[str, Any], full_layers: int) -> dict[str, Any]:
+    """The model the figures are extrapolated to: the base's own schedule when it has `full_layers`
+    layers (V4-Flash: 2 window-only, then CSA/HCA), else V4-Flash's pattern."""
+    d = copy.deepcopy(bench)
+    n_base = int(base["num_hidden_layers"])
+    if n_base >= full_layers:
+        main = list(base["compress_ratios"][:full_layers])
+    else:
+        main = [0, 0] + [BENCH_PATTERN[i % 2] for i in range(max(0, full_layers - 2))]
+        main = main[:full_layers]
+    n_bench = int(bench["num_hidden_layers"])
+    d["num_hidden_layers"] = full_layers
+    d["compress_ratios"] = main + list(bench["compress_ratios"][n_bench:])
+    d["num_hash_layers"] = min(int(base.get("num_hash_layers", 0)), full_layers)
+    return d
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+@dataclass
+class Built:
+    model: nn.Module
+    cfg: ModelConfig
+    ctx: BuildContext
+    ops: ModelOps
+    plugins: list[dict[str, str]]
+
+    def ops_summary(self) -> dict[str, Any]:
+        name = lambda o: f"{type(o).__module__}.{type(o).__qualname__}"  # noqa: E731
+        return {"platform": self.ctx.platform.name, "device": str(self.ctx.device), "dtype": self.ctx.dtype,
+                "simulate_qat": self.ctx.simulate_qat,
+                "linear": {f: name(m) for f, m in self.ops.linear.items()},
+                "attention": name(self.ops.attention), "moe": name(self.ops.moe), "mhc": name(self.ops.mhc),
+                "plugins": self.plugins}
+
+
+def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str = "bfloat16",
+                       simulate_qat: bool = True, seed: int = 0, options: dict | None = None) -> Built:
+    """load_model's path with random weights instead of a checkpoint. The weights stay in checkpoint
+    format until `finish_model` (so transformers can be given the same weights first). The MTP blocks
+    are dropped: the sweep never runs them."""
+    cfg = ModelConfig.from_dict(cfg_dict)
+    pm = get_plugin_manager()
+    platform = pm.detect_platform()
+    device = device or platform.device_type
+    ctx = BuildContext(model_config=cfg, platform=platform, device=device, dtype=normalize_dtype(dtype),
+                       simulate_qat=bool(simulate_qat), options=dict(options or {}))
+    pm.configure(ctx)
+    ops = ModelOps(linear={f: pm.linear_method(ctx, f) for f in WEIGHT_FORMATS},
+                   attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx))
+    model = build_model(cfg, device=device)          # torch.empty buffers, filled below
+    model.mtp = nn.ModuleList()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()                      # the dropped MTP block's memory
+    fill_random(model, cfg_dict, seed)
+    plugins = [{"name": r.name, "status": r.status, **({"error": r.error} if r.error else {})} for r in pm.records]
+    return Built(model.eval(), cfg, ctx, ops, plugins)
+
+
+def finish_model(built: Built) -> None:
+    """The rest of load_model: bind the op objects, let them convert the weights to runtime form."""
+    bind_ops(built.model, built.ops, Numerics(dtype=built.ctx.torch_dtype, simulate_qat=built.ctx.simulate_qat))
+    process_weights(built.model)
+
+
+def large_std(name: str, shape: tuple[int, ...], hidden: int) -> float:
+    """make_tiny_checkpoint.float_values' magnitude rule for the tensors too big to draw on the host."""
+    if name == "embed.weight":
+        return 1.0
+    if name == "head.weight":
+        return hidden ** -0.5
+    if name.endswith(".weight") and len(shape) == 2:
+        return shape[1] ** -0.5
+    return 0.02
+
+
+@torch.no_grad()
+def _normal_chunks(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """t ~ N(0, std^2) (any float dtype incl. e4m3), through bf16 row chunks, clamped to e4m3's range."""
+    rows = t.shape[0]
+    per = max(1, CHUNK // max(1, t[0].numel()))
+    for a in range(0, rows, per):
+        part = t[a:a + per]
+        tmp = torch.empty(part.shape, dtype=torch.bfloat16, device=t.device).normal_(0.0, std, generator=gen)
+        if t.dtype == FP8:
+            tmp.clamp_(-448.0, 448.0)
+        part.copy_(tmp)
+
+
+@torch.no_grad()
+def fill_random(model: nn.Module, cfg_dict: dict[str, Any], seed: int = 0) -> None:
+    """Every checkpoint-format buffer gets random values of a trained model's magnitude, on its device."""
+    tensors = dict(model.state_dict(keep_vars=True))
+    dev = next(iter(tensors.values())).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    host = torch.Generator().manual_seed(seed)
+    hidden, n_exp = int(cfg_dict["hidden_size"]), int(cfg_dict["n_routed_experts"])
+    for name, t in tensors.items():
+        shape = tuple(t.shape)
+        if t.dtype == E8M0:
+            continue                                   # written with its weight
+        if t.dtype in (FP8, torch.int8):
+            scale = tensors[name[: -len("weight")] + "scale"]
+            std = large_std(name, shape, hidden)
+            if t.dtype == FP8:
+                _normal_chunks(t, FP8_STD, gen)
+                code_std = FP8_STD
+            else:                                      # packed FP4: uniform e2m1 codes, |v| <= 6
+                t.view(torch.uint8).copy_(torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen))
+                code_std = 3.0
+            # one power-of-two scale for every block: codes x scale has the wanted std (within sqrt 2)
+            scale.view(torch.uint8).fill_(127 + round(math.log2(std / code_std)))
+        elif t.dtype == torch.int64 and name.endswith("tid2eid"):
+            k = shape[1]                               # k distinct experts per token id
+            t.copy_(torch.rand(shape[0], n_exp, device=dev, generator=gen).argsort(dim=1)[:, :k])
+        elif t.is_floating_point() and t.numel() <= SMALL:
+            t.copy_(float_values(name, shape, cfg_dict, host))
+        elif t.is_floating_point():
+            _normal_chunks(t, large_std(name, shape, hidden), gen)
+        else:
+            raise ValueError(f"fill_random: no value rule for {name} {list(shape)} {t.dtype}")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every buffer and parameter (runtime weights are non-persistent buffers)."""
+    return sum(t.numel() * t.element_size() for t in list(model.buffers()) + list(model.parameters()))
+
+
+# ---- state -------------------------------------------------------------------------------------
+
+def cache_layout(cfg: ModelConfig, dtype: torch.dtype) -> CacheLayout:
+    """The engine's layout (the runner's backtrack default from the env table)."""
+    from deepinfer_core.envs import read_settings
+    return CacheLayout.from_config(cfg, dtype, read_settings().effective_max_backtracking_tokens)
+
+
+@torch.no_grad()
+def decode_states(layout: CacheLayout, batch: int, context: int, device, seed: int = 0
+                  ) -> tuple[StateCache, list[SequenceState]]:
+    """`batch` sequences that have seen `context` tokens: random pools, each sequence with its own slot
+    and blocks for positions 0..context (the step writes position `context`)."""
+    nb = -(-(context + 1) // layout.block_size)
+    cache = StateCache(layout, batch, batch * nb, device)
+    gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    for t in cache.tensors():
+        t.normal_(0.0, 1.0, generator=gen)
+    states = []
+    for i in range(batch):
+        st = cache.bind(i, list(range(i * nb, (i + 1) * nb)), fresh=False)
+        st.num_tokens = context
+        for layer in st.layers + st.mtp_layers:
+            for cs in (layer.compressor, layer.indexer):
+                if cs is not None:
+                    cs.n_rows = context // cs.ratio
+        states.append(st)
+    return cache, states
+
+
+def prefill_cache(layout: CacheLayout, tokens: int, device) -> StateCache:
+    """One slot and the blocks of a `tokens`-token prompt (bind it fresh before every run)."""
+    return StateCache(layout, 1, -(-tokens // layout.block_size), device)
+
+
+def random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n,), generator=g).tolist()

@@ -1,0 +1,130 @@
+"""Timing for the sweep: warm-up, then the median of several runs measured with CUDA events (host
+perf_counter on the CPU); a per-layer split from events recorded by forward hooks on every block;
+and an optional CUDA-graph replay of a decode step.
+
+Events bracket the whole step including the host work inside it (batch metadata, Python), which is
+what a serving step costs; the split's remainder (total minus the blocks) is the embedding, the
+hc_head collapse and the LM head.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Timing:
+    samples_ms: list[float] = field(default_factory=list)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.samples_ms)
+
+    def to_dict(self) -> dict:
+        return {"median_ms": self.median_ms, "min_ms": self.min_ms, "samples_ms": list(self.samples_ms)}
+
+
+class Clock:
+    """CUDA events on a CUDA device, perf_counter otherwise."""
+
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def elapsed_ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def time(self, fn: Callable[[], object], setup: Callable[[], object] | None = None, warmup: int = 2,
+             reps: int = 5, max_seconds: float = 30.0) -> Timing:
+        """Median of up to `reps` runs after `warmup` ones; stops early (after at least one measured
+        run) once `max_seconds` have passed, so a slow path cannot stall the sweep."""
+        t0 = time.perf_counter()
+        for i in range(warmup):
+            if setup is not None:
+                setup()
+            fn()
+            self.sync()
+            if time.perf_counter() - t0 > max_seconds / 2:
+                break
+        out = Timing()
+        t0 = time.perf_counter()
+        while len(out.samples_ms) < max(1, reps):
+            if setup is not None:
+                setup()
+            a = self.mark()
+            fn()
+            b = self.mark()
+            self.sync()
+            out.samples_ms.append(self.elapsed_ms(a, b))
+            if time.perf_counter() - t0 > max_seconds:
+                break
+        return out
+
+
+def layer_split(model: torch.nn.Module, fn: Callable[[], object], clock: Clock,
+                setup: Callable[[], object] | None = None) -> dict:
+    """One run of `fn` with an event before and after every block: ms per layer (summed over the
+    chunks of a chunked prefill), the whole run, and the remainder outside the blocks."""
+    marks: list[tuple[int, str, object]] = []
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: marks.append((i, "s", clock.mark()))))
+        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: marks.append((i, "e", clock.mark()))))
+    try:
+        if setup is not None:
+            setup()
+        start = clock.mark()
+        fn()
+        end = clock.mark()
+        clock.sync()
+    finally:
+        for h in hooks:
+            h.remove()
+    per = [0.0] * len(model.layers)
+    open_marks: dict[int, object] = {}
+    for i, kind, m in marks:
+        if kind == "s":
+            open_marks[i] = m
+        else:
+            per[i] += clock.elapsed_ms(open_marks.pop(i), m)
+    total = clock.elapsed_ms(start, end)
+    return {"layers_ms": per, "total_ms": total, "embed_head_ms": max(0.0, total - sum(per))}
+
+
+def cuda_graph_timing(model: torch.nn.Module, batch, clock: Clock, reps: int = 10,
+                      max_seconds: float = 30.0) -> Timing:
+    """Capture one forward over a fixed batch in a CUDA graph and time its replays. Raises whatever
+    the capture raises (a host sync inside the forward, an allocation the capture cannot take)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(2):                         # warm-up on the side stream; builds the batch's
+            model(batch)                           # device metadata once, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        model(batch)
+    try:
+        return clock.time(graph.replay, warmup=2, reps=reps, max_seconds=max_seconds)
+    finally:
+        del graph

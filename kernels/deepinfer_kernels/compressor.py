@@ -1,0 +1,341 @@
+"""DeepSeek-V4's KV compressor and the per-sequence state writes, batched over a ragged batch.
+
+Core reference: `deepinfer_core.ops.portable_attention.PortableAttentionBackend.compress` (pooling
+and tails) and `.write_ring`; state layout in `deepinfer_core.cache.state_cache`.
+
+* `compress_blocks`: a program pools a tile of closed blocks x channels (one block per program at
+  the real widths, several for narrow rows). Block b pools `ratio` token slots per channel with a
+  softmax over z (fp32). Ratio-4 compressors overlap (C = 2): block b also pools
+  the previous block's positions (b-1)*4 .. (b-1)*4+3 on channels [:d] (nothing for b == 0), its
+  own positions on channels [d:]. A position p is read from this batch's rows when p >= seq_start,
+  else from the sequence's tail slot p % L (the tails hold the inputs of blocks not yet closed).
+* `write_rows`: pooled (and finalized) rows into the paged pool through the block table.
+* `update_tails` / `write_ring`: the last L (R) new tokens of each sequence into slot p % L (p % R).
+  Only those tokens are written, so no two stores hit the same place: plain, deterministic stores.
+
+Everything reads device metadata (no host sync, CUDA-graph safe); blocks with blk_idx < 0 are padding
+(output row zero, nothing written). All offsets into pools are computed in int64. Stores into bf16
+pools round to nearest even explicitly, so they equal torch's `.to` compiled and interpreted alike.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_SIZE = 128          # positions per paged block (deepinfer_core.cache.state_cache.BLOCK_SIZE)
+TILE_ELEMS = 4096         # elements of one [slots, channels] tile: bounds registers at ratio 128
+SCATTER_BLOCK = 1024      # most channels per program of the tail/ring scatter
+STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # pool / ring dtypes (stores exact vs torch)
+
+
+def _coff(ratio: int) -> int:
+    return 2 if ratio == 4 else 1
+
+
+def new_blocks(starts: list[int], lens: list[int], ratio: int) -> tuple[list[int], list[int]]:
+    """(blk_seq, blk_idx) of every block this batch closes: block b closes when its last position
+    b*ratio + ratio - 1 is among positions start .. start+len-1; sequence by sequence, in order."""
+    if ratio < 1:
+        raise ValueError(f"new_blocks: ratio must be >= 1, got {ratio}")
+    if len(starts) != len(lens):
+        raise ValueError(f"new_blocks: starts has {len(starts)} entries, lens {len(lens)}")
+    seq, idx = [], []
+    for s, (start, n) in enumerate(zip(starts, lens)):
+        if start < 0 or n < 0:
+            raise ValueError(f"new_blocks: sequence {s} has start={start}, len={n}; both must be >= 0")
+        for b in range(start // ratio, (start + n) // ratio):
+            seq.append(s)
+            idx.append(b)
+    return seq, idx
+
+
+# ---- kernels -----------------------------------------------------------------------------------
+@triton.jit
+def _cast_rtne(x, dtype: tl.constexpr):
+    """x in `dtype`, rounded to nearest even like torch's `.to`. For bf16 the 16 result bits are
+    built from the fp32 bits (the compiled cast rounds to nearest even, but Triton's interpreter
+    truncates and flushes subnormals). Other targets cast directly (fp16/fp32 agree everywhere)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        hi = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+        return tl.where(x == x, hi.to(tl.bfloat16, bitcast=True), x.to(tl.bfloat16))   # NaN stays NaN
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _gather_slots(kv_ptr, z_ptr, tkv_ptr, tz_ptr, pos, ok, cols, cmask, row0, start, slot, L,
+                  s_kv, s_z, s_tkv0, s_tkv1, s_tz0, s_tz1):
+    """kv, z [BLOCK_B, SLOTS, BLOCK_D] of positions pos [BLOCK_B, SLOTS] (where ok is False: kv 0,
+    z -inf): from this batch's rows when pos >= start, else from the tail slot pos % L."""
+    new = pos >= start[:, None]
+    c = cols[None, None, :]
+    cm = cmask[None, None, :]
+    m_new = (ok & new)[:, :, None] & cm
+    m_old = (ok & (pos >= 0) & ~new)[:, :, None] & cm
+    r_new = (row0[:, None] + pos - start[:, None]).to(tl.int64)[:, :, None]
+    r_old = (pos % L).to(tl.int64)[:, :, None]
+    base = slot[:, None, None]
+    kv_n = tl.load(kv_ptr + r_new * s_kv + c, mask=m_new, other=0.0)
+    z_n = tl.load(z_ptr + r_new * s_z + c, mask=m_new, other=0.0)
+    kv_o = tl.load(tkv_ptr + base * s_tkv0 + r_old * s_tkv1 + c, mask=m_old, other=0.0)
+    z_o = tl.load(tz_ptr + base * s_tz0 + r_old * s_tz1 + c, mask=m_old, other=0.0)
+    kv = tl.where(new[:, :, None], kv_n, kv_o)
+    z = tl.where(new[:, :, None], z_n, z_o)
+    z = tl.where(ok[:, :, None], z, float("-inf"))
+    return kv, z
+
+
+@triton.jit
+def _compress_kernel(kv_ptr, z_ptr, tkv_ptr, tz_ptr, out_ptr, bseq_ptr, bidx_ptr, cu_ptr, start_ptr, slot_ptr,
+                     NB, d, L, s_kv, s_z, s_tkv0, s_tkv1, s_tz0, s_tz1, s_out,
+                     RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+    """BLOCK_B closed blocks x BLOCK_D channels per program."""
+    i = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    b = tl.load(bidx_ptr + i, mask=i < NB, other=-1)
+    valid = b >= 0
+    s = tl.load(bseq_ptr + i, mask=valid, other=0)          # padding never reads metadata
+    row0 = tl.load(cu_ptr + s, mask=valid, other=0)
+    start = tl.load(start_ptr + s, mask=valid, other=0)
+    slot = tl.load(slot_ptr + s, mask=valid, other=0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < d
+    t = tl.arange(0, RATIO)[None, :]
+    ok = valid[:, None] & (t >= 0)
+    pos = b[:, None] * RATIO + t
+    if OVERLAP:
+        # own block on channels [d:2d], previous block on [0:d] (absent for block 0)
+        kv_c, z_c = _gather_slots(kv_ptr, z_ptr, tkv_ptr, tz_ptr, pos, ok, cols + d, cmask,
+                                  row0, start, slot, L, s_kv, s_z, s_tkv0, s_tkv1, s_tz0, s_tz1)
+        kv_p, z_p = _gather_slots(kv_ptr, z_ptr, tkv_ptr, tz_ptr, pos - RATIO, ok & (b > 0)[:, None], cols,
+                                  cmask, row0, start, slot, L, s_kv, s_z, s_tkv0, s_tkv1, s_tz0, s_tz1)
+        mx = tl.where(valid[:, None], tl.maximum(tl.max(z_c, axis=1), tl.max(z_p, axis=1)), 0.0)
+        e_c = tl.exp(z_c - mx[:, None, :])
+        e_p = tl.exp(z_p - mx[:, None, :])
+        den = tl.sum(e_c, axis=1) + tl.sum(e_p, axis=1)
+        acc = tl.sum(e_c * kv_c, axis=1) + tl.sum(e_p * kv_p, axis=1)
+    else:
+        kv_c, z_c = _gather_slots(kv_ptr, z_ptr, tkv_ptr, tz_ptr, pos, ok, cols, cmask,
+                                  row0, start, slot, L, s_kv, s_z, s_tkv0, s_tkv1, s_tz0, s_tz1)
+        mx = tl.where(valid[:, None], tl.max(z_c, axis=1), 0.0)
+        e_c = tl.exp(z_c - mx[:, None, :])
+        den = tl.sum(e_c, axis=1)
+        acc = tl.sum(e_c * kv_c, axis=1)
+    # padding rows (all z = -inf; their max and denominator are pinned finite, so no NaN) store zeros
+    out = tl.where(valid[:, None], acc / tl.where(valid[:, None], den, 1.0), 0.0)
+    dst = out_ptr + i.to(tl.int64)[:, None] * s_out + cols[None, :]
+    tl.store(dst, out, mask=(i < NB)[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _write_rows_kernel(rows_ptr, pool_ptr, table_ptr, bseq_ptr, bidx_ptr, NB, d, s_rows, s_p0, s_p1, s_tab,
+                       RPB: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    b = tl.load(bidx_ptr + i, mask=i < NB, other=-1)
+    valid = b >= 0
+    s = tl.load(bseq_ptr + i, mask=valid, other=0).to(tl.int64)
+    phys = tl.load(table_ptr + s * s_tab + b // RPB, mask=valid, other=0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = valid[:, None] & (cols < d)[None, :]
+    x = tl.load(rows_ptr + i.to(tl.int64)[:, None] * s_rows + cols[None, :], mask=mask, other=0.0)
+    dst = pool_ptr + (phys * s_p0 + (b % RPB).to(tl.int64) * s_p1)[:, None] + cols[None, :]
+    tl.store(dst, _cast_rtne(x, pool_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scatter_last_kernel(src_a, dst_a, src_b, dst_b, tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, T, D, K,
+                         s_sa, s_da0, s_da1, s_sb, s_db0, s_db1,
+                         TWO: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Token rows -> dst[slot, p % K] for the rows whose p is among the last K new positions of their
+    sequence; BLOCK_T rows x BLOCK_C channels per program."""
+    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = row < T
+    s = tl.load(tseq_ptr + row, mask=live, other=0)
+    p = tl.load(pos_ptr + row, mask=live, other=0).to(tl.int64)
+    n = tl.load(cu_ptr + s + 1, mask=live, other=0) - tl.load(cu_ptr + s, mask=live, other=0)
+    end = tl.load(start_ptr + s, mask=live, other=0).to(tl.int64) + n
+    keep = live & (p >= end - K)
+    slot = tl.load(slot_ptr + s, mask=keep, other=0).to(tl.int64)
+    r = row.to(tl.int64)[:, None]
+    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    mask = keep[:, None] & (cols < D)
+    a = tl.load(src_a + r * s_sa + cols, mask=mask, other=0.0)
+    tl.store(dst_a + (slot * s_da0 + (p % K) * s_da1)[:, None] + cols,
+             _cast_rtne(a, dst_a.dtype.element_ty), mask=mask)
+    if TWO:
+        v = tl.load(src_b + r * s_sb + cols, mask=mask, other=0.0)
+        tl.store(dst_b + (slot * s_db0 + (p % K) * s_db1)[:, None] + cols,
+                 _cast_rtne(v, dst_b.dtype.element_ty), mask=mask)
+
+
+def _tile(width: int, depth: int, cap: int) -> tuple[int, int]:
+    """(rows, channels) of a tile of at most TILE_ELEMS elements of `depth` slots each: channels up
+    to `cap` first, then as many rows (blocks or tokens) as still fit, at most 64."""
+    ch = min(triton.next_power_of_2(max(width, 1)), cap)
+    return max(1, min(64, TILE_ELEMS // (ch * depth))), ch
+
+
+# ---- validation ----------------------------------------------------------------------------------
+def _check(name: str, t, ndim: int, dtype=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension")
+
+
+def _check_store_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in STORE_DTYPES:
+        raise ValueError(f"{name} must be one of {STORE_DTYPES} (the cache dtype), got {t.dtype}")
+
+
+def _check_ratio(ratio: int) -> None:
+    if not isinstance(ratio, int) or ratio < 1 or BLOCK_SIZE % ratio:
+        raise ValueError(f"ratio must be a positive divisor of {BLOCK_SIZE}, got {ratio!r}")
+
+
+def _check_seq_meta(dev, cu_seqlens, seq_start, slots) -> None:
+    _check("cu_seqlens", cu_seqlens, 1, torch.int32, dev)
+    S = cu_seqlens.shape[0] - 1
+    if S < 0:
+        raise ValueError("cu_seqlens must hold S+1 >= 1 entries")
+    _check("seq_start", seq_start, 1, torch.int32, dev)
+    _check("slots", slots, 1, torch.int32, dev)
+    if seq_start.shape[0] != S or slots.shape[0] != S:
+        raise ValueError(f"seq_start {tuple(seq_start.shape)} and slots {tuple(slots.shape)} must have "
+                         f"S={S} entries (cu_seqlens has S+1)")
+
+
+def _check_blocks(dev, blk_seq, blk_idx) -> int:
+    _check("blk_seq", blk_seq, 1, torch.int32, dev)
+    _check("blk_idx", blk_idx, 1, torch.int32, dev)
+    if blk_seq.shape != blk_idx.shape:
+        raise ValueError(f"blk_seq {tuple(blk_seq.shape)} and blk_idx {tuple(blk_idx.shape)} differ in length")
+    return blk_idx.shape[0]
+
+
+def _check_tails(kv, z, tail_kv, tail_z, dev) -> None:
+    _check("kv", kv, 2, torch.float32, dev)
+    _check("z", z, 2, torch.float32, dev)
+    if z.shape != kv.shape:
+        raise ValueError(f"z {tuple(z.shape)} must match kv {tuple(kv.shape)}")
+    _check("tail_kv", tail_kv, 3, torch.float32, dev)
+    _check("tail_z", tail_z, 3, torch.float32, dev)
+    if tail_z.shape != tail_kv.shape:
+        raise ValueError(f"tail_z {tuple(tail_z.shape)} must match tail_kv {tuple(tail_kv.shape)}")
+    if tail_kv.shape[2] != kv.shape[1]:
+        raise ValueError(f"tail_kv has {tail_kv.shape[2]} channels, kv has {kv.shape[1]}")
+    if tail_kv.shape[1] < 1:
+        raise ValueError("tail_kv must hold at least one position per slot")
+
+
+def _check_tokens(dev, token_seq, positions, T: int) -> None:
+    _check("token_seq", token_seq, 1, torch.int32, dev)
+    _check("positions", positions, 1, torch.int64, dev)
+    if token_seq.shape[0] != T or positions.shape[0] != T:
+        raise ValueError(f"token_seq {tuple(token_seq.shape)} and positions {tuple(positions.shape)} must "
+                         f"have T={T} entries")
+
+
+# ---- wrappers --------------------------------------------------------------------------------------
+def compress_blocks(kv: torch.Tensor, z: torch.Tensor, tail_kv: torch.Tensor, tail_z: torch.Tensor, *,
+                    ratio: int, blk_seq: torch.Tensor, blk_idx: torch.Tensor, cu_seqlens: torch.Tensor,
+                    seq_start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Pooled rows [NB, d] fp32 of the blocks (blk_seq, blk_idx); rows with blk_idx < 0 are zero.
+    kv, z [T, C*d]; tails [NUM_SLOTS, L, C*d] (C = 2 for ratio 4, else 1). Run before `update_tails`."""
+    _check_ratio(ratio)
+    dev = kv.device
+    _check_tails(kv, z, tail_kv, tail_z, dev)
+    _check_seq_meta(dev, cu_seqlens, seq_start, slots)
+    nb = _check_blocks(dev, blk_seq, blk_idx)
+    c = _coff(ratio)
+    if kv.shape[1] % c:
+        raise ValueError(f"kv has {kv.shape[1]} channels, not a multiple of C={c} (ratio {ratio})")
+    d, L = kv.shape[1] // c, tail_kv.shape[1]
+    if L < c * ratio:
+        raise ValueError(f"tail_kv holds {L} positions per slot, ratio {ratio} needs at least {c * ratio}")
+    out = torch.empty((nb, d), dtype=torch.float32, device=dev)
+    if nb and d:
+        bb, bd = _tile(d, c * ratio, max(16, TILE_ELEMS // (c * ratio)))
+        grid = (triton.cdiv(nb, bb), triton.cdiv(d, bd))
+        _compress_kernel[grid](kv, z, tail_kv, tail_z, out, blk_seq, blk_idx, cu_seqlens, seq_start, slots,
+                               nb, d, L, kv.stride(0), z.stride(0), tail_kv.stride(0), tail_kv.stride(1),
+                               tail_z.stride(0), tail_z.stride(1), out.stride(0),
+                               RATIO=ratio, OVERLAP=c == 2, BLOCK_B=bb, BLOCK_D=bd)
+    return out
+
+
+def write_rows(rows: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, *,
+               blk_seq: torch.Tensor, blk_idx: torch.Tensor) -> None:
+    """rows [NB, d] -> pool[block_table[s, b // RPB], b % RPB] in the pool's dtype (RPB = pool.shape[1]);
+    entries with blk_idx < 0 are skipped."""
+    dev = pool.device
+    _check("rows", rows, 2, None, dev)
+    _check("pool", pool, 3, None, dev)
+    _check_store_dtype("pool", pool)
+    if not rows.is_floating_point():
+        raise ValueError(f"rows must be floating point, got {rows.dtype}")
+    _check("block_table", block_table, 2, torch.int32, dev)
+    nb = _check_blocks(dev, blk_seq, blk_idx)
+    if rows.shape[0] != nb:
+        raise ValueError(f"rows has {rows.shape[0]} rows, blk_idx {nb} entries")
+    if rows.shape[1] != pool.shape[2]:
+        raise ValueError(f"rows are {rows.shape[1]} wide, pool rows {pool.shape[2]}")
+    rpb, d = pool.shape[1], pool.shape[2]
+    if rpb < 1 or BLOCK_SIZE % rpb:
+        raise ValueError(f"pool holds {rpb} rows per block, which must divide {BLOCK_SIZE}")
+    if nb and d:
+        bb, bd = _tile(d, 1, 1024)
+        _write_rows_kernel[(triton.cdiv(nb, bb), triton.cdiv(d, bd))](
+            rows, pool, block_table, blk_seq, blk_idx, nb, d, rows.stride(0), pool.stride(0), pool.stride(1),
+            block_table.stride(0), RPB=rpb, BLOCK_B=bb, BLOCK_D=bd)
+
+
+def _scatter_last(a: torch.Tensor, dst_a: torch.Tensor, b, dst_b, cu_seqlens, seq_start, slots, token_seq,
+                  positions) -> None:
+    T, D = a.shape
+    if T == 0 or D == 0:
+        return
+    two = b is not None
+    b, dst_b = (b, dst_b) if two else (a, dst_a)
+    bt, bc = _tile(D, 1, SCATTER_BLOCK)
+    _scatter_last_kernel[(triton.cdiv(T, bt), triton.cdiv(D, bc))](
+        a, dst_a, b, dst_b, token_seq, positions, cu_seqlens, seq_start, slots, T, D, dst_a.shape[1],
+        a.stride(0), dst_a.stride(0), dst_a.stride(1), b.stride(0), dst_b.stride(0), dst_b.stride(1),
+        TWO=two, BLOCK_T=bt, BLOCK_C=bc)
+
+
+def update_tails(kv: torch.Tensor, z: torch.Tensor, tail_kv: torch.Tensor, tail_z: torch.Tensor, *,
+                 cu_seqlens: torch.Tensor, seq_start: torch.Tensor, slots: torch.Tensor,
+                 token_seq: torch.Tensor, positions: torch.Tensor) -> None:
+    """The last L new tokens of each sequence -> tail_kv/tail_z[slot, p % L]. Run after
+    `compress_blocks`: it overwrites tail entries the pooling may still read."""
+    dev = kv.device
+    _check_tails(kv, z, tail_kv, tail_z, dev)
+    _check_seq_meta(dev, cu_seqlens, seq_start, slots)
+    _check_tokens(dev, token_seq, positions, kv.shape[0])
+    _scatter_last(kv, tail_kv, z, tail_z, cu_seqlens, seq_start, slots, token_seq, positions)
+
+
+def write_ring(kv: torch.Tensor, ring: torch.Tensor, *, cu_seqlens: torch.Tensor, seq_start: torch.Tensor,
+               slots: torch.Tensor, token_seq: torch.Tensor, positions: torch.Tensor) -> None:
+    """The last R new tokens of each sequence -> ring[slot, p % R] in the ring's dtype."""
+    dev = ring.device
+    _check("kv", kv, 2, None, dev)
+    _check("ring", ring, 3, None, dev)
+    _check_store_dtype("ring", ring)
+    if not kv.is_floating_point():
+        raise ValueError(f"kv must be floating point, got {kv.dtype}")
+    if ring.shape[2] != kv.shape[1]:
+        raise ValueError(f"ring rows are {ring.shape[2]} wide, kv rows {kv.shape[1]}")
+    if ring.shape[1] < 1:
+        raise ValueError("ring must hold at least one position per slot")
+    _check_seq_meta(dev, cu_seqlens, seq_start, slots)
+    _check_tokens(dev, token_seq, positions, kv.shape[0])
+    _scatter_last(kv, ring, None, None, cu_seqlens, seq_start, slots, token_seq, positions)

@@ -1,0 +1,80 @@
+"""DeepSeek-V4 MoE on the FP8 tensor cores, end to end after routing: permutation by expert, the
+grouped w13 GEMM with SwiGLU (+clamp, + routing weight, + FP8 quantisation) in its epilogue, the
+grouped w2 GEMM, and the fixed-order combine (core reference: `PortableMoE.apply` over
+`deepinfer_core.model.moe.Expert`).
+
+Everything stays on the device and every launch size is a host-known bound (tokens, top-k, experts,
+tile sizes), so the whole call can be captured in a CUDA graph. The permutation is torch's stable
+sort of the expert ids (deterministic); a row's GEMM result does not depend on which rows share its
+tile, and the combine adds each token's experts in slot order, so permuting the batch permutes the
+output exactly. Kernels: `moe_routing` (top-k, schedule) and `moe_gemm` (GEMMs, combine).
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8_quant import act_quant
+from .moe_gemm import moe_combine, moe_w2, moe_w13
+from .moe_routing import expert_schedule, max_tiles, route_topk
+
+__all__ = ["fused_moe", "moe_tile_config", "route_topk"]
+
+
+def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False) -> dict:
+    """Tiles by the mean rows per routed expert: decode (few rows per expert) is weight-bandwidth
+    bound, so BLOCK_M 16 and narrow w2 tiles give many programs; prefill takes 64-row tiles.
+    `wide_fp32`: unquantised fp32 activations (test numerics) need smaller tiles in shared memory."""
+    # (warps chosen so that ptxas reports no or only tiny spills for sm_90 at V4-Flash sizes)
+    rows = tokens * topk / max(num_experts, 1)
+    if rows <= 16:
+        cfg = dict(block_m1=16, block_m2=16, block_n2=64, num_warps1=4, num_stages1=4, num_warps2=4, num_stages2=4)
+    elif rows <= 48:
+        cfg = dict(block_m1=32, block_m2=32, block_n2=64, num_warps1=8, num_stages1=3, num_warps2=4, num_stages2=4)
+    else:
+        cfg = dict(block_m1=64, block_m2=64, block_n2=128, num_warps1=8, num_stages1=3, num_warps2=8, num_stages2=3)
+    if wide_fp32:
+        cfg.update(block_m1=min(cfg["block_m1"], 32), block_m2=min(cfg["block_m2"], 32), num_stages1=2,
+                   num_stages2=2)
+    return cfg
+
+
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
+              w2: torch.Tensor, s2: torch.Tensor, *, n_clamped: int, swiglu_limit: float, quant_in: bool,
+              quant_mid: bool, compute_dtype: torch.dtype, shared_last: bool = True,
+              config: dict | None = None) -> torch.Tensor:
+    """x [T, D]; ids [T, K1] int32 expert of each (token, slot) and route_w [T, K1] fp32 its weight
+    (`route_topk`); w13 [E1, 2, I, D] e4m3 (w1 then w3) + s13 fp32 [E1, 2, I/128, D/128]; w2 [E1, D, I]
+    + s2 [E1, D/128, I/128]. Experts < `n_clamped` get the SwiGLU clamp at `swiglu_limit`.
+    `quant_in` / `quant_mid`: FP8 act_quant of the w13 / w2 inputs (QAT simulation), else the
+    activations stay in `compute_dtype`. Returns [T, D] in x's dtype: the slots' outputs summed in
+    fp32 (the last slot first when `shared_last`)."""
+    if x.dim() != 2:
+        raise ValueError(f"fused_moe: x must be [T, D], got {tuple(x.shape)}")
+    T, D = x.shape
+    if ids.dim() != 2 or ids.shape[0] != T or ids.dtype != torch.int32:
+        raise ValueError(f"fused_moe: ids must be int32 [T={T}, K1], got {tuple(ids.shape)} {ids.dtype}")
+    if route_w.shape != ids.shape or route_w.dtype != torch.float32:
+        raise ValueError(f"fused_moe: route_w must be float32 {tuple(ids.shape)}, got {tuple(route_w.shape)} "
+                         f"{route_w.dtype}")
+    if w13.dim() != 4 or w13.shape[3] != D or w2.dim() != 3 or w2.shape[:2] != (w13.shape[0], D) \
+            or w2.shape[2] != w13.shape[2]:
+        raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit D={D} "
+                         f"(want [E1, 2, I, D] and [E1, D, I])")
+    K1, E1 = ids.shape[1], w13.shape[0]
+    n = T * K1
+    cfg = dict(config or moe_tile_config(T, K1, E1, wide_fp32=compute_dtype == torch.float32
+                                         and not (quant_in and quant_mid)))
+    bm1, bm2 = cfg["block_m1"], cfg["block_m2"]
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)     # stable: deterministic rows
+    sched = expert_schedule(sorted_ids, E1, (bm1, bm2))
+    if quant_in:
+        xq, xs = act_quant(x)
+    else:
+        xq, xs = x.to(compute_dtype), None
+    a, a_s = moe_w13(xq, xs, w13, s13, order, route_w, sched, max_tiles(n, E1, bm1), k1=K1, n_clamped=n_clamped
+                     if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype,
+                     x_dtype=x.dtype, quant_out=quant_mid, block_m=bm1, num_warps=cfg["num_warps1"],
+                     num_stages=cfg["num_stages1"])
+    y = moe_w2(a, a_s, w2, s2, order, sched, max_tiles(n, E1, bm2), out_dtype=compute_dtype, block_m=bm2,
+               block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"])
+    return moe_combine(y.view(T, K1, D), x.dtype, shared_last=shared_last)

@@ -1,0 +1,296 @@
+"""Grouped block-scaled FP8 GEMMs over the routed (and shared) experts of a V4 MoE layer, and the
+combine (core reference: `deepinfer_core.model.moe.Expert` run by `PortableMoE.apply`).
+
+Rows are the (token, slot) pairs sorted by expert (`order[r]` = token * K1 + slot); every program
+takes one BLOCK_M tile of one expert's rows (found from the device-side schedule of
+`moe_routing.expert_schedule`) times one N tile, so empty experts cost nothing and the grid is a
+host-known bound.
+
+`moe_w13`: g = w1 x, u = w3 x from the gathered token rows (no permutation copy), rounded to the
+compute dtype as the reference's linear layers return it; routed experts clamp u to +-limit and g
+to <= limit; a = route_weight * silu(g) * u, rounded to x's dtype, then (QAT) quantised per row and
+128 channels to FP8 in the epilogue exactly like `fp8_quant.act_quant` (BLOCK_N = 128 = one group).
+`moe_w2`: y = w2 a, written back to (token, slot) order. `moe_combine`: per token, the shared
+expert first and then slots 0..k-1 in that fixed order, summed in fp32 — so a token's result never
+depends on how the batch was permuted.
+
+The FP8 recipe is fp8_gemm's: per 128-deep K step a fresh dot, then the activation and weight scale
+multiply into the fp32 accumulator. Without QAT the activations stay bf16/fp32 and the FP8 weights are
+widened tile by tile (w8a16_gemm's recipe).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_quant import AMAX_FLOOR, FP8_MAX, _pow2_ceil, _round_to_e4m3_grid
+from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
+
+BLOCK_K = 128          # = the weight and activation quantisation block
+# globals a kernel reads must be constexpr (compiled Triton refuses plain Python numbers)
+_QMAX = tl.constexpr(FP8_MAX)
+_FLOOR = tl.constexpr(AMAX_FLOOR)
+_TILE1 = tl.constexpr(TILE1_BEGIN)
+_TILE2 = tl.constexpr(TILE2_BEGIN)
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _find_tile(sched_ptr, t, E1, EB: tl.constexpr, BEGIN_ROW: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first row, row end) of tile slot t; expert == E1 when t is past the last tile."""
+    lanes = tl.arange(0, EB)
+    ends = tl.load(sched_ptr + (BEGIN_ROW + 1) * EB + lanes, mask=lanes < E1, other=2147483647)
+    e = tl.sum((ends <= t).to(tl.int32), axis=0)
+    safe = tl.minimum(e, E1 - 1)
+    first = tl.load(sched_ptr + safe) + (t - tl.load(sched_ptr + BEGIN_ROW * EB + safe)) * BLOCK_M
+    return e, first, tl.load(sched_ptr + EB + safe)
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    """fp32 x rounded to DT (nearest, ties to even) and kept in fp32, so the cast that follows is exact
+    (Triton's interpreter does not round fp32 -> bf16 to nearest; the compiled cast does)."""
+    if DT == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        x = b.to(tl.float32, bitcast=True)
+    elif DT == tl.float16:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _wide_dot(a, w, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """Unquantised activations times FP8 weights widened in registers (e4m3 is exact in bf16)."""
+    a = a.to(CDT)
+    w = w.to(tl.float32).to(CDT)          # via fp32: the interpreter needs it
+    if UPCAST:        # Triton's interpreter multiplies bf16 tiles wrongly; bf16 products are exact in fp32
+        part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        part = tl.dot(a, w, input_precision="ieee")
+    else:
+        part = tl.dot(a, w)
+    return part
+
+
+@triton.jit
+def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, order_ptr, rw_ptr, sched_ptr, a_ptr, as_ptr,
+                    I, D, E1, n_clamped, limit, stride_x, stride_a,
+                    K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    QAT_IN: tl.constexpr, QAT_OUT: tl.constexpr, CDT: tl.constexpr, XDT: tl.constexpr,
+                    IEEE: tl.constexpr, UPCAST: tl.constexpr, PRECISE_ACC: tl.constexpr):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE1, BLOCK_M)
+    if e >= E1:
+        return
+    offs_r = first + tl.arange(0, BLOCK_M)
+    r_ok = offs_r < row_end
+    src = tl.load(order_ptr + offs_r, mask=r_ok, other=0)        # token * K1 + slot
+    tok = src // K1
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < I
+    e64 = e.to(tl.int64)
+    # w13 [E1, 2, I, D]: w1 rows then w3 rows; scales [E1, 2, NB_I, N_KG]
+    wg_ptrs = w_ptr + e64 * 2 * I * D + offs_n[None, :] * D + offs_k[:, None]
+    wu_ptrs = wg_ptrs + I * D
+    sg_ptrs = ws_ptr + e64 * 2 * NB_I * N_KG + (offs_n // BLOCK_K) * N_KG
+    su_ptrs = sg_ptrs + NB_I * N_KG
+    x_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, N_KG):
+        k_ok = offs_k < D - kb * BLOCK_K
+        a = tl.load(x_ptrs + kb * BLOCK_K, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(wg_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        wu = tl.load(wu_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
+        su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
+        if QAT_IN:
+            sa = tl.load(xs_ptr + tok * N_KG + kb, mask=r_ok, other=0.0)
+            acc_g += tl.dot(a, wg, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sg[None, :]
+            acc_u += tl.dot(a, wu, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * su[None, :]
+        else:
+            acc_g += _wide_dot(a, wg, CDT, IEEE, UPCAST) * sg[None, :]
+            acc_u += _wide_dot(a, wu, CDT, IEEE, UPCAST) * su[None, :]
+    # the reference's w1/w3 return the compute dtype, then SwiGLU runs in fp32
+    g, u = acc_g, acc_u
+    if CDT != tl.float32:
+        g = _round(g, CDT)
+        u = _round(u, CDT)
+    clamp = e < n_clamped                  # routed experts only (the shared expert is E1 - 1)
+    u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
+    g = tl.where(clamp, tl.minimum(g, limit), g)
+    rw = tl.load(rw_ptr + src, mask=r_ok, other=0.0)
+    act = rw[:, None] * (g * tl.sigmoid(g) * u)
+    if XDT != tl.float32:                  # a.to(x.dtype) before w2
+        act = _round(act, XDT)
+    ok = r_ok[:, None] & n_ok[None, :]
+    a_ptrs = a_ptr + offs_r[:, None] * stride_a + offs_n[None, :]
+    if QAT_OUT:           # act_quant of w2's input: this N tile is exactly one 128-channel group
+        act = tl.where(ok, act, 0.0)
+        s = _pow2_ceil(tl.maximum(tl.max(tl.abs(act), axis=1), _FLOOR) / _QMAX)
+        q = _round_to_e4m3_grid(tl.clamp(act / s[:, None], -_QMAX, _QMAX))
+        tl.store(a_ptrs, q.to(tl.float8e4nv), mask=ok)
+        tl.store(as_ptr + offs_r * NB_I + pid_n, s, mask=r_ok)
+    else:
+        if CDT != XDT:
+            act = _round(act, CDT)
+        tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, order_ptr, sched_ptr, y_ptr, D, I, E1, stride_a, stride_y,
+                   EB: tl.constexpr, N_KG: tl.constexpr, NB_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   QAT: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                   PRECISE_ACC: tl.constexpr):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE2, BLOCK_M)
+    if e >= E1:
+        return
+    offs_r = first + tl.arange(0, BLOCK_M)
+    r_ok = offs_r < row_end
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < D
+    e64 = e.to(tl.int64)
+    a_ptrs = a_ptr + offs_r[:, None] * stride_a + offs_k[None, :]
+    w_ptrs = w_ptr + e64 * D * I + offs_n[None, :] * I + offs_k[:, None]     # w2 [E1, D, I]
+    s_ptrs = ws_ptr + e64 * NB_D * N_KG + (offs_n // BLOCK_K) * N_KG
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, N_KG):
+        k_ok = offs_k < I - kb * BLOCK_K
+        a = tl.load(a_ptrs + kb * BLOCK_K, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        sw = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
+        if QAT:
+            sa = tl.load(as_ptr + offs_r * N_KG + kb, mask=r_ok, other=0.0)
+            acc += tl.dot(a, w, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sw[None, :]
+        else:
+            acc += _wide_dot(a, w, CDT, IEEE, UPCAST) * sw[None, :]
+    dest = tl.load(order_ptr + offs_r, mask=r_ok, other=0)
+    y_ptrs = y_ptr + dest[:, None] * stride_y + offs_n[None, :]
+    if y_ptr.dtype.element_ty != tl.float32:
+        acc = _round(acc, y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, out_ptr, T, D, K1: tl.constexpr, SHARED_LAST: tl.constexpr, BT: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = (rows < T)[:, None] & (offs < D)[None, :]
+    ptrs = y_ptr + rows.to(tl.int64)[:, None] * K1 * D + offs[None, :]
+    acc = tl.zeros((BT, BLOCK), dtype=tl.float32)
+    for i in tl.static_range(K1):
+        j = (i + K1 - SHARED_LAST) % K1        # shared expert (last slot) first, then slots 0..k-1
+        acc += tl.load(ptrs + j * D, mask=ok, other=0.0).to(tl.float32)
+    if out_ptr.dtype.element_ty != tl.float32:
+        acc = _round(acc, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + offs[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_experts(w: torch.Tensor, s: torch.Tensor, shape: tuple, name: str) -> None:
+    if w.dtype != torch.float8_e4m3fn or tuple(w.shape) != shape or not w.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous float8_e4m3fn {shape}, got {w.dtype} {tuple(w.shape)}")
+    want = shape[:-2] + (triton.cdiv(shape[-2], BLOCK_K), triton.cdiv(shape[-1], BLOCK_K))
+    if s.dtype != torch.float32 or tuple(s.shape) != want or not s.is_contiguous():
+        raise ValueError(f"{name} scales: expected contiguous float32 {want}, got {s.dtype} {tuple(s.shape)}")
+
+
+def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, s13: torch.Tensor,
+            order: torch.Tensor, route_w: torch.Tensor, sched: torch.Tensor, n_tiles: int, *, k1: int,
+            n_clamped: int, limit: float, compute_dtype: torch.dtype, x_dtype: torch.dtype, quant_out: bool,
+            block_m: int, num_warps: int = 4, num_stages: int = 3, precise_acc: int = 32
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, D]: e4m3 with per-128 scales `x_scale` [T, D/128] (QAT) or unquantised (bf16/fp32, x_scale
+    None); w13 [E1, 2, I, D] e4m3 + s13 [E1, 2, I/128, D/128]; order [n] (token*k1 + slot, sorted by
+    expert); route_w [n] fp32 by (token, slot). Returns w2's input in sorted row order: (e4m3 [n, I],
+    scales [n, I/128]) with `quant_out`, else ([n, I] compute_dtype, None)."""
+    T, D = x.shape
+    E1, _, I, _ = w13.shape
+    n = order.numel()
+    _check_experts(w13, s13, (E1, 2, I, D), "moe_w13: w13")
+    if (x_scale is not None) != (x.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"moe_w13: x_scale must be given exactly when x is FP8 (x is {x.dtype})")
+    if x_scale is not None and tuple(x_scale.shape) != (T, triton.cdiv(D, BLOCK_K)):
+        raise ValueError(f"moe_w13: x_scale {tuple(x_scale.shape)} does not fit x {tuple(x.shape)}")
+    if n != T * k1 or route_w.numel() != n or route_w.dtype != torch.float32:
+        raise ValueError(f"moe_w13: order ({n}) and route_w ({route_w.numel()}, {route_w.dtype}) must both "
+                         f"hold T*k1 = {T * k1} entries (route_w float32)")
+    if compute_dtype not in TL_DTYPES or x_dtype not in TL_DTYPES:
+        raise ValueError(f"moe_w13: compute_dtype {compute_dtype} / x_dtype {x_dtype} not one of {list(TL_DTYPES)}")
+    block_n = 128           # one act_quant group per program (and g, u of the same 128 channels)
+    if quant_out:
+        a = torch.empty((n, I), dtype=torch.float8_e4m3fn, device=x.device)
+        a_s = torch.empty((n, triton.cdiv(I, BLOCK_K)), dtype=torch.float32, device=x.device)
+    else:
+        a, a_s = torch.empty((n, I), dtype=compute_dtype, device=x.device), None
+    if n == 0:
+        return a, a_s
+    x = x if x.stride(1) == 1 else x.contiguous()
+    grid = (n_tiles, triton.cdiv(I, block_n))
+    _moe_w13_kernel[grid](x, x_scale if x_scale is not None else x, w13, s13, order, route_w.reshape(-1), sched,
+                          a, a_s if a_s is not None else a, I, D, E1, n_clamped, float(limit), x.stride(0),
+                          a.stride(0), K1=k1, EB=sched.shape[1], N_KG=triton.cdiv(D, BLOCK_K),
+                          NB_I=triton.cdiv(I, BLOCK_K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                          QAT_IN=x_scale is not None, QAT_OUT=quant_out, CDT=TL_DTYPES[compute_dtype],
+                          XDT=TL_DTYPES[x_dtype], IEEE=compute_dtype == torch.float32, UPCAST=_interpreted(),
+                          PRECISE_ACC=precise_acc, num_warps=num_warps, num_stages=num_stages)
+    return a, a_s
+
+
+def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor, order: torch.Tensor,
+           sched: torch.Tensor, n_tiles: int, *, out_dtype: torch.dtype, block_m: int, block_n: int,
+           num_warps: int = 4, num_stages: int = 3, precise_acc: int = 32) -> torch.Tensor:
+    """a [n, I] in sorted row order (e4m3 + a_scale [n, I/128], or unquantised); w2 [E1, D, I] e4m3 +
+    s2 [E1, D/128, I/128] -> y [n, D] out_dtype in (token, slot) order (row order[r] gets row r)."""
+    n, I = a.shape
+    E1, D, _ = w2.shape
+    _check_experts(w2, s2, (E1, D, I), "moe_w2: w2")
+    if (a_scale is not None) != (a.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"moe_w2: a_scale must be given exactly when a is FP8 (a is {a.dtype})")
+    if order.numel() != n:
+        raise ValueError(f"moe_w2: order has {order.numel()} entries for {n} rows of a")
+    if block_n > BLOCK_K or BLOCK_K % block_n:
+        raise ValueError(f"moe_w2: block_n={block_n} must divide the weight block {BLOCK_K}")
+    y = torch.empty((n, D), dtype=out_dtype, device=a.device)
+    if n == 0:
+        return y
+    cdt = a.dtype if a_scale is None else out_dtype
+    if cdt not in TL_DTYPES:
+        raise ValueError(f"moe_w2: activation dtype {cdt} not one of {list(TL_DTYPES)}")
+    grid = (n_tiles, triton.cdiv(D, block_n))
+    _moe_w2_kernel[grid](a, a_scale if a_scale is not None else a, w2, s2, order, sched, y, D, I, E1, a.stride(0),
+                         y.stride(0), EB=sched.shape[1], N_KG=triton.cdiv(I, BLOCK_K), NB_D=triton.cdiv(D, BLOCK_K),
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, QAT=a_scale is not None,
+                         CDT=TL_DTYPES[cdt], IEEE=cdt == torch.float32, UPCAST=_interpreted(),
+                         PRECISE_ACC=precise_acc, num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+def moe_combine(y: torch.Tensor, out_dtype: torch.dtype, shared_last: bool = True) -> torch.Tensor:
+    """y [T, K1, D] expert outputs by (token, slot) -> [T, D]: fp32 sum in a fixed order (the last
+    slot, the shared expert, first when `shared_last`, then slots 0, 1, ...), cast to out_dtype."""
+    if y.dim() != 3 or not y.is_contiguous():
+        raise ValueError(f"moe_combine: y must be a contiguous [T, K1, D] tensor, got {tuple(y.shape)}")
+    T, K1, D = y.shape
+    out = torch.empty((T, D), dtype=out_dtype, device=y.device)
+    if T:
+        block = min(512, triton.next_power_of_2(D))
+        bt = 4096 // block                                 # [bt, block] tiles: 4096 elements a program
+        _moe_combine_kernel[(triton.cdiv(T, bt), triton.cdiv(D, block))](
+            y, out, T, D, K1=K1, SHARED_LAST=int(shared_last), BT=bt, BLOCK=block)
+    return out

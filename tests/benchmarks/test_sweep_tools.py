@@ -1,0 +1,192 @@
+"""The sweep's tools on the CPU: roofline arithmetic (closed-form sums, hand-computed bytes and FLOPs of
+a small case, the weight inventory against the model's own buffers), random-weight construction, the
+plot's graceful degradation, and one end-to-end run of benchmarks/sweep.py on the tiny config with
+transformers on the same weights (float32, QAT off: the logits must agree, which checks the in-memory
+weight mapping) and one without.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import roofline as RL  # noqa: E402
+import sweep_model as SM  # noqa: E402
+from deepinfer_core.config import ModelConfig  # noqa: E402
+from deepinfer_core.model import build_model  # noqa: E402
+from deepinfer_core.tools.tiny_config import tiny_config_dict  # noqa: E402
+
+
+def tiny_cfg(ratios: list[int], **kw) -> ModelConfig:
+    return ModelConfig.from_dict(tiny_config_dict(num_hidden_layers=len(ratios), compress_ratios=ratios + [0],
+                                                  expert_dtype="fp8", **kw))
+
+
+# ---- arithmetic --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 127, 128, 129, 700])
+def test_closed_form_sums_match_brute_force(n):
+    assert RL.sum_min(n, 16) == sum(min(u, 16) for u in range(1, n + 1))
+    for r in (1, 4, 128):
+        assert RL.sum_floordiv(n, r) == sum(u // r for u in range(1, n + 1))
+        for cap in (0, 3, 8, 512):
+            assert RL.sum_min_floordiv(n, r, cap) == sum(min(cap, u // r) for u in range(1, n + 1))
+
+
+def test_distinct_experts_and_peak_arithmetic():
+    assert RL.expected_distinct_experts(4, 2, 1) == pytest.approx(2.0)
+    assert RL.expected_distinct_experts(4, 2, 2) == pytest.approx(3.0)       # 4 * (1 - (1/2)^2)
+    assert RL.expected_distinct_experts(256, 6, 10 ** 6) == pytest.approx(256.0)
+    assert RL.linear_bytes(256, 384, "fp8", (128, 128)) == 256 * 384 + 2 * 3
+    assert RL.linear_bytes(256, 384, "bf16", None) == 2 * 256 * 384
+    c = RL.Cost({"w": 4.8e9}, {"fp8": 1.58e12, "bf16": 0.79e12})
+    p = RL.Peaks()
+    assert c.t_memory(p) == pytest.approx(1e-3) and c.t_compute(p) == pytest.approx(2e-3)
+    assert c.to_dict(p)["bound"] == "compute" and c.t_floor(p) == pytest.approx(2e-3)
+
+
+def test_decode_roofline_of_a_small_hca_layer_by_hand():
+    """Tiny dims (D 256, 4 heads x 128, window 16, 8 experts top-2, I 128), one HCA layer, batch 2 at
+    context 300, bf16 cache."""
+    cfg = tiny_cfg([128])
+    layer = RL.decode_roofline(cfg, [128], 2, 300).layers[0]
+    # FP8 e4m3 bytes + one scale byte per 128x128 block: wq_a 128x256, wq_b 512x128, wkv 128x256,
+    # wo_a 256x256, wo_b 256x256
+    assert layer.bytes["attn_fp8"] == (32768 + 2) + (65536 + 4) + (32768 + 2) + (65536 + 4) + (65536 + 4)
+    assert layer.bytes["compressor_bf16"] == 2 * (128 * 256 * 2)              # wkv + wgate, bf16
+    # 2 tokens hit 8 * (1 - (6/8)^2) = 3.5 experts of 3 x (32768 + 2) bytes
+    assert layer.bytes["routed_experts"] == pytest.approx(3.5 * 3 * 32770)
+    # per sequence: 15 older window rows + 300+1 // 128 = 2 HCA rows of 128 x 2 B, + the tail pooled
+    # when a block closes (128 fp32 kv + z per token, amortised)
+    assert layer.bytes["state_read"] == 2 * (15 * 256 + 2 * 256 + 128 * 8)
+    assert layer.bytes["state_write"] == pytest.approx(2 * (256 + 128 * 8 + 256 / 128))
+    # attention: 4 x heads x head_dim per (query, key), 16 window keys + 2 HCA rows per query
+    attn = 4 * 4 * 128 * 2 * (16 + 2)
+    dense_bf16 = 2 * 2 * (256 * 256 + 2 * 128 * 256 + 8 * 256)               # wo_a, compressor, gate
+    mhc = 2 * 2 * 2 * 24 * 1024
+    assert layer.flops["bf16"] == attn + dense_bf16 + mhc
+
+
+def test_weight_inventory_matches_the_models_buffers():
+    cfg = tiny_cfg([4, 128])
+    model = build_model(cfg, device="meta")
+    sd = model.state_dict()
+
+    def nbytes(names):
+        return sum(sd[n].numel() * sd[n].element_size() for n in names)
+    for i, ratio in enumerate((4, 128)):
+        pre = f"layers.{i}."
+        dense = [n for n in sd if n.startswith(pre) and ".ffn.experts." not in n and not n.endswith("tid2eid")]
+        want = sum(RL.linear_bytes(s.out_f, s.in_f, s.fmt, cfg.weight_block_size) for s in RL.dense_linears(cfg, ratio))
+        want += sum(RL.block_small_bytes(cfg, ratio, cfg.is_hash_layer(i)).values())
+        assert nbytes(dense) == want, f"layer {i} (ratio {ratio})"
+        assert nbytes([n for n in sd if n.startswith(pre + "ffn.experts.0.")]) == RL.expert_bytes(cfg)
+    assert nbytes(["head.weight"]) == RL.head_cost(cfg, 1, 1).bytes["lm_head"]
+
+
+def test_prefill_chunks_change_bytes_not_flops():
+    cfg = tiny_cfg([4, 128])
+    one, two = RL.prefill_roofline(cfg, [4, 128], 512), RL.prefill_roofline(cfg, [4, 128], 512, chunk=256)
+    assert two.total.flops["fp8"] == pytest.approx(one.total.flops["fp8"])
+    head_row = 2 * 4 * 4 * 256 + 2 * cfg.vocab_size * 256                    # hc_head mix + LM head
+    assert two.total.flops["bf16"] == pytest.approx(one.total.flops["bf16"] + head_row)   # one more logits row
+    assert two.total.total_bytes > one.total.total_bytes                    # weights read per chunk
+
+
+# ---- model and plot ----------------------------------------------------------------------------
+
+def test_v4_flash_copy_and_sweep_configs():
+    shared = SM.FLASH_CONFIG_PATHS[0]
+    if not shared.exists():
+        pytest.fail(f"missing the real V4-Flash config at {shared}")
+    real = json.loads(shared.read_text())
+    assert {k: v for k, v in real.items() if k != "transformers_version"} == SM.V4_FLASH
+    bench = SM.bench_config(real, 4)
+    assert bench["compress_ratios"] == [4, 128, 4, 128, 0] and bench["num_hash_layers"] == 3
+    assert ModelConfig.from_dict(bench).expert_dtype == "fp8"
+    full = ModelConfig.from_dict(SM.full_config(real, bench, 43))
+    assert [full.layer_ratio(i) for i in range(43)] == real["compress_ratios"][:43]
+    # ~27 GB of FP8 weights for the 4 measured layers (+ embedding, head), as the brief expects
+    cfg = ModelConfig.from_dict(bench)
+    layers = sum(RL.decode_roofline(cfg, [4, 128, 4, 128], 10 ** 6, 0).total.bytes[k]
+                 for k in ("attn_fp8", "routed_experts", "shared_expert"))
+    assert 25e9 < layers < 28e9
+
+
+def test_random_model_has_finite_weights_of_the_right_scale():
+    d = SM.bench_config(dict(tiny_config_dict(), vocab_size=512), 2)
+    assert d["compress_ratios"] == [4, 128, 0] and d["expert_dtype"] == "fp8"
+    built = SM.build_random_model(d, "cpu", "float32", seed=1)
+    sd = built.model.state_dict()
+    assert not any(n.startswith("mtp.") for n in sd)
+    w = sd["layers.0.ffn.experts.3.w2.weight"]
+    assert w.dtype == torch.float8_e4m3fn
+    from deepinfer_core.ops.quant import dequant_fp8_block
+    deq = dequant_fp8_block(w, sd["layers.0.ffn.experts.3.w2.scale"], (128, 128), torch.float32)
+    assert 0.5 < deq.std().item() * w.shape[1] ** 0.5 < 2.0                 # unit-variance outputs
+    tid = sd["layers.0.ffn.gate.tid2eid"]
+    assert all(len(set(row)) == len(row) for row in tid[:50].tolist())   # k distinct experts
+    assert all(torch.isfinite(t.float()).all() for t in sd.values() if t.is_floating_point())
+
+
+def test_plot_degrades_to_a_message_without_matplotlib(tmp_path, monkeypatch):
+    import plot_sweep
+    monkeypatch.setitem(sys.modules, "matplotlib", None)                    # import now raises
+    msg = plot_sweep.plot({"decode": [], "prefill": []}, tmp_path / "x.png")
+    assert msg.startswith("not drawn: matplotlib is not installed") and not (tmp_path / "x.png").exists()
+
+
+# ---- end to end --------------------------------------------------------------------------------
+
+SMOKE = ["--device", "cpu", "--tiny", "--layers", "1", "--vocab", "1024", "--dtype", "float32",
+         "--batches", "1,2", "--contexts", "40", "--prefill", "64", "--warmup", "0", "--reps", "1"]
+
+
+def _check(result: dict, path: Path) -> dict:
+    data = json.loads(path.read_text())
+    for key in ("gpu", "commit", "versions", "config", "ops", "peaks", "assumptions", "prefill", "decode",
+                "verdicts", "plot", "full_ratios"):
+        assert key in data, key
+    assert data["gpu"] == "cpu" and data["config"]["num_hidden_layers"] == 1 and len(data["full_ratios"]) == 43
+    assert data["versions"]["torch"] == torch.__version__
+    rows = data["decode"] + data["prefill"]
+    assert [(r["batch"], r["context"]) for r in data["decode"]] == [(1, 40), (2, 40)]
+    for r in rows:
+        assert r["status"] == "ok", r["status"]
+        assert r["step_ms"] > 0 and r["roofline"]["bench"]["t_floor_ms"] > 0
+        ex = r["extrapolated"]
+        assert ex["full_ms"] > r["step_ms"] - ex["embed_head_ms"] and len(r["split"]["layers_ms"]) == 1
+    assert data["decode"][0]["output_tok_s"] == pytest.approx(1e3 / data["decode"][0]["tpot_ms"])
+    assert [v["target"].split()[0] for v in data["verdicts"]] == ["decode", "decode", "prefill", "every"]
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    assert data["plot"].startswith("wrote") == has_mpl, data["plot"]
+    assert path.with_suffix(".png").exists() == has_mpl
+    return data
+
+
+def test_sweep_end_to_end_with_transformers_on_the_same_weights(tmp_path):
+    import sweep
+    out = tmp_path / "with_hf"
+    result = sweep.main(SMOKE + ["--no-qat", "--out-dir", str(out), "--hf-reps", "1"])
+    data = _check(result, Path(result["json_path"]))
+    assert data["hf"]["status"] == "ok", data["hf"]
+    agree = data["hf"]["agreement"]
+    assert agree["argmax_equal"] and agree["max_rel_err"] < 1e-4, agree     # same weights, same math
+    for r in data["decode"] + data["prefill"]:
+        assert r["hf"]["status"] == "ok" and r["speedup_vs_hf"] > 0
+
+
+def test_sweep_end_to_end_without_transformers(tmp_path):
+    import sweep
+    result = sweep.main(SMOKE + ["--no-hf", "--out-dir", str(tmp_path)])
+    data = _check(result, Path(result["json_path"]))
+    assert data["hf"]["status"] == "not run: --no-hf"
+    assert all("speedup_vs_hf" not in r for r in data["decode"])
+    assert data["verdicts"][3]["pass"] is None
