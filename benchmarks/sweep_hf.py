@@ -141,6 +141,15 @@ def new_cache(hf):
 
 @torch.no_grad()
 def hf_step(hf, ids: torch.Tensor, cache) -> torch.Tensor:
-    """One forward of [batch, tokens] ids through HF with its own cache; logits of the last position."""
-    out = hf(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_kwarg(hf): cache})
+    """One forward of [batch, tokens] ids through HF with its own cache; logits of the last position.
+
+    Under bf16 autocast: transformers 5.17 (the H200's) feeds the fp32 output of its fp32-kept mHC
+    modules straight into bf16 linears and fails with a dtype mismatch; autocast runs those matmuls
+    in bf16 (what the model's bf16 weights mean) and leaves the fp32 elementwise parts alone."""
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=_param_dtype(hf) == torch.bfloat16):
+        out = hf(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_kwarg(hf): cache})
     return out.logits[:, -1]
+
+
+def _param_dtype(hf) -> torch.dtype:
+    return hf.get_input_embeddings().weight.dtype

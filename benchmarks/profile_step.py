@@ -1,0 +1,123 @@
+"""Where the time of one step goes: GPU kernel time by kernel family for decode and prefill shapes of
+the sweep's model (4-layer V4-Flash width, random FP8 weights), from torch.profiler.
+
+Kernel times are summed per kernel name and grouped into families (attention, indexer, MoE GEMMs,
+FP8 linear GEMMs, mHC, LM head, elementwise torch ops, ...), with the step's wall time from a CUDA
+graph replay beside them so launch gaps show as the difference.
+
+    python benchmarks/profile_step.py [--decode 1x4k,64x4k,256x4k] [--prefill 4k] [--out-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep import sizes  # noqa: E402
+from sweep_model import (bench_config, build_random_model, cache_layout, decode_states, finish_model,  # noqa: E402
+                         load_base_config, prefill_cache, random_ids)
+from sweep_timing import Clock, cuda_graph_timing  # noqa: E402
+
+from deepinfer_core.model import ForwardBatch  # noqa: E402
+
+FAMILIES = [   # (family, regex on the kernel name), first match wins
+    ("sparse attention", r"_attn|attention|_merge_split"),
+    ("indexer", r"_score|_select|indexer"),
+    ("compressor + state writes", r"_pool|compress|_write_rows|_tails|_ring"),
+    ("MoE routing/schedule", r"route|_schedule|sort|radix"),
+    ("MoE GEMMs + combine", r"_moe|_w13|_w2|combine"),
+    ("FP8 linear GEMM", r"_fp8_gemm|_w8a16|_sum_splits|_act_quant"),
+    ("mHC", r"_mhc|_mix|_coeff|_collapse|_post"),
+    ("cuBLAS GEMM (bf16/fp32: wo_a, compressor, gate, LM head)", r"gemm|sgemm|cutlass|cublas|Kernel2|splitKreduce"),
+    ("torch elementwise / reductions", r"elementwise|reduce|vectorized|index|cat|copy|fill|softmax|where"),
+]
+
+
+def family(name: str) -> str:
+    for fam, pat in FAMILIES:
+        if re.search(pat, name, re.IGNORECASE):
+            return fam
+    return "other"
+
+
+def profile(fn, reps: int = 3) -> tuple[dict[str, float], dict[str, float]]:
+    """Per-step GPU microseconds by family and by kernel name (top entries), averaged over reps."""
+    from torch.profiler import ProfilerActivity, profile as tprof
+    fn()
+    torch.cuda.synchronize()
+    with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    by_name: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if t and ev.key and not ev.key.startswith("ProfilerStep"):
+            by_name[ev.key] += t / reps
+    by_family: dict[str, float] = defaultdict(float)
+    for name, t in by_name.items():
+        by_family[family(name)] += t
+    top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:15])
+    return dict(sorted(by_family.items(), key=lambda kv: -kv[1])), top
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--decode", default="1x4k,64x4k,256x4k", help="BATCHxCONTEXT list")
+    ap.add_argument("--prefill", default="4k")
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    a = ap.parse_args(argv)
+    base, source = load_base_config()
+    cfg = bench_config(base, a.layers)
+    built = build_random_model(cfg, "cuda")
+    finish_model(built)
+    model, layout, clock = built.model, cache_layout(built.cfg, built.ctx.torch_dtype), Clock("cuda")
+    result = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "config_source": source, "shapes": []}
+    with torch.no_grad():
+        for spec in [s for s in a.decode.split(",") if s]:
+            b, c = (sizes(x)[0] for x in spec.split("x"))
+            cache, states = decode_states(layout, b, c, "cuda")
+            toks = [[t] for t in random_ids(b, built.cfg.vocab_size, b + c)]
+            batch = ForwardBatch.build(toks, states, "cuda")
+            fams, top = profile(lambda: model(batch))
+            wall = cuda_graph_timing(model, batch, clock, reps=10).median_ms
+            result["shapes"].append({"shape": f"decode b{b} c{c}", "graph_step_ms": wall,
+                                     "kernel_us_by_family": fams, "top_kernels_us": top})
+            del cache, states, batch
+            torch.cuda.empty_cache()
+        for n in sizes(a.prefill):
+            cache = prefill_cache(layout, n, "cuda")
+            ids = random_ids(n, built.cfg.vocab_size, n)
+
+            def run():
+                st = cache.bind(0, list(range(cache.num_blocks)))
+                model(ForwardBatch.build([ids], [st], "cuda"))
+            fams, top = profile(run, reps=2)
+            result["shapes"].append({"shape": f"prefill {n}", "kernel_us_by_family": fams, "top_kernels_us": top})
+            del cache
+            torch.cuda.empty_cache()
+    for s in result["shapes"]:
+        total = sum(s["kernel_us_by_family"].values())
+        wall = f", graph replay {s['graph_step_ms']:.3f} ms" if "graph_step_ms" in s else ""
+        print(f"\n{s['shape']}: GPU kernel time {total / 1e3:.3f} ms{wall}")
+        for fam, t in s["kernel_us_by_family"].items():
+            print(f"  {t / 1e3:9.3f} ms  {100 * t / total:5.1f}%  {fam}")
+        print("  top kernels:")
+        for k, t in list(s["top_kernels_us"].items())[:8]:
+            print(f"  {t / 1e3:9.3f} ms  {k[:110]}")
+    out = Path(a.out_dir) / f"profile_{result['gpu'].replace(' ', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
