@@ -26,7 +26,7 @@ from torch import nn
 from deepinfer_core.cache.sequence_state import SequenceState
 from deepinfer_core.cache.state_cache import CacheLayout, StateCache
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.model import ModelOps, bind_ops, build_model, process_weights
+from deepinfer_core.model import ModelOps, bind_ops, build_model, head_for_device, process_weights
 from deepinfer_core.model.attention import Numerics
 from deepinfer_core.plugin_context import BuildContext, normalize_dtype
 from deepinfer_core.plugins import get_plugin_manager
@@ -164,6 +164,7 @@ def finish_model(built: Built) -> None:
     """The rest of load_model: bind the op objects, let them convert the weights to runtime form."""
     bind_ops(built.model, built.ops, Numerics(dtype=built.ctx.torch_dtype, simulate_qat=built.ctx.simulate_qat))
     process_weights(built.model)
+    head_for_device(built.model, built.ctx.device)
 
 
 def large_std(name: str, shape: tuple[int, ...], hidden: int) -> float:

@@ -94,8 +94,14 @@ class DeepseekV4Model(nn.Module):
         return self.embed(ids).to(self.numerics.dtype)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 logits, as the reference computes them."""
-        return x.float() @ self.head.weight.t()
+        """fp32 logits, as the reference computes them (fp32 product of the bf16 weight and x). On a
+        GPU with bf16 activations the weight stays bf16 (see `head_for_device`): bf16 x bf16 products
+        are exact in fp32, so an fp32-accumulating bf16 GEMM is the same math at half the bytes and
+        on the tensor cores."""
+        w = self.head.weight
+        if w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        return x.float() @ w.t()
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         e = self.embed_tokens(batch.input_ids)

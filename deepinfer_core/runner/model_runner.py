@@ -14,7 +14,7 @@ from ..cache.budget import CacheRequest, resolve_num_blocks
 from ..cache.sequence_state import SequenceState
 from ..cache.state_cache import CacheLayout, StateCache
 from ..config import ModelConfig
-from ..model import ForwardBatch, ModelOps, bind_ops, build_model, process_weights
+from ..model import ForwardBatch, ModelOps, bind_ops, build_model, head_for_device, process_weights
 from ..model.attention import Numerics
 from ..model.deepseek_v4 import DeepseekV4Model
 from ..plugin_context import BuildContext, normalize_dtype
@@ -53,6 +53,7 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))
     process_weights(model)
     model.to(device)
+    head_for_device(model, device)
     return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops)
 
 
