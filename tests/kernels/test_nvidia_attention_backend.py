@@ -37,9 +37,10 @@ def pair(tiny_ckpt_dir, kdev):
 def test_greedy_tokens_and_logprobs_match_the_portable_backend(pair):
     ref, ours = pair
     g = torch.Generator().manual_seed(3)
-    # 140 tokens: chunked at 96, crosses the ratio-128 block; decode crosses more ratio-4 blocks
-    prompts = [torch.randint(2, 129280, (n,), generator=g).tolist() for n in (140, 5, 33)]
-    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    # 130 tokens: chunked at 96, closes the first ratio-128 block; decode closes a ratio-4 block
+    # (position 131) beside a short sequence's decode
+    prompts = [torch.randint(2, 129280, (n,), generator=g).tolist() for n in (130, 5)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
     want = ref.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
     got = ours.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
     for w, o in zip(want, got):
