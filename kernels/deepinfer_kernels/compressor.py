@@ -190,9 +190,14 @@ def _check(name: str, t, ndim: int, dtype=None, device=None) -> None:
         raise ValueError(f"{name} must have unit stride in its last dimension")
 
 
-def _check_store_dtype(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in STORE_DTYPES:
-        raise ValueError(f"{name} must be one of {STORE_DTYPES} (the cache dtype), got {t.dtype}")
+def _check_store(src_name: str, src: torch.Tensor, dst_name: str, dst: torch.Tensor) -> None:
+    """A float [N, d] source stored into a [*, *, d'] cache pool of a cache dtype, same device."""
+    _check(src_name, src, 2, None, dst.device)
+    _check(dst_name, dst, 3, None, dst.device)
+    if dst.dtype not in STORE_DTYPES:
+        raise ValueError(f"{dst_name} must be one of {STORE_DTYPES} (the cache dtype), got {dst.dtype}")
+    if not src.is_floating_point():
+        raise ValueError(f"{src_name} must be floating point, got {src.dtype}")
 
 
 def _check_ratio(ratio: int) -> None:
@@ -276,11 +281,7 @@ def write_rows(rows: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor
     """rows [NB, d] -> pool[block_table[s, b // RPB], b % RPB] in the pool's dtype (RPB = pool.shape[1]);
     entries with blk_idx < 0 are skipped."""
     dev = pool.device
-    _check("rows", rows, 2, None, dev)
-    _check("pool", pool, 3, None, dev)
-    _check_store_dtype("pool", pool)
-    if not rows.is_floating_point():
-        raise ValueError(f"rows must be floating point, got {rows.dtype}")
+    _check_store("rows", rows, "pool", pool)
     _check("block_table", block_table, 2, torch.int32, dev)
     nb = _check_blocks(dev, blk_seq, blk_idx)
     if rows.shape[0] != nb:
@@ -327,11 +328,7 @@ def write_ring(kv: torch.Tensor, ring: torch.Tensor, *, cu_seqlens: torch.Tensor
                slots: torch.Tensor, token_seq: torch.Tensor, positions: torch.Tensor) -> None:
     """The last R new tokens of each sequence -> ring[slot, p % R] in the ring's dtype."""
     dev = ring.device
-    _check("kv", kv, 2, None, dev)
-    _check("ring", ring, 3, None, dev)
-    _check_store_dtype("ring", ring)
-    if not kv.is_floating_point():
-        raise ValueError(f"kv must be floating point, got {kv.dtype}")
+    _check_store("kv", kv, "ring", ring)
     if ring.shape[2] != kv.shape[1]:
         raise ValueError(f"ring rows are {ring.shape[2]} wide, kv rows {kv.shape[1]}")
     if ring.shape[1] < 1:
