@@ -202,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=argparse.SUPPRESS,
                      help="state-cache budget in bytes (default: gpu_memory_utilization on CUDA, "
                           "DEEPINFER_CPU_KV_CACHE_BYTES on CPU)")
+    eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                     help="CUDA: never capture decode CUDA graphs (default: DEEPINFER_ENFORCE_EAGER)")
 
     _add_sampling_flags(parser.add_argument_group("sampling (SamplingParams fields)"))
 
@@ -354,7 +356,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """LLM keyword arguments for the engine flags given."""
     names = ("tokenizer", "dtype", "simulate_qat", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
-             "gpu_memory_utilization", "kv_cache_memory_bytes")
+             "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager")
     return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 

@@ -182,8 +182,9 @@ def test_flags_map_to_sampling_params_and_absent_flags_keep_defaults():
     assert (p.max_tokens, p.logprobs, p.top_k, p.seed, p.extra_args, p.n) == (None, 2, 5, 7, {"x": 1}, 2)
     assert generate.sampling_params_from_args(parser.parse_args([])) == SamplingParams()
     assert generate.engine_options_from_args(parser.parse_args([])) == {}
-    eng = generate.engine_options_from_args(parser.parse_args(["--dtype", "bfloat16", "--no-simulate-qat"]))
-    assert eng == {"dtype": "bfloat16", "simulate_qat": False}
+    eng = generate.engine_options_from_args(parser.parse_args(["--dtype", "bfloat16", "--no-simulate-qat",
+                                                               "--enforce-eager"]))
+    assert eng == {"dtype": "bfloat16", "simulate_qat": False, "enforce_eager": True}
 
 
 def test_engine_help_defaults_match_llm():
