@@ -321,6 +321,7 @@ def test_ds_and_vllm_kwargs_ignored(patched):
               max_num_batched_tokens=128)
     assert llm.max_num_batched_tokens == 128
     assert patched["load_format"] == "dummy" and "gpu_memory_utilization" not in patched
+    assert patched["enforce_eager"] is True          # honoured: the runner's CUDA graphs switch
 
 
 def test_unknown_kwarg_is_type_error(patched):
