@@ -28,11 +28,11 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None     # None: run the static batch eagerly (capture=False)
     batch: ForwardBatch          # static inputs (input_ids, positions: views of ids_pos) read by the graph
     ids_pos: torch.Tensor        # [2 * size] int64, refilled with one host->device copy per step
     meta: Any                    # the backend's static metadata, refilled before each replay
-    logits: torch.Tensor         # static output, overwritten by the next replay
+    logits: torch.Tensor | None  # static output, overwritten by the next replay
 
 
 def buckets_for(max_seqs: int) -> list[int]:
@@ -40,8 +40,10 @@ def buckets_for(max_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, cache, backend, max_seqs: int, max_blocks: int):
-        self.model, self.backend, self.max_blocks = model, backend, max_blocks
+    def __init__(self, model, cache, backend, max_seqs: int, max_blocks: int, capture: bool = True):
+        """`capture=False` runs the same padded, fixed-shape batches eagerly instead of replaying a
+        graph: the padding and static-metadata logic, testable without a GPU."""
+        self.model, self.backend, self.max_blocks, self.capture = model, backend, max_blocks, capture
         self.buckets = buckets_for(max_seqs)
         self.device = cache.device
         if cache.spare_slot is None:
@@ -75,6 +77,8 @@ class DecodeGraphs:
         copy_into(cap.ids_pos, [t[0] for t in token_ids] + [0] * pad + positions)
         cap.meta.fill(positions, [st.slot for st in seqs] + [self.pad_slot] * pad,
                       [st.table.ids for st in seqs] + [[self.pad_block]] * pad)
+        if cap.graph is None:
+            return self.model(cap.batch).logits[:n]
         cap.graph.replay()
         return cap.logits[:n]
 
@@ -86,6 +90,9 @@ class DecodeGraphs:
                              logits_rows=torch.arange(size, device=dev))
         meta = self.backend.graph_meta(batch, self.max_blocks)
         meta.fill([0] * size, [self.pad_slot] * size, [[self.pad_block]] * size)
+        if not self.capture:
+            self.graphs[size] = _Captured(None, batch, ids_pos, meta, None)
+            return self.graphs[size]
         try:
             side = torch.cuda.Stream(device=dev)      # warm-up (Triton compilation) off the capture
             side.wait_stream(torch.cuda.current_stream(dev))

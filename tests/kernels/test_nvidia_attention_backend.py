@@ -48,3 +48,38 @@ def test_greedy_tokens_and_logprobs_match_the_portable_backend(pair):
         for lw, lo in zip(w.outputs[0].logprobs, o.outputs[0].logprobs):
             for tok, v in lw.items():
                 assert abs(lo[tok].logprob - v.logprob) < 1e-3
+
+
+def test_padded_static_decode_batches_equal_eager_decode(tiny_ckpt_dir, kdev):
+    """What a decode CUDA graph runs, without the graph: batches padded to their bucket with padding
+    sequences in the cache's spare slot, fixed-shape metadata refilled in place (closed-block lists
+    padded with -1, block tables to the longest). Same logits as the plain eager path, step by step,
+    from two identical caches."""
+    from deepinfer_core.cache.state_cache import StateCache
+    from deepinfer_core.runner.cuda_graphs import DecodeGraphs
+
+    llm = LLM(model=str(tiny_ckpt_dir), dtype="float32", simulate_qat=False, device=kdev,
+              num_cache_blocks=8, max_num_seqs=4, async_scheduling=False)
+    use_nvidia_attention(llm)
+    runner = llm.runner
+    backend = runner.model.layers[0].attn.backend
+    layout = runner.cache_layout()
+    eager_cache = StateCache(layout, 4, 8, kdev)
+    static_cache = StateCache(layout, 4, 8, kdev, spare=True)
+    graphs = DecodeGraphs(runner.model, static_cache, backend, max_seqs=4, max_blocks=3, capture=False)
+    g = torch.Generator().manual_seed(11)
+    # decode positions 7..9 / 6..8 close ratio-4 blocks in some steps and not in others
+    prompts = [torch.randint(2, 129280, (n,), generator=g).tolist() for n in (7, 6, 3)]
+    blocks = [[5], [3], [7]]               # shuffled physical blocks
+    eager = [eager_cache.bind(i, b) for i, b in enumerate(blocks)]
+    static = [static_cache.bind(i, b) for i, b in enumerate(blocks)]
+    want = runner.forward_batch(prompts, eager)
+    runner.forward_batch(prompts, static)
+    for step in range(3):                  # 3 sequences -> bucket 4 (one padding sequence)
+        toks = [[int(t)] for t in want.argmax(-1)]
+        want = runner.forward_batch(toks, eager)
+        got = graphs.run(toks, static)
+        for st in static:
+            st.num_tokens += 1
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), step
+    assert sorted(graphs.graphs) == [4]
