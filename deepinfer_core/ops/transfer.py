@@ -12,16 +12,17 @@ from typing import Sequence
 import torch
 
 
-def to_device(values: Sequence, dtype: torch.dtype, device) -> torch.Tensor:
+def _staged(values: Sequence, dtype: torch.dtype, device) -> torch.Tensor:
+    """The values on the host, in pinned memory when they are headed for an accelerator."""
     host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return host if torch.device(device).type == "cpu" else host.pin_memory()
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device) -> torch.Tensor:
+    host = _staged(values, dtype, device)
+    return host if torch.device(device).type == "cpu" else host.to(device, non_blocking=True)
 
 
 def copy_into(dst: torch.Tensor, values: Sequence) -> None:
     """`dst.copy_(values)` from a host list, asynchronously on an accelerator."""
-    host = torch.tensor(values, dtype=dst.dtype)
-    if dst.device.type != "cpu":
-        host = host.pin_memory()
-    dst.copy_(host.view(dst.shape), non_blocking=True)
+    dst.copy_(_staged(values, dst.dtype, dst.device).view(dst.shape), non_blocking=True)
