@@ -89,9 +89,9 @@ class ModelRunner:
         is resident)."""
         if self.cache is not None and self._cache_request == request:
             return self.cache
-        self.graphs = None
         if self.cache is not None and not self.cache.allocator.empty:
             raise RuntimeError("state cache: cannot re-size while sequences are resident")
+        self.graphs = None                      # they point into the old cache's pools
         self.cache = None                       # free the old pools before sizing the new ones
         layout = self.cache_layout()
         num_blocks, note = resolve_num_blocks(layout, request, self.device, self._profile_activation_bytes)
