@@ -150,7 +150,8 @@ def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str 
                        simulate_qat=bool(simulate_qat), options=dict(options or {}))
     pm.configure(ctx)
     ops = ModelOps(linear={f: pm.linear_method(ctx, f) for f in WEIGHT_FORMATS},
-                   attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx))
+                   attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx),
+                   pointwise=pm.pointwise_method(ctx))
     model = build_model(cfg, device=device)          # torch.empty buffers, filled below
     model.mtp = nn.ModuleList()
     if torch.device(device).type == "cuda":

@@ -61,6 +61,13 @@ def deepinfer_moe_method(ctx):
 
 
 @hookspec(firstresult=True)
+def deepinfer_pointwise_method(ctx):
+    """Return the `PointwiseMethod`: the memory-bound glue between the GEMMs (RMSNorm; the query and
+    KV norm + RoPE + KV fake-quant; compressed-row finalize; the indexer's query transform; the
+    inverse RoPE of the attention output), which a backend fuses into few passes over memory."""
+
+
+@hookspec(firstresult=True)
 def deepinfer_mhc_method(ctx):
     """Return the `MHCMethod`: hyper-connection pre (norm, projection, Sinkhorn), post and head."""
 

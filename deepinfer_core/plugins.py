@@ -292,6 +292,9 @@ class PluginManager:
     def moe_method(self, ctx: Any) -> Any:
         return self._first("deepinfer_moe_method", "a MoE method", ctx=ctx)
 
+    def pointwise_method(self, ctx: Any) -> Any:
+        return self._first("deepinfer_pointwise_method", "a pointwise method", ctx=ctx)
+
     def mhc_method(self, ctx: Any) -> Any:
         return self._first("deepinfer_mhc_method", "an mHC method", ctx=ctx)
 

@@ -9,7 +9,7 @@ import torch
 from .attention import Attention, Compressor, Indexer, Numerics
 from .deepseek_v4 import Block, DeepseekV4Model, ModelOutput, build_model
 from .forward_batch import ForwardBatch
-from .layers import Linear
+from .layers import Linear, RMSNorm
 from .moe import MoE
 from .rope import rope_tables
 
@@ -25,6 +25,7 @@ class ModelOps:
     attention: Any
     moe: Any
     mhc: Any
+    pointwise: Any = None         # None: the portable PyTorch ops
 
 
 def bind_ops(model: DeepseekV4Model, ops: ModelOps, numerics: Numerics) -> None:
@@ -44,6 +45,8 @@ def bind_ops(model: DeepseekV4Model, ops: ModelOps, numerics: Numerics) -> None:
             mod.mhc = ops.mhc
         if isinstance(mod, (Attention, Compressor, Indexer, DeepseekV4Model)):
             mod.numerics = numerics
+        if isinstance(mod, (Attention, Indexer, RMSNorm)) and ops.pointwise is not None:
+            mod.pointwise = ops.pointwise
 
 
 @torch.no_grad()

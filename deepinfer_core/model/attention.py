@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.quant import fake_quant_fp4, fake_quant_fp8, hadamard_transform
-from .layers import Linear, RMSNorm, empty, head_rms_norm, weight_format
+from ..ops.portable_pointwise import PORTABLE
+from .layers import Linear, RMSNorm, empty, weight_format
 from .rope import RotaryTable
 
 
@@ -45,22 +45,17 @@ class Compressor(nn.Module):
         self.numerics = Numerics()
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token (kv, gate logits + ape), both fp32 [T, c*dim]."""
-        xf = x.float()
-        kv = self.wkv(xf)
-        z = self.wgate(xf) + self.ape[positions % self.ratio]
+        """Per-token (kv, gate logits + ape), both fp32 [T, c*dim] (fp32 layers: see __init__)."""
+        kv = self.wkv(x)
+        z = self.wgate(x) + self.ape[positions % self.ratio]
         return kv, z
 
     def finalize(self, pooled: torch.Tensor, block_starts: torch.Tensor) -> torch.Tensor:
         """Norm, RoPE at the block's first position, and the QAT fake-quant of a pooled row."""
-        rows = self.norm(pooled.to(self.numerics.dtype))
-        rows = self.rope.apply(rows, block_starts)
-        if self.numerics.simulate_qat:
-            if self.kind == "kv":
-                rows = torch.cat([fake_quant_fp8(rows[..., : self.nope_dim], 64), rows[..., self.nope_dim:]], -1)
-            else:
-                rows = fake_quant_fp4(hadamard_transform(rows), 32)
-        return rows
+        quant = ("fp8_nope" if self.kind == "kv" else "hadamard_fp4") if self.numerics.simulate_qat else "none"
+        return self.norm.pointwise.norm_rope_quant(
+            pooled.to(self.numerics.dtype), block_starts, self.rope, norm="weighted", weight=self.norm.weight,
+            eps=self.norm.eps, quant=quant, nope_dim=self.nope_dim)
 
 
 class Indexer(nn.Module):
@@ -74,13 +69,12 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, "bf16", act_quant=False, device=device)
         self.compressor = Compressor(cfg, 4, self.head_dim, "index", device=device)
         self.numerics = Numerics()
+        self.pointwise = PORTABLE    # bound by bind_ops()
 
     def queries(self, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
-        q = self.compressor.rope.apply(q, positions)
-        if self.numerics.simulate_qat:
-            q = fake_quant_fp4(hadamard_transform(q), 32)
-        return q
+        return self.pointwise.norm_rope_quant(q, positions, self.compressor.rope,
+                                              quant="hadamard_fp4" if self.numerics.simulate_qat else "none")
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """Per-head score weights [T, n_heads] fp32 (the 1/sqrt(head_dim) part is applied by the scorer)."""
@@ -109,16 +103,16 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg, device=device) if ratio == 4 else None
         self.rope: RotaryTable | None = None
         self.backend = None          # bound by bind_ops()
+        self.pointwise = PORTABLE    # bound by bind_ops()
         self.numerics = Numerics()
 
     def forward(self, x: torch.Tensor, batch, states) -> torch.Tensor:
-        T, pos = x.shape[0], batch.positions
+        T, pos, pw, eps = x.shape[0], batch.positions, self.pointwise, self.cfg.rms_norm_eps
         qr = self.q_norm(self.wq_a(x))
-        q = head_rms_norm(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.cfg.rms_norm_eps)
-        q = self.rope.apply(q, pos)
-        kv = self.rope.apply(self.kv_norm(self.wkv(x)), pos)
-        if self.numerics.simulate_qat:
-            kv = torch.cat([fake_quant_fp8(kv[..., : self.nope_dim], 64), kv[..., self.nope_dim:]], -1)
+        q = pw.norm_rope_quant(self.wq_b(qr).view(T, self.n_heads, self.head_dim), pos, self.rope,
+                               norm="head", eps=eps)
+        kv = pw.norm_rope_quant(self.wkv(x), pos, self.rope, norm="weighted", weight=self.kv_norm.weight, eps=eps,
+                                quant="fp8_nope" if self.numerics.simulate_qat else "none", nope_dim=self.nope_dim)
         extras = AttentionInputs(q=q, kv=kv)
         if self.compressor is not None:
             extras.comp_kv, extras.comp_z = self.compressor.project(x, pos)
@@ -127,7 +121,7 @@ class Attention(nn.Module):
             extras.idx_q = self.indexer.queries(qr, pos)
             extras.idx_w = self.indexer.head_weights(x)
         o = self.backend.forward(self, extras, batch, states)          # [T, H, Dh]
-        o = self.rope.apply(o, pos, inverse=True)
+        o = pw.inverse_rope(o, pos, self.rope)
         z = self.wo_a.method.apply_grouped(self.wo_a, o.reshape(T, self.cfg.o_groups, -1))
         return self.wo_b(z.flatten(1))
 

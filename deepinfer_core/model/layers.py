@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from ..ops.portable_pointwise import PORTABLE, head_rms_norm  # noqa: F401  (re-exported)
+
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
 
@@ -60,22 +62,17 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Weighted RMSNorm; the weight multiplies in fp32 before the cast back (reference order)."""
+    """Weighted RMSNorm; the weight multiplies in fp32 before the cast back (reference order).
+    Computed by the bound pointwise method (a backend's fused kernel), else the portable one."""
 
     def __init__(self, dim: int, eps: float, device="cpu"):
         super().__init__()
         self.eps = eps
         self.register_buffer("weight", empty((dim,), torch.bfloat16, device))
+        self.pointwise = PORTABLE    # bound by bind_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * y).to(x.dtype)
-
-
-def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Unweighted per-head RMS norm of the queries (last dim)."""
-    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+        return self.pointwise.rms_norm(x, self.weight, self.eps)
 
 
 class Embedding(nn.Module):

@@ -18,7 +18,7 @@ class RotaryTable:
         self.inv_freq = torch.tensor(freqs, dtype=torch.float32, device=device)
         self._on_device = {self.inv_freq.device: self.inv_freq}
 
-    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
         """The table on `device`, copied there once (a copy per call would be a host transfer per
         layer, and cannot be captured in a CUDA graph)."""
         if device not in self._on_device:
@@ -26,7 +26,7 @@ class RotaryTable:
         return self._on_device[device]
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.to(torch.float32)[:, None] * self._inv_freq(positions.device)[None, :]
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq_on(positions.device)[None, :]
         return angles.cos(), angles.sin()
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:

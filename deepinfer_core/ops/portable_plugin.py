@@ -44,6 +44,12 @@ def deepinfer_mhc_method(ctx: BuildContext):
 
 
 @hookimpl(trylast=True)
+def deepinfer_pointwise_method(ctx: BuildContext):
+    from .portable_pointwise import PortablePointwise
+    return PortablePointwise()
+
+
+@hookimpl(trylast=True)
 def deepinfer_sampler(ctx: BuildContext):
     from .sampler import Sampler
     return Sampler()

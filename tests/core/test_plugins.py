@@ -275,8 +275,8 @@ def test_cli_table_lists_installed_skeletons(site):
 
 
 def test_nvidia_linear_method_declines_off_gpu(monkeypatch):
-    """The FP8 method is chosen only for fp8 weights, the nvidia platform and an SM90+ CUDA device;
-    everything else falls through to the core."""
+    """The nvidia linear methods are chosen only for the nvidia platform on an SM90+ CUDA device (FP8 for
+    fp8/fp4 weights, fp32-accumulating bf16 GEMMs for bf16 weights); everything else falls through."""
     from types import SimpleNamespace
 
     import torch
@@ -291,5 +291,5 @@ def test_nvidia_linear_method_declines_off_gpu(monkeypatch):
     qat_off = SimpleNamespace(platform=nvidia, simulate_qat=False, device="cuda", torch_dtype=torch.bfloat16,
                               model_config=SimpleNamespace(weight_block_size=(128, 128)))
     assert type(mod.deepinfer_linear_method(qat_off, "fp8")).__name__ == "Fp8LinearMethod"
-    assert mod.deepinfer_linear_method(SimpleNamespace(platform=nvidia, simulate_qat=True, device="cuda"),
-                                       "bf16") is None
+    assert type(mod.deepinfer_linear_method(qat_off, "bf16")).__name__ == "Bf16LinearMethod"
+    assert mod.deepinfer_linear_method(qat_off, "int4") is None

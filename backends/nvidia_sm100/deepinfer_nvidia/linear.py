@@ -7,8 +7,13 @@ with simulate_qat=True the result equals the portable path up to summation order
 activation quantisation (simulate_qat=False, or a layer the reference computes in bf16) the weights
 still stay FP8 and are widened tile by tile (`w8a16_gemm`). FP4 checkpoint weights (the routed
 experts) are re-encoded to FP8 with 128x128 scales at load when that is exact (`fp4_to_fp8_block`;
-SM90 has no FP4 tensor cores), else dequantised by the portable method. bf16 weights and the
-grouped wo_a use the core's portable method.
+SM90 has no FP4 tensor cores), else dequantised by the portable method. The grouped wo_a uses the
+core's portable method.
+
+bf16 checkpoint weights (`Bf16LinearMethod`) stay bf16 in a bf16 model, including the layers the
+reference computes in fp32 (the compressors' projections): a bf16 x bf16 product is exact in fp32, so
+an fp32-accumulating bf16 GEMM on the tensor cores is the reference's math up to summation order,
+at half the weight bytes and far above fp32 SIMT speed.
 """
 from __future__ import annotations
 
@@ -64,4 +69,28 @@ class Fp8LinearMethod:
     def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
         """V4's wo_a: a bf16 product in the reference (no activation quantisation), so the portable
         method serves it (a grouped bf16 kernel is future work)."""
+        return self.fallback.apply_grouped(layer, x)
+
+
+class Bf16LinearMethod:
+    def __init__(self, dtype: torch.dtype, simulate_qat: bool, block=(128, 128)):
+        self.dtype = dtype
+        self.fallback = PortableLinearMethod(dtype, simulate_qat, block)
+
+    def process_weights(self, layer) -> None:
+        if self.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16 and not layer.grouped:
+            layer.register_buffer("weight", layer.weight.contiguous(), persistent=False)
+            layer.scale = None
+            return
+        self.fallback.process_weights(layer)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = layer.compute_dtype or self.dtype
+        if layer.weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+            return self.fallback.apply(layer, x)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.mm(x2, layer.weight.t(), out_dtype=out_dtype) if out_dtype != x.dtype else x2 @ layer.weight.t()
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
         return self.fallback.apply_grouped(layer, x)

@@ -92,7 +92,10 @@ class NvidiaMoEMethod:
     def process_weights(self, moe) -> None:
         if self.fused(moe):
             return
+        gate_bf16 = moe.gate.weight
         self.portable.process_weights(moe)          # gate weight -> fp32 (routing reads it as is)
+        if gate_bf16.dtype == torch.bfloat16:       # for bf16 activations: see `route`
+            moe.gate.register_buffer("weight_bf16", gate_bf16.contiguous(), persistent=False)
         moe.nv_fused = None
         experts = list(moe.experts) + [moe.shared_experts]
         linears = [(ex.w1, ex.w3, ex.w2) for ex in experts]
@@ -141,7 +144,12 @@ class NvidiaMoEMethod:
         """(expert ids [T, k+1] int32, weights [T, k+1] fp32); the last column is the shared expert."""
         from deepinfer_kernels.moe_routing import route_topk
         gate = moe.gate
-        logits = x.float() @ gate.weight.t()
+        w16 = getattr(gate, "weight_bf16", None)
+        if w16 is not None and x.dtype == torch.bfloat16:
+            # the reference's fp32 product of bf16 values, exact per term: a bf16 GEMM accumulating in fp32
+            logits = torch.mm(x, w16.t(), out_dtype=torch.float32)
+        else:
+            logits = x.float() @ gate.weight.t()
         return route_topk(logits, gate.topk, bias=gate.bias, tid2eid=gate.tid2eid if gate.hash_routed else None,
                           input_ids=input_ids.reshape(-1) if gate.hash_routed else None,
                           renormalize=gate.renormalize, routed_scale=gate.routed_scale, shared_expert=True)

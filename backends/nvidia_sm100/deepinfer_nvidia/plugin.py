@@ -15,8 +15,8 @@ MIN_CAPABILITY = (9, 0)      # FP8 tensor cores (Hopper); SM100 runs the same Tr
 DEEPINFER_PLUGIN_INFO = {
     "status": "partial",
     "note": "Triton kernels for FP8 linear layers (FP4 experts re-encoded to FP8), the fused FP8 MoE, "
-            "sparse attention with the indexer and compressors, mHC; decode CUDA graphs. Not yet: FP8 "
-            "KV storage, fused RMSNorm/RoPE, SM100-specific paths",
+            "sparse attention with the indexer and compressors, mHC, fused RMSNorm/RoPE/KV quant; decode "
+            "CUDA graphs. Not yet: SM100-specific paths",
 }
 # Either path means a loaded NVIDIA kernel driver (tests may replace this tuple).
 PROBE_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidia0")
@@ -57,12 +57,21 @@ def deepinfer_attention_backend(ctx):
 @hookimpl
 def deepinfer_linear_method(ctx, weight_format):
     """FP8 (and FP4, re-encoded to FP8 at load) weights on an SM90+ GPU: FP8 x FP8 with the QAT
-    numerics, FP8 weights x bf16/fp32 activations without; bf16 weights and other devices fall
-    through to the core."""
-    if weight_format not in ("fp8", "fp4") or not _serves(ctx):
+    numerics, FP8 weights x bf16/fp32 activations without; bf16 weights as fp32-accumulating bf16
+    GEMMs. Other devices fall through to the core."""
+    if weight_format not in ("fp8", "fp4", "bf16") or not _serves(ctx):
         return None
-    from .linear import Fp8LinearMethod
-    return Fp8LinearMethod(ctx.torch_dtype, ctx.simulate_qat, ctx.model_config.weight_block_size or (128, 128))
+    from .linear import Bf16LinearMethod, Fp8LinearMethod
+    cls = Bf16LinearMethod if weight_format == "bf16" else Fp8LinearMethod
+    return cls(ctx.torch_dtype, ctx.simulate_qat, ctx.model_config.weight_block_size or (128, 128))
+
+
+@hookimpl
+def deepinfer_pointwise_method(ctx):
+    if not _serves(ctx):
+        return None
+    from .pointwise import NvidiaPointwise
+    return NvidiaPointwise()
 
 
 @hookimpl

@@ -1,0 +1,22 @@
+"""The pointwise glue on the NVIDIA backend: the same interface and values as the core's
+`PortablePointwise`, each call one fused Triton pass (`deepinfer_kernels.pointwise`) instead of a
+chain of torch elementwise kernels; the inverse RoPE rotates the attention output in place."""
+from __future__ import annotations
+
+import torch
+
+from deepinfer_kernels.pointwise import norm_rope_quant, rms_norm, rope_inplace
+
+
+class NvidiaPointwise:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def norm_rope_quant(self, x: torch.Tensor, positions: torch.Tensor, rope, *, norm: str = "none",
+                        weight: torch.Tensor | None = None, eps: float = 1e-6, quant: str = "none",
+                        nope_dim: int | None = None) -> torch.Tensor:
+        return norm_rope_quant(x, positions, rope.inv_freq_on(x.device), norm=norm, weight=weight, eps=eps,
+                               quant=quant, nope_dim=nope_dim)
+
+    def inverse_rope(self, x: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
+        return rope_inplace(x, positions, rope.inv_freq_on(x.device), inverse=True)
