@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "DEEPINFER_CPU_KV_CACHE_BYTES on CPU)")
     eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                      help="CUDA: never capture decode CUDA graphs (default: DEEPINFER_ENFORCE_EAGER)")
+    eng.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "fp8"), default=argparse.SUPPRESS,
+                     help="storage of window and compressed KV rows: fp8 = e4m3 nope dims with a power-of-two "
+                          "scale per 64 + bf16 RoPE dims; auto (default) = fp8 when lossless (bfloat16 with "
+                          "the QAT simulation), else the model dtype")
 
     _add_sampling_flags(parser.add_argument_group("sampling (SamplingParams fields)"))
 
@@ -356,7 +360,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """LLM keyword arguments for the engine flags given."""
     names = ("tokenizer", "dtype", "simulate_qat", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
-             "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager")
+             "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager", "kv_cache_dtype")
     return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 

@@ -45,12 +45,13 @@ _IGNORED_KWARGS = frozenset({
     "tokenizer_mode", "swap_space", "cpu_offload_gb", "disable_log_stats", "served_model_name",
     "stop_preempted_request", "offline_inference", "chunked_prefill", "enable_chunked_prefill",
     "enable_prefix_caching", "disable_custom_all_reduce", "ignore_len", "tokens_per_block",
-    "lookahead_tokens", "compilation_config", "quantization", "kv_cache_dtype", "engine_type",
+    "lookahead_tokens", "compilation_config", "quantization", "engine_type",
 })
 # Options the LLM itself uses, with defaults (shared with the CLI's help).
 _LLM_OPTIONS = LLM_OPTION_DEFAULTS
 # Options handed to ModelRunner(**options).
-_RUNNER_OPTIONS = frozenset({"load_format", "batch_invariant", "max_backtracking_tokens", "enforce_eager"})
+_RUNNER_OPTIONS = frozenset({"load_format", "batch_invariant", "max_backtracking_tokens", "enforce_eager",
+                             "kv_cache_dtype"})
 
 
 # ---- reusable request-processing pieces ----------------------------------------------------------

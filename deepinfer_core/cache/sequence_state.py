@@ -4,6 +4,9 @@ addressed through the sequence's block table). The tensors are views into `State
 
 Visibility is decided by position, never by slot, so rolling back speculative tokens only moves
 `num_tokens` back (rows with index >= floor((n+1)/m) are simply ignored and later overwritten).
+
+With a kv_fp8 cache the main compressed rows are packed uint8 rows (`ops.kv_fp8`); `read_rows` /
+`write_rows` unpack / pack them, so callers always see [n, d] bf16 rows.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from ..ops.kv_fp8 import pack_kv_fp8, unpack_kv_fp8
 
 
 class BlockTable:
@@ -47,6 +52,7 @@ class CompressorState:
     pool: torch.Tensor                # [num_blocks, rows_per_block, d]: every sequence's rows
     table: BlockTable                 # this sequence's blocks in `pool`
     n_rows: int = 0
+    fp8_dims: tuple[int, int] | None = None   # kv_fp8: (d, rope_dim) of the packed uint8 pool rows
 
     @property
     def tail_len(self) -> int:
@@ -62,7 +68,10 @@ class CompressorState:
         if nb > len(self.table):
             raise RuntimeError(f"state cache: {self.n_rows} rows need {nb} blocks, "
                                f"the block table holds {len(self.table)}")
-        return self.pool[self.table.tensor[:nb]].flatten(0, 1)[: self.n_rows]
+        rows = self.pool[self.table.tensor[:nb]].flatten(0, 1)[: self.n_rows]
+        if self.fp8_dims is not None:
+            return unpack_kv_fp8(rows, *self.fp8_dims, dtype=torch.bfloat16)
+        return rows
 
     def write_rows(self, first: int, rows: torch.Tensor) -> None:
         """Store rows first .. first+len(rows)-1 into their blocks."""
@@ -71,6 +80,8 @@ class CompressorState:
         if int(blk[-1]) >= len(self.table):
             raise RuntimeError(f"state cache: row {first + rows.shape[0] - 1} needs block {int(blk[-1])}, "
                                f"the block table holds {len(self.table)}")
+        if self.fp8_dims is not None:
+            rows = pack_kv_fp8(rows, self.fp8_dims[1])
         self.pool[self.table.tensor[blk], idx % self.rows_per_block] = rows.to(self.pool.dtype)
 
 
@@ -79,14 +90,14 @@ class LayerPools:
     """One layer's whole pools, every slot and block (batched kernels index them with device
     metadata; the per-sequence views below serve the portable ops)."""
 
-    ring: torch.Tensor                                   # [num_slots, ring_len, head_dim]
+    ring: torch.Tensor                                   # [num_slots, ring_len, head_dim] (kv_fp8: uint8 rows)
     compressor: dict[str, torch.Tensor] | None = None    # tail_kv, tail_z [num_slots, ...], rows [num_blocks, ...]
     indexer: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
 class LayerState:
-    ring: torch.Tensor                         # [ring_size, head_dim], slot = pos % ring_size
+    ring: torch.Tensor                         # [ring_size, head_dim] (kv_fp8: packed uint8), slot = pos % ring_size
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None     # CSA layers: the indexer's own compressor + keys
     pools: LayerPools | None = None            # the layer's pools of the cache this state lives in

@@ -8,6 +8,10 @@ Two kinds of memory, both counted exactly (`CacheLayout.slot_bytes` / `block_byt
 * **paged blocks** of one logical size (128 positions) for every layer kind: a block holds the
   128/ratio compressed rows of each compressed layer (32 for CSA, 1 for HCA) and the 32 indexer
   keys of each CSA layer. One block table per sequence addresses all of them.
+
+With `kv_fp8` the window rings and the main compressed rows are stored packed (uint8 rows of
+`kv_row_bytes(head_dim, rope_dim)` bytes: e4m3 nope dims with a UE8M0 scale per 64, bf16 RoPE dims;
+`ops.kv_fp8`), 584 B instead of 1024 B per 512-wide row; indexer keys keep the layout dtype.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.kv_fp8 import kv_row_bytes as packed_row_bytes
 from .block_allocator import BlockAllocator
 from .sequence_state import BlockTable, CompressorState, LayerPools, LayerState, SequenceState
 
@@ -41,17 +46,25 @@ class CacheLayout:
     backtrack: int                   # rollback room for speculative tokens
     dtype: torch.dtype
     block_size: int = BLOCK_SIZE
+    kv_fp8: bool = False             # rings and main compressed rows packed as FP8 (ops.kv_fp8)
+    rope_dim: int = 64               # the bf16 RoPE dims of a packed row
+
+    def __post_init__(self) -> None:
+        if self.kv_fp8:
+            if self.dtype != torch.bfloat16:
+                raise ValueError(f"state cache: kv_fp8 needs the cache dtype torch.bfloat16, got {self.dtype}")
+            packed_row_bytes(self.head_dim, self.rope_dim)   # raises unless nope is a multiple of 64
 
     @classmethod
     def from_config(cls, cfg, dtype: torch.dtype, backtrack: int, with_mtp: bool = True,
-                    block_size: int = BLOCK_SIZE) -> "CacheLayout":
+                    block_size: int = BLOCK_SIZE, kv_fp8: bool = False) -> "CacheLayout":
         main = [cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers)]
         mtp = [cfg.mtp_ratio(i) for i in range(cfg.num_nextn_predict_layers)] if with_mtp else []
         for r in main + mtp:
             if r and block_size % r:
                 raise ValueError(f"state cache: block_size={block_size} is not a multiple of compress ratio {r}")
         return cls(tuple(main + mtp), len(main), cfg.head_dim, cfg.index_head_dim, cfg.sliding_window,
-                   backtrack, dtype, block_size)
+                   backtrack, dtype, block_size, kv_fp8=kv_fp8, rope_dim=cfg.qk_rope_head_dim)
 
     @property
     def ring_len(self) -> int:
@@ -60,12 +73,23 @@ class CacheLayout:
     def tail_len(self, ratio: int) -> int:
         return coff(ratio) * ratio + self.backtrack
 
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one ring entry / main compressed row (packed with kv_fp8)."""
+        if self.kv_fp8:
+            return packed_row_bytes(self.head_dim, self.rope_dim)
+        return self.head_dim * _elem(self.dtype)
+
+    def kv_pool_spec(self) -> tuple[int, torch.dtype]:
+        """(last dim, dtype) of the ring and main-row pools."""
+        return (self.kv_row_bytes, torch.uint8) if self.kv_fp8 else (self.head_dim, self.dtype)
+
     # ---- exact byte counts ---------------------------------------------------------------------
     @property
     def slot_bytes(self) -> int:
-        e, total = _elem(self.dtype), 0
+        total = 0
         for r in self.ratios:
-            total += self.ring_len * self.head_dim * e
+            total += self.ring_len * self.kv_row_bytes
             if r:
                 total += 2 * self.tail_len(r) * coff(r) * self.head_dim * _FP32          # kv + z
             if r == 4:
@@ -77,7 +101,7 @@ class CacheLayout:
         e, total = _elem(self.dtype), 0
         for r in self.ratios:
             if r:
-                total += self.block_size // r * self.head_dim * e
+                total += self.block_size // r * self.kv_row_bytes
             if r == 4:
                 total += self.block_size // r * self.index_head_dim * e
         return total
@@ -110,17 +134,20 @@ class StateCache:
         # torch.empty: pages are touched only when used; nothing is read before it is written
         # (visibility is by position and tails are reset when a slot is bound).
         self.rings, self.comp, self.index = [], [], []
+        kv_width, kv_dtype = L.kv_pool_spec()
         for r in L.ratios:
-            self.rings.append(torch.empty(self.num_slots, L.ring_len, L.head_dim, dtype=L.dtype, device=device))
-            self.comp.append(self._compressor_pools(r, L.head_dim) if r else None)
-            self.index.append(self._compressor_pools(r, L.index_head_dim) if r == 4 else None)
+            self.rings.append(torch.empty(self.num_slots, L.ring_len, kv_width, dtype=kv_dtype, device=device))
+            self.comp.append(self._compressor_pools(r, L.head_dim, kv_width, kv_dtype) if r else None)
+            di = L.index_head_dim
+            self.index.append(self._compressor_pools(r, di, di, L.dtype) if r == 4 else None)
         self.layer_pools = [LayerPools(ring, comp, index) for ring, comp, index in zip(self.rings, self.comp, self.index)]
 
-    def _compressor_pools(self, ratio: int, d: int) -> dict[str, torch.Tensor]:
+    def _compressor_pools(self, ratio: int, d: int, width: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """fp32 tails of C*d channels; rows of `width` elements of `dtype` (packed: uint8 bytes)."""
         L, c = self.layout, coff(ratio)
         return {"tail_kv": torch.empty(self.num_slots, L.tail_len(ratio), c * d, dtype=torch.float32, device=self.device),
                 "tail_z": torch.empty(self.num_slots, L.tail_len(ratio), c * d, dtype=torch.float32, device=self.device),
-                "rows": torch.empty(self.num_blocks, L.block_size // ratio, d, dtype=L.dtype, device=self.device)}
+                "rows": torch.empty(self.num_blocks, L.block_size // ratio, width, dtype=dtype, device=self.device)}
 
     def tensors(self) -> list[torch.Tensor]:
         out = list(self.rings)
@@ -142,6 +169,8 @@ class StateCache:
             st = LayerState(ring=self.rings[i][slot], pools=self.layer_pools[i])
             if r:
                 st.compressor = self._compressor_state(self.comp[i], r, slot, table, fresh)
+                if self.layout.kv_fp8:
+                    st.compressor.fp8_dims = (self.layout.head_dim, self.layout.rope_dim)
             if r == 4:
                 st.indexer = self._compressor_state(self.index[i], r, slot, table, fresh)
             layers.append(st)

@@ -5,12 +5,16 @@ One code path for every chunk shape: a sequence contributes `n` new tokens start
 `s` (prefill from zero, chunked prefill, decode and verification are all this). Visibility is by
 position: query t sees window positions (t-W, t], CSA blocks picked by the indexer among
 b < (t+1)//4, and every HCA block b < (t+1)//128 (spec §3.4, §5.4).
+
+A uint8 ring is a kv_fp8 ring of packed rows (`ops.kv_fp8`): read through `unpack_kv_fp8`, written
+through `pack_kv_fp8`; its RoPE width follows from the row size.
 """
 from __future__ import annotations
 
 import torch
 
 from ..cache.sequence_state import CompressorState, LayerState
+from .kv_fp8 import pack_kv_fp8, packed_rope_dim, unpack_kv_fp8
 
 QUERY_CHUNK = 256   # bounds the [queries, heads, keys] score tensor on long prefills
 
@@ -90,7 +94,10 @@ class PortableAttentionBackend:
     def attend(attn, q, kv, st: LayerState, start: int, pos, comp_rows, comp_mask) -> torch.Tensor:
         W, ring_size = attn.window, st.ring.shape[0]
         ring_pos = torch.arange(max(0, start - W + 1), start, device=q.device)
-        keys = torch.cat([st.ring[ring_pos % ring_size], kv])
+        ring_keys = st.ring[ring_pos % ring_size]
+        if st.ring.dtype == torch.uint8:
+            ring_keys = unpack_kv_fp8(ring_keys, kv.shape[1], _ring_rope_dim(st.ring, kv), kv.dtype)
+        keys = torch.cat([ring_keys, kv])
         key_pos = torch.cat([ring_pos, pos])
         if comp_rows is not None and comp_rows.shape[0]:
             keys = torch.cat([keys, comp_rows])
@@ -114,4 +121,14 @@ class PortableAttentionBackend:
     def write_ring(st: LayerState, kv: torch.Tensor, start: int) -> None:
         ring_size, n = st.ring.shape[0], kv.shape[0]
         keep = torch.arange(max(start, start + n - ring_size), start + n, device=kv.device)
-        st.ring[keep % ring_size] = kv[keep - start].to(st.ring.dtype)
+        if st.ring.dtype == torch.uint8:
+            st.ring[keep % ring_size] = pack_kv_fp8(kv[keep - start], _ring_rope_dim(st.ring, kv))
+        else:
+            st.ring[keep % ring_size] = kv[keep - start].to(st.ring.dtype)
+
+
+def _ring_rope_dim(ring: torch.Tensor, kv: torch.Tensor) -> int:
+    rope = packed_rope_dim(kv.shape[1], ring.shape[-1])
+    if rope is None:
+        raise ValueError(f"kv_fp8 ring rows of {ring.shape[-1]} bytes do not hold {kv.shape[1]}-wide keys")
+    return rope

@@ -1,10 +1,14 @@
-"""CUDA graphs of the decode forward: one graph per batch-size bucket, captured on first use.
+"""CUDA graphs of the decode and speculative-verification forwards, captured on first use.
 
-A decode step (one new token per sequence, the last row's logits) has the same kernels at every step,
-so replaying a captured graph removes the per-kernel launch cost from Python (tens of microseconds per
-Triton launch, hundreds per layer). The batch is padded up to its bucket with padding sequences that
-all live in the cache's spare slot and block (outside the allocator), so padding never touches a real
-sequence's state.
+A decode step (one new token per sequence, the last row's logits) and a verification step (q = k+1
+tokens per sequence: the last accepted token and k drafts, the logits of every row) run the same
+kernels at every step, so replaying a captured graph removes the per-kernel launch cost from Python
+(tens of microseconds per Triton launch, hundreds per layer). One graph per key (batch bucket, q):
+q = 1 is decode (logits [B, vocab]), 1 < q <= `max_query_len` is verification (logits [B*q, vocab],
+sequence after sequence). The batch is padded up to its bucket with padding sequences that feed q
+tokens at positions 0..q-1 in the cache's spare slot and block (outside the allocator), so padding
+never touches a real sequence's state: q <= block_size keeps every padding position inside the one
+spare block, and the spare slot's ring and tails are scratch.
 
 Only an attention backend that can describe a batch with fixed-shape device metadata
 (`graph_meta(batch, max_blocks)`, see deepinfer_nvidia.attention) can be captured; every op of the
@@ -24,13 +28,14 @@ from ..ops.transfer import copy_into
 
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+MAX_QUERY_LEN = 8        # the default cap on q: every (bucket, q) graph keeps its own logits buffer
 
 
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None     # None: run the static batch eagerly (capture=False)
     batch: ForwardBatch          # static inputs (input_ids, positions: views of ids_pos) read by the graph
-    ids_pos: torch.Tensor        # [2 * size] int64, refilled with one host->device copy per step
+    ids_pos: torch.Tensor        # [2 * size * q] int64, refilled with one host->device copy per step
     meta: Any                    # the backend's static metadata, refilled before each replay
     logits: torch.Tensor | None  # static output, overwritten by the next replay
 
@@ -40,17 +45,26 @@ def buckets_for(max_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, cache, backend, max_seqs: int, max_blocks: int, capture: bool = True):
+    def __init__(self, model, cache, backend, max_seqs: int, max_blocks: int, capture: bool = True,
+                 max_query_len: int | None = None):
         """`capture=False` runs the same padded, fixed-shape batches eagerly instead of replaying a
-        graph: the padding and static-metadata logic, testable without a GPU."""
+        graph: the padding and static-metadata logic, testable without a GPU. `max_query_len` bounds
+        q; by default q = k+1 <= the cache's backtrack room (a verify step of k drafts may roll back
+        k tokens, k <= backtrack - 1: see envs.effective_max_backtracking_tokens), at most 8."""
         self.model, self.backend, self.max_blocks, self.capture = model, backend, max_blocks, capture
         self.buckets = buckets_for(max_seqs)
         self.device = cache.device
         if cache.spare_slot is None:
             raise ValueError("decode CUDA graphs need a StateCache built with spare=True (padding slot)")
+        if max_query_len is None:
+            max_query_len = max(1, min(MAX_QUERY_LEN, cache.layout.backtrack))
+        if not 1 <= max_query_len <= cache.layout.block_size:
+            raise ValueError(f"max_query_len={max_query_len} must be in 1..{cache.layout.block_size} "
+                             "(padding sequences live in one spare block)")
+        self.max_query_len = max_query_len
         self.pad_slot, self.pad_block = cache.spare_slot, cache.spare_block   # never handed to sequences
         self.pad_state = cache.bind(self.pad_slot, [self.pad_block])
-        self.graphs: dict[int, _Captured] = {}
+        self.graphs: dict[tuple[int, int], _Captured] = {}     # (batch bucket, q) -> graph
         self.pool = None
         self.failed: str | None = None                 # why capture failed (graphs are off then)
 
@@ -59,40 +73,59 @@ class DecodeGraphs:
         return hasattr(backend, "graph_meta")
 
     def fits(self, token_ids: list[list[int]], seqs, all_logits: bool, logit_modes) -> bool:
-        return (self.failed is None and not all_logits and len(token_ids) <= self.buckets[-1]
-                and all(len(t) == 1 for t in token_ids)
-                and (logit_modes is None or all(m == "last" for m in logit_modes))
-                and all(len(st.table) <= self.max_blocks for st in seqs))
+        """Every sequence feeds the same q tokens; q = 1 wants the last row's logits (decode),
+        q > 1 every row's (verification)."""
+        if self.failed is not None or not token_ids or len(token_ids) > self.buckets[-1]:
+            return False
+        q = len(token_ids[0])
+        if not 1 <= q <= self.max_query_len or any(len(t) != q for t in token_ids):
+            return False
+        want = "last" if q == 1 else "all"
+        if logit_modes is not None:
+            if any(m != want for m in logit_modes):
+                return False
+        elif all_logits != (q > 1):
+            return False
+        return all(len(st.table) <= self.max_blocks for st in seqs)
 
     def run(self, token_ids: list[list[int]], seqs) -> torch.Tensor | None:
-        """Logits [B, vocab] of one decode step (a view of the graph's output: valid until the next
-        forward), or None when capturing failed (the caller runs eagerly)."""
-        n = len(seqs)
+        """Logits of one step, [B, vocab] for q = 1 or [B*q, vocab] (sequence s owns rows s*q ..
+        s*q+q-1) for q > 1: a view of the graph's output, valid until the next forward. None when
+        capturing failed (the caller runs eagerly). The caller advances `num_tokens` by q."""
+        n, q = len(seqs), len(token_ids[0])
         size = next(b for b in self.buckets if b >= n)
-        cap = self.graphs.get(size) or self._capture(size)
+        cap = self.graphs.get((size, q)) or self._capture(size, q)
         if cap is None:
             return None
-        pad = size - n
-        positions = [st.num_tokens for st in seqs] + [0] * pad
-        copy_into(cap.ids_pos, [t[0] for t in token_ids] + [0] * pad + positions)
-        cap.meta.fill(positions, [st.slot for st in seqs] + [self.pad_slot] * pad,
-                      [st.table.ids for st in seqs] + [[self.pad_block]] * pad)
+        self._load(cap, q, token_ids, seqs)
         if cap.graph is None:
-            return self.model(cap.batch).logits[:n]
+            return self.model(cap.batch).logits[:n * q]
         cap.graph.replay()
-        return cap.logits[:n]
+        return cap.logits[:n * q]
 
-    def _capture(self, size: int) -> _Captured | None:
-        dev = self.device
-        ids_pos = torch.zeros(2 * size, dtype=torch.int64, device=dev)
-        batch = ForwardBatch(input_ids=ids_pos[:size], positions=ids_pos[size:],
-                             starts=[0] * size, lens=[1] * size, states=[self.pad_state] * size,
-                             logits_rows=torch.arange(size, device=dev))
+    def _load(self, cap: _Captured, q: int, token_ids: list[list[int]], seqs) -> None:
+        """Refill the static inputs: the real sequences first, then padding sequences (token 0 at
+        positions 0..q-1 in the spare slot and block); padding rows come last, so dropped by [:n*q]."""
+        pad = cap.batch.num_seqs - len(seqs)
+        starts = [st.num_tokens for st in seqs] + [0] * pad
+        ids = [t for toks in token_ids for t in toks] + [0] * (pad * q)
+        copy_into(cap.ids_pos, ids + [s + i for s in starts for i in range(q)])
+        cap.meta.fill(starts, [st.slot for st in seqs] + [self.pad_slot] * pad,
+                      [st.table.ids for st in seqs] + [[self.pad_block]] * pad)
+
+    def _capture(self, size: int, q: int) -> _Captured | None:
+        dev, t = self.device, size * q
+        ids_pos = torch.zeros(2 * t, dtype=torch.int64, device=dev)
+        # logits_rows = every row: for q = 1 that is each sequence's last (only) row
+        batch = ForwardBatch(input_ids=ids_pos[:t], positions=ids_pos[t:],
+                             starts=[0] * size, lens=[q] * size, states=[self.pad_state] * size,
+                             logits_rows=torch.arange(t, device=dev))
         meta = self.backend.graph_meta(batch, self.max_blocks)
-        meta.fill([0] * size, [self.pad_slot] * size, [[self.pad_block]] * size)
+        cap = _Captured(None, batch, ids_pos, meta, None)
+        self._load(cap, q, [], [])                    # an all-padding batch for the warm-up and capture
         if not self.capture:
-            self.graphs[size] = _Captured(None, batch, ids_pos, meta, None)
-            return self.graphs[size]
+            self.graphs[(size, q)] = cap
+            return cap
         try:
             side = torch.cuda.Stream(device=dev)      # warm-up (Triton compilation) off the capture
             side.wait_stream(torch.cuda.current_stream(dev))
@@ -108,6 +141,7 @@ class DecodeGraphs:
             log.warning("CUDA graph capture failed, running eagerly from now on: %s", self.failed)
             return None
         self.pool = graph.pool()
-        self.graphs[size] = _Captured(graph, batch, ids_pos, meta, out.logits)
-        log.info("captured the decode CUDA graph for batch size %d", size)
-        return self.graphs[size]
+        cap.graph, cap.logits = graph, out.logits
+        self.graphs[(size, q)] = cap
+        log.info("captured the CUDA graph for batch size %d, %d token(s) per sequence", size, q)
+        return cap

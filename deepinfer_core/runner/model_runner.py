@@ -23,6 +23,22 @@ from .cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
+
+
+def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool) -> bool:
+    """Whether window rings and compressed rows are stored as packed FP8 (`ops.kv_fp8`).
+
+    "auto" stores FP8 exactly when that is lossless: a bf16 model with the QAT simulation, which
+    fake-quantises those rows to FP8 values before caching. "fp8" asks for it regardless (lossy
+    without the QAT simulation); "bfloat16" keeps rows in the model dtype."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; allowed: {', '.join(map(repr, KV_CACHE_DTYPES))}")
+    if kv_cache_dtype == "fp8" and dtype != torch.bfloat16:
+        raise ValueError(f"kv_cache_dtype='fp8' needs dtype='bfloat16' (the RoPE dims stay bf16), got {dtype}")
+    if kv_cache_dtype == "auto":
+        return dtype == torch.bfloat16 and simulate_qat
+    return kv_cache_dtype == "fp8"
 @dataclass
 class LoadedModel:
     model: DeepseekV4Model
@@ -46,7 +62,8 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
                        simulate_qat=bool(simulate_qat), options=dict(options or {}))
     pm.configure(ctx)
     ops = ModelOps(linear={f: pm.linear_method(ctx, f) for f in WEIGHT_FORMATS},
-                   attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx))
+                   attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx),
+                   pointwise=pm.pointwise_method(ctx))
     sampler = pm.sampler(ctx)
     model = build_model(cfg, device="meta")
     load_checkpoint(model, model_dir)
@@ -60,7 +77,7 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
 class ModelRunner:
     def __init__(self, model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True,
                  device: str | None = None, max_backtracking_tokens: int | None = None,
-                 enforce_eager: bool | None = None, **options):
+                 enforce_eager: bool | None = None, kv_cache_dtype: str = "auto", **options):
         self.loaded = load_model(model_dir, dtype=dtype, simulate_qat=simulate_qat, device=device, options=options)
         self.model = self.loaded.model
         self.sampler = self.loaded.sampler      # chosen through deepinfer_sampler, once
@@ -73,6 +90,7 @@ class ModelRunner:
             max_backtracking_tokens = settings.effective_max_backtracking_tokens
         self.backtrack = max_backtracking_tokens
         self.enforce_eager = settings.enforce_eager if enforce_eager is None else bool(enforce_eager)
+        self.kv_fp8 = resolve_kv_fp8(kv_cache_dtype, self.dtype, self.loaded.ctx.simulate_qat)
         self.graphs: DecodeGraphs | None = None
         self.cache: StateCache | None = None
         self._cache_request: CacheRequest | None = None
@@ -82,7 +100,7 @@ class ModelRunner:
 
     # ---- state cache ---------------------------------------------------------------------------
     def cache_layout(self) -> CacheLayout:
-        return CacheLayout.from_config(self.model_config, self.dtype, self.backtrack)
+        return CacheLayout.from_config(self.model_config, self.dtype, self.backtrack, kv_fp8=self.kv_fp8)
 
     def allocate_cache(self, request: CacheRequest) -> StateCache:
         """Size and allocate the state cache once (again only when the request changed and nothing
@@ -164,9 +182,9 @@ class ModelRunner:
             st.reserve(len(toks))
         if self.graphs is not None and self.graphs.fits(token_ids, seqs, all_logits, logit_modes):
             logits = self.graphs.run(token_ids, seqs)
-            if logits is not None:
-                for st in seqs:
-                    st.num_tokens += 1
+            if logits is not None:               # decode (q = 1) or verification (q tokens each)
+                for st, toks in zip(seqs, token_ids):
+                    st.num_tokens += len(toks)
                 return logits
         batch = ForwardBatch.build(token_ids, seqs, self.device, all_logits=all_logits, logit_modes=logit_modes)
         out = self.model(batch)

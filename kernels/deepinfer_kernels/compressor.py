@@ -13,6 +13,11 @@ and tails) and `.write_ring`; state layout in `deepinfer_core.cache.state_cache`
 * `update_tails` / `write_ring`: the last L (R) new tokens of each sequence into slot p % L (p % R).
   Only those tokens are written, so no two stores hit the same place: plain, deterministic stores.
 
+With a kv_fp8 cache (a uint8 pool / ring) `write_rows` and `write_ring` store packed FP8 rows (core
+reference `deepinfer_core.ops.kv_fp8.pack_kv_fp8`, same bytes): per 64-tile of the nope dims the
+UE8M0 scale is built from amax's bits (no fp32 division: Triton's `/` is not IEEE-rounded on
+NVIDIA, and the boundary amax = 224 * 2^k is common in fake-quantised rows), codes e4m3, RoPE bf16.
+
 Everything reads device metadata (no host sync, CUDA-graph safe); blocks with blk_idx < 0 are padding
 (output row zero, nothing written). All offsets into pools are computed in int64. Stores into bf16
 pools round to nearest even explicitly, so they equal torch's `.to` compiled and interpreted alike.
@@ -23,10 +28,29 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_quant import _round_to_e4m3_grid
+
 BLOCK_SIZE = 128          # positions per paged block (deepinfer_core.cache.state_cache.BLOCK_SIZE)
 TILE_ELEMS = 4096         # elements of one [slots, channels] tile: bounds registers at ratio 128
 SCATTER_BLOCK = 1024      # most channels per program of the tail/ring scatter
 STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # pool / ring dtypes (stores exact vs torch)
+KV_TILE = 64              # packed FP8 rows: nope dims per UE8M0 scale (deepinfer_core.ops.kv_fp8)
+
+
+def kv_row_bytes(D: int, rope_dim: int) -> int:
+    """Bytes of a packed FP8 row: [nope e4m3 | rope bf16 | nope/64 UE8M0 | zero pad to 8]."""
+    nope = D - rope_dim
+    if rope_dim < 0 or nope <= 0 or nope % KV_TILE:
+        raise ValueError(f"kv_fp8: D={D} minus rope_dim={rope_dim} must be a positive multiple of {KV_TILE}")
+    return -(-(nope + 2 * rope_dim + nope // KV_TILE) // 8) * 8
+
+
+def packed_rope_dim(D: int, row_bytes: int) -> int | None:
+    """The rope_dim whose packed D-wide row is row_bytes long (unique: rows grow with rope_dim), or None."""
+    for r in range(D % KV_TILE, D, KV_TILE):
+        if kv_row_bytes(D, r) == row_bytes:
+            return r
+    return None
 
 
 def _coff(ratio: int) -> int:
@@ -144,12 +168,51 @@ def _write_rows_kernel(rows_ptr, pool_ptr, table_ptr, bseq_ptr, bidx_ptr, NB, d,
 
 
 @triton.jit
-def _scatter_last_kernel(src_a, dst_a, src_b, dst_b, tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, T, D, K,
-                         s_sa, s_da0, s_da1, s_sb, s_db0, s_db1,
-                         TWO: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Token rows -> dst[slot, p % K] for the rows whose p is among the last K new positions of their
-    sequence; BLOCK_T rows x BLOCK_C channels per program."""
-    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _quant_store_fp8(x_ptr, src_off, dst_ptr, dst16_ptr, dst_off, ok, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                     NT_P2: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr):
+    """Rows x[src_off + 0..D-1] (where ok) -> packed FP8 rows at byte offsets dst_off of a uint8 pool
+    (dst16_ptr: the same pool viewed as bf16, for the RoPE dims). Bytes equal pack_kv_fp8's."""
+    NT: tl.constexpr = NOPE // 64
+    t = tl.arange(0, NT_P2)
+    col = (t[:, None] * 64 + tl.arange(0, 64)[None, :])[None, :, :]
+    m = ok[:, None, None] & (t < NT)[None, :, None]
+    x = tl.load(x_ptr + src_off[:, None, None] + col, mask=m, other=0.0).to(tl.float32)
+    # scale 2^(e-127) = pow2_ceil(max(amax, 1e-4) / 448): with amax = 1.f * 2^E and 448 = 1.75 * 2^8 it is
+    # 2^(E-8), or 2^(E-7) when 1.f > 1.75 (no fp32 amax / 448 lies within rounding of a power of two)
+    bits = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)            # 1 / scale, exact
+    mag = _round_to_e4m3_grid(tl.minimum(tl.abs(x) * inv[:, :, None], 448.0))
+    code = mag.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    code = code | tl.where(x.to(tl.int32, bitcast=True) < 0, 0x80, 0).to(tl.uint8)   # sign, -0 included
+    tl.store(dst_ptr + dst_off[:, None, None] + col, code, mask=m)
+    tl.store(dst_ptr + dst_off[:, None] + (NOPE + 2 * ROPE) + t[None, :], e.to(tl.uint8),
+             mask=ok[:, None] & (t < NT)[None, :])
+    rc = tl.arange(0, ROPE_P2)[None, :]
+    mr = ok[:, None] & (rc < ROPE)
+    xr = tl.load(x_ptr + src_off[:, None] + NOPE + rc, mask=mr, other=0.0)
+    tl.store(dst16_ptr + (dst_off // 2 + NOPE // 2)[:, None] + rc, _cast_rtne(xr, tl.bfloat16), mask=mr)
+    pc = tl.arange(0, 8)[None, :]
+    tl.store(dst_ptr + dst_off[:, None] + (NOPE + 2 * ROPE + NT) + pc, tl.zeros((1, 8), tl.uint8),
+             mask=ok[:, None] & (pc < PAD))
+
+
+@triton.jit
+def _write_rows_fp8_kernel(rows_ptr, pool_ptr, pool16_ptr, table_ptr, bseq_ptr, bidx_ptr, NB, s_rows, s_p0, s_p1,
+                           s_tab, RPB: tl.constexpr, BLOCK_B: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                           NT_P2: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr):
+    i = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    b = tl.load(bidx_ptr + i, mask=i < NB, other=-1)
+    valid = b >= 0
+    s = tl.load(bseq_ptr + i, mask=valid, other=0).to(tl.int64)
+    phys = tl.load(table_ptr + s * s_tab + b // RPB, mask=valid, other=0).to(tl.int64)
+    _quant_store_fp8(rows_ptr, i.to(tl.int64) * s_rows, pool_ptr, pool16_ptr,
+                     phys * s_p0 + (b % RPB).to(tl.int64) * s_p1, valid, NOPE, ROPE, NT_P2, ROPE_P2, PAD)
+
+
+@triton.jit
+def _last_rows(tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, row, T, K):
+    """(keep, slot, p) of token rows: keep = p is among the last K new positions of its sequence."""
     live = row < T
     s = tl.load(tseq_ptr + row, mask=live, other=0)
     p = tl.load(pos_ptr + row, mask=live, other=0).to(tl.int64)
@@ -157,6 +220,27 @@ def _scatter_last_kernel(src_a, dst_a, src_b, dst_b, tseq_ptr, pos_ptr, cu_ptr, 
     end = tl.load(start_ptr + s, mask=live, other=0).to(tl.int64) + n
     keep = live & (p >= end - K)
     slot = tl.load(slot_ptr + s, mask=keep, other=0).to(tl.int64)
+    return keep, slot, p
+
+
+@triton.jit
+def _ring_fp8_kernel(kv_ptr, ring_ptr, ring16_ptr, tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, T, K, s_kv,
+                     s_r0, s_r1, BLOCK_T: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                     NT_P2: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr):
+    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    keep, slot, p = _last_rows(tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, row, T, K)
+    _quant_store_fp8(kv_ptr, row.to(tl.int64) * s_kv, ring_ptr, ring16_ptr, slot * s_r0 + (p % K) * s_r1, keep,
+                     NOPE, ROPE, NT_P2, ROPE_P2, PAD)
+
+
+@triton.jit
+def _scatter_last_kernel(src_a, dst_a, src_b, dst_b, tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, T, D, K,
+                         s_sa, s_da0, s_da1, s_sb, s_db0, s_db1,
+                         TWO: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Token rows -> dst[slot, p % K] for the rows whose p is among the last K new positions of their
+    sequence; BLOCK_T rows x BLOCK_C channels per program."""
+    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    keep, slot, p = _last_rows(tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, row, T, K)
     r = row.to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     mask = keep[:, None] & (cols < D)
@@ -190,14 +274,32 @@ def _check(name: str, t, ndim: int, dtype=None, device=None) -> None:
         raise ValueError(f"{name} must have unit stride in its last dimension")
 
 
-def _check_store(src_name: str, src: torch.Tensor, dst_name: str, dst: torch.Tensor) -> None:
-    """A float [N, d] source stored into a [*, *, d'] cache pool of a cache dtype, same device."""
+def _check_store(src_name: str, src: torch.Tensor, dst_name: str, dst: torch.Tensor) -> dict | None:
+    """A float [N, d] source stored into a [*, *, d'] cache pool of a cache dtype, same device. A uint8
+    pool holds packed FP8 rows (kv_fp8): returns their kernel constants, else None."""
     _check(src_name, src, 2, None, dst.device)
     _check(dst_name, dst, 3, None, dst.device)
-    if dst.dtype not in STORE_DTYPES:
-        raise ValueError(f"{dst_name} must be one of {STORE_DTYPES} (the cache dtype), got {dst.dtype}")
+    if dst.dtype != torch.uint8 and dst.dtype not in STORE_DTYPES:
+        raise ValueError(f"{dst_name} must be one of {STORE_DTYPES} (the cache dtype) or uint8 (packed "
+                         f"kv_fp8 rows), got {dst.dtype}")
     if not src.is_floating_point():
         raise ValueError(f"{src_name} must be floating point, got {src.dtype}")
+    if dst.dtype != torch.uint8:
+        return None
+    D, rb = src.shape[1], dst.shape[2]
+    rope = packed_rope_dim(D, rb)
+    if rope is None:
+        raise ValueError(f"{dst_name} is uint8 (packed kv_fp8 rows) of {rb} bytes, which is no kv_row_bytes("
+                         f"{D}, rope_dim) for {src_name} rows {D} wide")
+    if dst.stride(0) % 2 or dst.stride(1) % 2:
+        raise ValueError(f"{dst_name}: packed rows need even strides (the RoPE dims are read as bf16)")
+    nope = D - rope
+    return dict(NOPE=nope, ROPE=rope, NT_P2=triton.next_power_of_2(nope // KV_TILE),
+                ROPE_P2=triton.next_power_of_2(max(rope, 1)), PAD=rb - nope - 2 * rope - nope // KV_TILE)
+
+
+def _fp8_rows_per_program(fp8: dict) -> int:
+    return max(1, min(64, TILE_ELEMS // (fp8["NT_P2"] * KV_TILE)))
 
 
 def _check_ratio(ratio: int) -> None:
@@ -281,17 +383,23 @@ def write_rows(rows: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor
     """rows [NB, d] -> pool[block_table[s, b // RPB], b % RPB] in the pool's dtype (RPB = pool.shape[1]);
     entries with blk_idx < 0 are skipped."""
     dev = pool.device
-    _check_store("rows", rows, "pool", pool)
+    fp8 = _check_store("rows", rows, "pool", pool)
     _check("block_table", block_table, 2, torch.int32, dev)
     nb = _check_blocks(dev, blk_seq, blk_idx)
     if rows.shape[0] != nb:
         raise ValueError(f"rows has {rows.shape[0]} rows, blk_idx {nb} entries")
-    if rows.shape[1] != pool.shape[2]:
+    if fp8 is None and rows.shape[1] != pool.shape[2]:
         raise ValueError(f"rows are {rows.shape[1]} wide, pool rows {pool.shape[2]}")
     rpb, d = pool.shape[1], pool.shape[2]
     if rpb < 1 or BLOCK_SIZE % rpb:
         raise ValueError(f"pool holds {rpb} rows per block, which must divide {BLOCK_SIZE}")
-    if nb and d:
+    if fp8 is not None:
+        if nb:
+            bb = _fp8_rows_per_program(fp8)
+            _write_rows_fp8_kernel[(triton.cdiv(nb, bb),)](
+                rows, pool, pool.view(torch.bfloat16), block_table, blk_seq, blk_idx, nb, rows.stride(0),
+                pool.stride(0), pool.stride(1), block_table.stride(0), RPB=rpb, BLOCK_B=bb, **fp8)
+    elif nb and d:
         bb, bd = _tile(d, 1, 1024)
         _write_rows_kernel[(triton.cdiv(nb, bb), triton.cdiv(d, bd))](
             rows, pool, block_table, blk_seq, blk_idx, nb, d, rows.stride(0), pool.stride(0), pool.stride(1),
@@ -326,13 +434,20 @@ def update_tails(kv: torch.Tensor, z: torch.Tensor, tail_kv: torch.Tensor, tail_
 
 def write_ring(kv: torch.Tensor, ring: torch.Tensor, *, cu_seqlens: torch.Tensor, seq_start: torch.Tensor,
                slots: torch.Tensor, token_seq: torch.Tensor, positions: torch.Tensor) -> None:
-    """The last R new tokens of each sequence -> ring[slot, p % R] in the ring's dtype."""
+    """The last R new tokens of each sequence -> ring[slot, p % R] in the ring's dtype (a uint8 ring:
+    packed FP8 rows)."""
     dev = ring.device
-    _check_store("kv", kv, "ring", ring)
-    if ring.shape[2] != kv.shape[1]:
+    fp8 = _check_store("kv", kv, "ring", ring)
+    if fp8 is None and ring.shape[2] != kv.shape[1]:
         raise ValueError(f"ring rows are {ring.shape[2]} wide, kv rows {kv.shape[1]}")
     if ring.shape[1] < 1:
         raise ValueError("ring must hold at least one position per slot")
     _check_seq_meta(dev, cu_seqlens, seq_start, slots)
     _check_tokens(dev, token_seq, positions, kv.shape[0])
-    _scatter_last(kv, ring, None, None, cu_seqlens, seq_start, slots, token_seq, positions)
+    if fp8 is None:
+        _scatter_last(kv, ring, None, None, cu_seqlens, seq_start, slots, token_seq, positions)
+    elif kv.shape[0]:
+        bt = _fp8_rows_per_program(fp8)
+        _ring_fp8_kernel[(triton.cdiv(kv.shape[0], bt),)](
+            kv, ring, ring.view(torch.bfloat16), token_seq, positions, cu_seqlens, seq_start, slots, kv.shape[0],
+            ring.shape[1], kv.stride(0), ring.stride(0), ring.stride(1), BLOCK_T=bt, **fp8)

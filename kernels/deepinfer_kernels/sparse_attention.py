@@ -13,6 +13,12 @@ Decode at small batch leaves most SMs idle with one program per (token, head blo
 key list is cut into splits of a fixed size (a function of the key-list bound only, so a row's
 result does not depend on the other rows of the batch) whose partial (m, l, acc) a second kernel
 merges in split order. Nothing uses atomics: results are run-to-run deterministic.
+
+A kv_fp8 cache gives uint8 pools (ring and/or comp_rows) of packed FP8 rows (core reference
+`deepinfer_core.ops.kv_fp8`): the kernel loads the e4m3 codes, their UE8M0 scales and the bf16 RoPE
+dims and dequantises each key tile to the kv dtype (exact: codes x powers of two fit bf16), so the
+result is bit-identical to attending over a float pool holding the fake-quantised rows. The new keys
+`kv` of this batch are never packed.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .compressor import packed_rope_dim
 
 NEG = tl.constexpr(-1.0e30)   # finite "-inf": masked logits and the empty running max
 LOG2E = 1.4426950408889634
@@ -78,13 +86,29 @@ def _attend_tile(q, k, ok, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, IEEE: 
 
 
 @triton.jit
-def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, sink_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
-                        cu_ptr, start_ptr, tseq_ptr, pos_ptr, slots_ptr, comp_ptr, bt_ptr, idx_ptr,
+def _load_packed(u8_ptr, b16_ptr, off, ok, offs_d, D: tl.constexpr, NOPE: tl.constexpr, dtype: tl.constexpr):
+    """[BLOCK_N, D] `dtype` key rows of a packed FP8 pool, row i starting at byte off[i] (rows with
+    ok=False are zero): e4m3 code * 2^(e-127) on the nope dims, the stored bf16 on the RoPE dims.
+    b16_ptr is the same pool viewed as bf16. Layout: [NOPE codes | D-NOPE bf16 | NOPE/64 exponents]."""
+    is_q = (offs_d < NOPE)[None, :]
+    m_q = ok[:, None] & is_q
+    code = tl.load(u8_ptr + off[:, None] + offs_d[None, :], mask=m_q, other=0)
+    e = tl.load(u8_ptr + off[:, None] + (2 * D - NOPE) + offs_d[None, :] // 64, mask=m_q, other=0)
+    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    v = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    rope = tl.load(b16_ptr + (off // 2 - NOPE // 2)[:, None] + offs_d[None, :],
+                   mask=ok[:, None] & (offs_d >= NOPE)[None, :], other=0.0)
+    return tl.where(is_q, v.to(dtype), rope.to(dtype))
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, ring16_ptr, sink_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
+                        cu_ptr, start_ptr, tseq_ptr, pos_ptr, slots_ptr, comp_ptr, comp16_ptr, bt_ptr, idx_ptr,
                         H, R, window, n_idx, ratio, qk_scale, chunk,
                         s_qt, s_qh, s_kv, s_rs, s_rr, s_cb, s_cr, s_bt, s_idx, s_ot, s_oh,
                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RPB: tl.constexpr,
                         COMP: tl.constexpr, CLAMP: tl.constexpr, SPLIT: tl.constexpr,
-                        UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RING_NOPE: tl.constexpr, COMP_NOPE: tl.constexpr):
     row = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -127,7 +151,11 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, sink_ptr, out_ptr, ws_acc_ptr, 
         ok = i < w_hi
         p = lo + i
         in_ring = ok & (p < start)
-        kr = tl.load(ring_base + ((p % R) * s_rr)[:, None] + offs_d[None, :], mask=in_ring[:, None], other=0.0)
+        if RING_NOPE > 0:     # packed FP8 ring (kv_fp8)
+            kr = _load_packed(ring_ptr, ring16_ptr, slot * s_rs + (p % R) * s_rr, in_ring, offs_d, D, RING_NOPE,
+                              kv_ptr.dtype.element_ty)
+        else:
+            kr = tl.load(ring_base + ((p % R) * s_rr)[:, None] + offs_d[None, :], mask=in_ring[:, None], other=0.0)
         kn = tl.load(kv_ptr + ((cu + p - start) * s_kv)[:, None] + offs_d[None, :],
                      mask=(ok & (p >= start))[:, None], other=0.0)
         k = tl.where(in_ring[:, None], kr, kn)
@@ -149,8 +177,12 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, sink_ptr, out_ptr, ws_acc_ptr, 
             else:
                 r = j
             blk = tl.load(bt_ptr + seq * s_bt + r // RPB, mask=ok, other=0).to(tl.int64)
-            k = tl.load(comp_ptr + (blk * s_cb + (r % RPB) * s_cr)[:, None] + offs_d[None, :],
-                        mask=ok[:, None], other=0.0)
+            if COMP_NOPE > 0:     # packed FP8 rows (kv_fp8)
+                k = _load_packed(comp_ptr, comp16_ptr, blk * s_cb + (r % RPB) * s_cr, ok, offs_d, D, COMP_NOPE,
+                                 kv_ptr.dtype.element_ty)
+            else:
+                k = tl.load(comp_ptr + (blk * s_cb + (r % RPB) * s_cr)[:, None] + offs_d[None, :],
+                            mask=ok[:, None], other=0.0)
             m_i, l_i, acc = _attend_tile(q, k, ok, m_i, l_i, acc, qk_scale, UPCAST, IEEE)
 
     if SPLIT:         # partial state; _combine_kernel adds the sink and normalises
@@ -198,9 +230,15 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, NSPLIT, s_ot, s
              o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
-def tile_config(D: int, H: int, dtype: torch.dtype) -> dict:
-    """BLOCK_H x D fp32 accumulator of 8192 values = 64 registers per thread at 4 warps; D = 512
-    (V4-Flash) thus takes 16 heads per program. fp32 key tiles are twice as large in shared memory."""
+def tile_config(D: int, H: int, dtype: torch.dtype, rows: int = 0, num_sms: int = 132) -> dict:
+    """Head tile x key tile. With enough query rows to fill the GPU (prefill, large decode batches),
+    all 64 heads of a row share one program on 8 warps: every key tile is loaded once for all heads
+    (tuned on the H200, benchmarks/tune_kernels.py: 1.7x faster prefill than 16 heads). Otherwise 16
+    heads on 4 warps give 4x the programs (and with split-KV, more still). A BLOCK_H x D fp32
+    accumulator of 8192 values is 64 registers per thread at 4 warps; fp32 key tiles are twice as
+    large in shared memory."""
+    if dtype == torch.bfloat16 and D == 512 and H >= 64 and rows * triton.cdiv(H, 64) >= num_sms:
+        return dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
     block_h = min(64, max(16, 8192 // D), max(16, triton.next_power_of_2(H)))
     block_n = 32 if D >= 256 else 64
     if dtype == torch.float32 and D >= 512:
@@ -221,6 +259,19 @@ def split_plan(max_keys: int, block_n: int) -> tuple[int, int]:
     return triton.cdiv(max(max_keys, 1), chunk), chunk
 
 
+def _pool_nope(name: str, pool, D: int, dt: torch.dtype, dev, dims: str) -> int:
+    """0 for a float pool [dims, D] of q's dtype; the nope width of a packed kv_fp8 pool, uint8
+    [dims, kv_row_bytes(D, rope_dim)] (the row size identifies rope_dim)."""
+    if isinstance(pool, torch.Tensor) and pool.dim() == 3 and pool.device == dev:
+        if pool.dtype == dt and pool.shape[2] == D:
+            return 0
+        rope = packed_rope_dim(D, pool.shape[2]) if pool.dtype == torch.uint8 else None
+        if rope is not None and pool.stride(0) % 2 == 0 and pool.stride(1) % 2 == 0 and pool.stride(2) == 1:
+            return D - rope
+    raise ValueError(f"sparse_attention: {name} must be [{dims}, {D}] {dt} or packed kv_fp8 rows (uint8 "
+                     f"[{dims}, kv_row_bytes({D}, rope_dim)], contiguous rows) on {dev}")
+
+
 def _check_int(name: str, t, shape: tuple, device) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sparse_attention: {name} must be an int32/int64 tensor")
@@ -236,6 +287,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, sink
                      comp_rows: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                      comp_idx: torch.Tensor | None = None, comp_ratio: int = 0) -> torch.Tensor:
     """q [T, H, D], kv [T, D] (new keys = values), ring [NUM_SLOTS, R, D], sink [H] -> out [T, H, D].
+    ring and comp_rows may instead be uint8 pools of packed FP8 rows (kv_fp8, `compressor.kv_row_bytes`).
 
     Compressed rows (comp_rows [NUM_BLOCKS, RPB, D], logical row r of sequence s at
     comp_rows[block_table[s, r // RPB], r % RPB]): CSA gives comp_idx [T, K] (row ids, < 0 = padding,
@@ -261,9 +313,7 @@ def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start
         raise ValueError(f"sparse_attention: head dim D={D} must be a power of 2 in [16, 512]")
     if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != (T, D) or kv.dtype != dt or kv.device != dev:
         raise ValueError(f"sparse_attention: kv must be [T, D] = {(T, D)} {dt} on {dev}")
-    if (not isinstance(ring, torch.Tensor) or ring.dim() != 3 or ring.shape[2] != D or ring.dtype != dt
-            or ring.device != dev):
-        raise ValueError(f"sparse_attention: ring must be [NUM_SLOTS, R, {D}] {dt} on {dev}")
+    ring_nope = _pool_nope("ring", ring, D, dt, dev, "NUM_SLOTS, R")
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"sparse_attention: window={window!r} must be a positive int")
     if ring.shape[1] < window:
@@ -283,14 +333,12 @@ def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start
     _check_int("positions", positions, (T,), dev)
     if not isinstance(comp_ratio, int) or comp_ratio < 0:
         raise ValueError(f"sparse_attention: comp_ratio={comp_ratio!r} must be an int >= 0")
-    mode = 0
+    mode = comp_nope = 0
     if comp_rows is None:          # window only (block_table and comp_ratio are then unused)
         if comp_idx is not None:
             raise ValueError("sparse_attention: comp_idx given without comp_rows")
     else:
-        if (not isinstance(comp_rows, torch.Tensor) or comp_rows.dim() != 3 or comp_rows.shape[2] != D
-                or comp_rows.dtype != dt or comp_rows.device != dev):
-            raise ValueError(f"sparse_attention: comp_rows must be [NUM_BLOCKS, RPB, {D}] {dt} on {dev}")
+        comp_nope = _pool_nope("comp_rows", comp_rows, D, dt, dev, "NUM_BLOCKS, RPB")
         if block_table is None or block_table.dim() != 2:
             raise ValueError("sparse_attention: comp_rows needs a [S, MAXB] block_table")
         _check_int("block_table", block_table, (S, block_table.shape[1]), dev)
@@ -312,7 +360,7 @@ def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start
     ring = ring if ring.stride(-1) == 1 else ring.contiguous()
     sink = sink.float().contiguous()
     meta = [t.contiguous() for t in (cu_seqlens, seq_start, token_seq, positions, slots)]
-    cfg = dict(config or tile_config(D, H, dt))
+    cfg = dict(config or tile_config(D, H, dt, T, _num_sms(dev)))
     block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
     n_hb = triton.cdiv(H, block_h)
 
@@ -320,10 +368,11 @@ def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start
         comp_rows = comp_rows if comp_rows.stride(-1) == 1 else comp_rows.contiguous()
         block_table = block_table.contiguous()
         rpb = comp_rows.shape[1]
-        comp_args = (comp_rows, block_table)
+        comp16 = comp_rows.view(torch.bfloat16) if comp_nope else comp_rows
+        comp_args = (comp_rows, comp16, block_table)
         comp_strides = (comp_rows.stride(0), comp_rows.stride(1), block_table.stride(0))
     else:
-        rpb, comp_args, comp_strides = 1, (ring, meta[0]), (0, 0, 0)    # never read
+        rpb, comp_args, comp_strides = 1, (ring, ring, meta[0]), (0, 0, 0)    # never read
     if mode == 1:
         comp_idx = comp_idx.contiguous()
         n_idx, idx_arg, s_idx = comp_idx.shape[1], comp_idx, comp_idx.stride(0)
@@ -342,13 +391,15 @@ def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start
         ws_acc = torch.empty((T, nsplit, H, D), dtype=torch.float32, device=dev)
         ws_ml = torch.empty((T, nsplit, H, 2), dtype=torch.float32, device=dev)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
+    ring16 = ring.view(torch.bfloat16) if ring_nope else ring
     _sparse_attn_kernel[(T, n_hb, nsplit)](
-        q, kv, ring, sink, out, ws_acc, ws_ml, *meta, *comp_args, idx_arg,
+        q, kv, ring, ring16, sink, out, ws_acc, ws_ml, *meta, *comp_args, idx_arg,
         H, ring.shape[1], window, n_idx, max(comp_ratio, 1), float(scale) * LOG2E, chunk,
         q.stride(0), q.stride(1), kv.stride(0), ring.stride(0), ring.stride(1), *comp_strides[:2],
         comp_strides[2], s_idx, out.stride(0), out.stride(1),
         D=D, BLOCK_H=block_h, BLOCK_N=block_n, RPB=rpb, COMP=mode, CLAMP=mode == 1 and comp_ratio > 0,
-        SPLIT=bool(split), UPCAST=interp and dt != torch.float32, IEEE=dt == torch.float32, **cfg)
+        SPLIT=bool(split), UPCAST=interp and dt != torch.float32, IEEE=dt == torch.float32,
+        RING_NOPE=ring_nope, COMP_NOPE=comp_nope, **cfg)
     if split:
         _combine_kernel[(T, n_hb)](ws_acc, ws_ml, sink, out, H, nsplit, out.stride(0), out.stride(1),
                                    D=D, BLOCK_H=block_h, num_warps=4)

@@ -52,6 +52,37 @@ def test_flash_layout_bytes_by_hand():
     assert 6_800 < per_token < 6_900    # ~6.9 KB/token with bf16 rows (spec README §2.8: 6.9 GB per 1M)
 
 
+def test_flash_kv_fp8_layout_bytes_by_hand():
+    """kv_fp8: rings and main compressed rows packed in 584 B (448 e4m3 + 64 bf16 RoPE + 7 UE8M0 + 1 pad);
+    indexer keys stay bf16, compressor tails fp32."""
+    cfg = ModelConfig.from_dict(json.loads(FLASH.read_text()))
+    bf16 = CacheLayout.from_config(cfg, torch.bfloat16, backtrack=6)
+    L = CacheLayout.from_config(cfg, torch.bfloat16, backtrack=6, kv_fp8=True)
+    assert (L.rope_dim, L.kv_row_bytes, bf16.kv_row_bytes) == (64, 584, 1024)
+    assert L.block_bytes == 21 * (32 * 584 + 32 * 128 * 2) + 20 * 584 == 576_160
+    assert L.slot_bytes == bf16.slot_bytes - 44 * (128 + 6) * (1024 - 584)
+    assert 4_500 < L.block_bytes / 128 < 4_502           # per token, vs 6,880 with bf16 rows
+
+
+@pytest.mark.parametrize("num_slots,num_blocks", [(1, 1), (2, 5)])
+def test_kv_fp8_pools_allocate_exactly_the_counted_bytes(num_slots, num_blocks):
+    cfg = tiny_cfg()
+    L = CacheLayout.from_config(cfg, torch.bfloat16, backtrack=6, kv_fp8=True)
+    cache = StateCache(L, num_slots, num_blocks)
+    assert L.kv_row_bytes == 200                          # head_dim 128: 64 e4m3 + 64 bf16 + 1 scale, padded to 8
+    assert cache.rings[0].shape == (num_slots, cfg.sliding_window + 6, 200) and cache.rings[0].dtype == torch.uint8
+    assert cache.comp[2]["rows"].dtype == torch.uint8 and cache.index[2]["rows"].dtype == torch.bfloat16
+    assert cache.nbytes() == L.cache_bytes(num_slots, num_blocks)
+    bf16 = CacheLayout.from_config(cfg, torch.bfloat16, backtrack=6)
+    assert L.slot_bytes < bf16.slot_bytes and L.block_bytes < bf16.block_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kv_fp8_needs_a_bf16_cache(dtype):
+    with pytest.raises(ValueError, match=f"kv_fp8.*{dtype}"):
+        CacheLayout.from_config(tiny_cfg(), dtype, backtrack=0, kv_fp8=True)
+
+
 @pytest.mark.parametrize("num_slots,num_blocks", [(1, 1), (3, 17), (8, 64)])
 def test_pools_allocate_exactly_the_counted_bytes(num_slots, num_blocks):
     L = CacheLayout.from_config(tiny_cfg(), torch.float32, backtrack=6)

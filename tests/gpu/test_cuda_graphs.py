@@ -1,5 +1,6 @@
-"""Decode CUDA graphs on the nvidia backend: captured once per batch bucket, used for decode steps,
-and the same greedy tokens and logprobs as eager execution (`enforce_eager=True`).
+"""Decode and verification CUDA graphs on the nvidia backend: captured once per (batch bucket, tokens
+per sequence), used for decode steps and speculative-verification batches (q tokens per sequence,
+every row's logits), and the same greedy tokens and logprobs as eager execution (`enforce_eager=True`).
 Run on a GPU machine: `python -m pytest -q -s -m gpu tests/gpu`."""
 from __future__ import annotations
 
@@ -36,3 +37,42 @@ def test_graph_decode_equals_eager_decode(tiny_ckpt_dir):
     print(f"[gpu] graph vs eager: {same}/{len(prompts)} prompts identical for 64 tokens; "
           f"max logprob difference {worst:.2e}")
     assert same == len(prompts)
+
+
+def test_graph_verify_steps_equal_eager_verify_steps(tiny_ckpt_dir):
+    """Verification batches of q = 2 and 4 tokens per sequence (all rows' logits) driven through the
+    runners directly (the engine has no speculative decoding yet): 5 sequences -> bucket 8 (3 padding
+    sequences), one of them crossing positions 127/128. Both runners get the same tokens (the eager
+    runner's greedy token, then random drafts): same argmax at every row, logprobs within 1e-3."""
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    opts = dict(dtype="float32", simulate_qat=False, max_num_seqs=8, gpu_memory_utilization=0.05)
+    graphs = LLM(model=str(tiny_ckpt_dir), **opts)
+    eager = LLM(model=str(tiny_ckpt_dir), enforce_eager=True, **opts)
+    runners = (graphs.runner, eager.runner)
+    assert runners[0].graphs is not None and runners[0].graphs.max_query_len >= 4
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 129280, (n,), generator=g).tolist() for n in (3, 17, 125, 40, 9)]
+    seqs = [[r.new_sequence() for _ in prompts] for r in runners]
+    worst = 0.0
+    try:
+        # prefill (ragged: eager on both), then verify steps starting from the eager greedy token
+        last = runners[1].forward_batch(prompts, seqs[1]).argmax(-1).tolist()
+        runners[0].forward_batch(prompts, seqs[0])
+        for q in (2, 4, 4, 2):
+            drafts = torch.randint(2, 129280, (len(prompts), q - 1), generator=g).tolist()
+            toks = [[t] + d for t, d in zip(last, drafts)]
+            got, want = (r.forward_batch(toks, s, all_logits=True).float() for r, s in zip(runners, seqs))
+            assert got.shape == want.shape == (len(prompts) * q, want.shape[-1])
+            assert [s.num_tokens for s in seqs[0]] == [s.num_tokens for s in seqs[1]]
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), q
+            diff = (got.log_softmax(-1) - want.log_softmax(-1)).abs().max().item()
+            assert diff < 1e-3, (q, diff)
+            worst = max(worst, diff)
+            last = want.view(len(prompts), q, -1)[:, -1].argmax(-1).tolist()
+    finally:
+        for r, ss in zip(runners, seqs):
+            for s in ss:
+                r.release(s)
+    assert runners[0].graphs.failed is None, runners[0].graphs.failed
+    assert {(8, 2), (8, 4)} <= set(runners[0].graphs.graphs), sorted(runners[0].graphs.graphs)
+    print(f"[gpu] verify graphs {sorted(runners[0].graphs.graphs)}: max logprob difference {worst:.2e}")

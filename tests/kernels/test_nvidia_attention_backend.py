@@ -1,10 +1,12 @@
 """The NVIDIA attention backend (batched kernels over device metadata) inside the whole tiny model,
 against the portable backend: same greedy tokens and near-identical logits through chunked prefill,
-decode across compressor block boundaries (ratio 4 and 128) and a ragged continuous batch.
+decode across compressor block boundaries (ratio 4 and 128) and a ragged continuous batch. Then the
+fixed-shape batches the decode / verification CUDA graphs run (`capture=False`) against plain eager.
 Runs under TRITON_INTERPRET=1 on CPU in CI and compiled on a GPU."""
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,13 +27,33 @@ def use_nvidia_attention(llm: LLM) -> None:
             m.backend = backend
 
 
+@contextmanager
+def runner_graphs(runner, graphs):
+    """The runner with `graphs` (None: plain eager) instead of the graphs its engine installed over
+    the engine's own cache (on a GPU), which must not run on the tests' caches."""
+    saved, runner.graphs = runner.graphs, graphs
+    try:
+        yield
+    finally:
+        runner.graphs = saved
+
+
+OPTS = dict(dtype="float32", simulate_qat=False, max_num_batched_tokens=96, num_cache_blocks=16,
+            max_num_seqs=4, async_scheduling=False)
+
+
 @pytest.fixture(scope="module")
-def pair(tiny_ckpt_dir, kdev):
-    opts = dict(dtype="float32", simulate_qat=False, device=kdev, max_num_batched_tokens=96,
-                num_cache_blocks=16, max_num_seqs=4, async_scheduling=False)
-    ref, ours = LLM(model=str(tiny_ckpt_dir), **opts), LLM(model=str(tiny_ckpt_dir), **opts)
-    use_nvidia_attention(ours)
-    return ref, ours
+def ours(tiny_ckpt_dir, kdev):
+    """The tiny model on the nvidia attention backend (shared: the tests below that build their own
+    caches leave its engine alone)."""
+    llm = LLM(model=str(tiny_ckpt_dir), device=kdev, **OPTS)
+    use_nvidia_attention(llm)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_ckpt_dir, kdev, ours):
+    return LLM(model=str(tiny_ckpt_dir), device=kdev, **OPTS), ours
 
 
 def test_greedy_tokens_and_logprobs_match_the_portable_backend(pair):
@@ -50,7 +72,7 @@ def test_greedy_tokens_and_logprobs_match_the_portable_backend(pair):
                 assert abs(lo[tok].logprob - v.logprob) < 1e-3
 
 
-def test_padded_static_decode_batches_equal_eager_decode(tiny_ckpt_dir, kdev):
+def test_padded_static_decode_batches_equal_eager_decode(ours, kdev):
     """What a decode CUDA graph runs, without the graph: batches padded to their bucket with padding
     sequences in the cache's spare slot, fixed-shape metadata refilled in place (closed-block lists
     padded with -1, block tables to the longest). Same logits as the plain eager path, step by step,
@@ -58,10 +80,7 @@ def test_padded_static_decode_batches_equal_eager_decode(tiny_ckpt_dir, kdev):
     from deepinfer_core.cache.state_cache import StateCache
     from deepinfer_core.runner.cuda_graphs import DecodeGraphs
 
-    llm = LLM(model=str(tiny_ckpt_dir), dtype="float32", simulate_qat=False, device=kdev,
-              num_cache_blocks=8, max_num_seqs=4, async_scheduling=False)
-    use_nvidia_attention(llm)
-    runner = llm.runner
+    runner = ours.runner
     backend = runner.model.layers[0].attn.backend
     layout = runner.cache_layout()
     eager_cache = StateCache(layout, 4, 8, kdev)
@@ -73,13 +92,75 @@ def test_padded_static_decode_batches_equal_eager_decode(tiny_ckpt_dir, kdev):
     blocks = [[5], [3], [7]]               # shuffled physical blocks
     eager = [eager_cache.bind(i, b) for i, b in enumerate(blocks)]
     static = [static_cache.bind(i, b) for i, b in enumerate(blocks)]
-    want = runner.forward_batch(prompts, eager)
-    runner.forward_batch(prompts, static)
-    for step in range(3):                  # 3 sequences -> bucket 4 (one padding sequence)
-        toks = [[int(t)] for t in want.argmax(-1)]
-        want = runner.forward_batch(toks, eager)
-        got = graphs.run(toks, static)
-        for st in static:
-            st.num_tokens += 1
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), step
-    assert sorted(graphs.graphs) == [4]
+    with runner_graphs(runner, None):
+        want = runner.forward_batch(prompts, eager)
+        runner.forward_batch(prompts, static)
+        for step in range(3):              # 3 sequences -> bucket 4 (one padding sequence)
+            toks = [[int(t)] for t in want.argmax(-1)]
+            want = runner.forward_batch(toks, eager)
+            got = graphs.run(toks, static)
+            for st in static:
+                st.num_tokens += 1
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), step
+    assert sorted(graphs.graphs) == [(4, 1)]
+
+
+def test_static_meta_of_a_verify_batch():
+    """Token-level arrays of a fixed-q batch, and closed-block lists sized to the exact bound:
+    q positions close at most ceil(q / ratio) blocks of each ratio (reached: 3..7 closes two)."""
+    from deepinfer_nvidia.batch_meta import StaticMeta
+
+    m = StaticMeta((4, 128), 2, 3, torch.zeros(10, dtype=torch.int64))      # q read off positions: 5
+    assert m.query_len == 5 and m.blocks_len == {4: 4, 128: 2}
+    m.fill([3, 126], [1, 0], [[4], [6, 2]])
+    a = m.meta
+    assert a.cu_seqlens.tolist() == [0, 5, 10] and a.token_seq.tolist() == [0] * 5 + [1] * 5
+    assert a.seq_start.tolist() == [3, 126] and a.slots.tolist() == [1, 0]
+    assert a.block_table.tolist() == [[4, 0, 0], [6, 2, 0]]
+    # 3..7 closes ratio-4 blocks 0 and 1; 126..130 closes 31 and the first ratio-128 block
+    assert a.new_blocks[4].seq.tolist() == [0, 0, 1, 0] and a.new_blocks[4].idx.tolist() == [0, 1, 31, -1]
+    assert a.new_blocks[128].seq.tolist() == [1, 0] and a.new_blocks[128].idx.tolist() == [0, -1]
+    with pytest.raises(ValueError, match="positions"):
+        StaticMeta((4,), 2, 3, torch.zeros(5, dtype=torch.int64), query_len=3)
+    with pytest.raises(ValueError, match="starts"):
+        m.fill([0], [0], [[0]])
+
+
+def test_padded_static_verify_batches_equal_eager_verify(ours, kdev):
+    """What a verification CUDA graph runs (q = 3 tokens per sequence, the logits of every row),
+    without the graph, through the runner's forward_batch: 3 sequences padded to bucket 4, against
+    plain eager forward_batch(all_logits=True) on a second cache. Both caches start from the same
+    random state instead of a prefill (the comparison needs identical state, not meaningful state),
+    so the sequences can start at positions 126, 2, 9: the first step closes ratio-4 blocks 31, 0, 2
+    and the first ratio-128 block, the second ratio-4 blocks 32 and 1."""
+    from deepinfer_core.cache.state_cache import StateCache
+    from deepinfer_core.runner.cuda_graphs import DecodeGraphs
+
+    runner = ours.runner
+    backend = runner.model.layers[0].attn.backend
+    layout = runner.cache_layout()
+    eager_cache = StateCache(layout, 4, 8, kdev)
+    static_cache = StateCache(layout, 4, 8, kdev, spare=True)
+    graphs = DecodeGraphs(runner.model, static_cache, backend, max_seqs=4, max_blocks=2, capture=False)
+    assert graphs.max_query_len == min(8, layout.backtrack) >= 3
+    starts, blocks = (126, 2, 9), [[5, 2], [3], [7]]
+    eager = [eager_cache.bind(i, b) for i, b in enumerate(blocks)]
+    static = [static_cache.bind(i, b) for i, b in enumerate(blocks)]
+    g = torch.Generator().manual_seed(12)
+    for e, s in zip(eager_cache.tensors(), static_cache.tensors()):     # spare slot/block last
+        s.copy_(torch.randn(s.shape, generator=g).to(s.dtype))
+        e.copy_(s[:e.shape[0]])
+    for st, n in zip(eager + static, starts * 2):
+        st.num_tokens = n
+    for step in range(1, 3):
+        toks = [torch.randint(2, 129280, (3,), generator=g).tolist() for _ in starts]
+        with runner_graphs(runner, None):
+            want = runner.forward_batch(toks, eager, all_logits=True)
+        assert graphs.fits(toks, static, True, None) and not graphs.fits(toks, static, False, None)
+        with runner_graphs(runner, graphs):
+            got = runner.forward_batch(toks, static, all_logits=True)
+        assert got.shape == want.shape == (9, runner.model_config.vocab_size)
+        # not bitwise: CPU GEMMs round differently for 9 and 12 rows (padding); ~5e-6 seen
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (step, (got - want).abs().max().item())
+        assert [st.num_tokens for st in static] == [st.num_tokens for st in eager] == [n + 3 * step for n in starts]
+    assert sorted(graphs.graphs) == [(4, 3)]

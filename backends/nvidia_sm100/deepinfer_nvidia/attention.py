@@ -77,6 +77,6 @@ class NvidiaAttentionBackend:
         """Install fixed-shape metadata into `batch` (the graph's static decode batch) and return
         it; the graph runner refills it before each replay with `.fill(starts, slots, tables)`."""
         from .batch_meta import StaticMeta
-        static = StaticMeta(self.ratios, batch.num_seqs, max_blocks, batch.positions)
+        static = StaticMeta(self.ratios, batch.num_seqs, max_blocks, batch.positions, query_len=batch.lens[0])
         batch.backend_meta[META_KEY] = static.meta
         return static

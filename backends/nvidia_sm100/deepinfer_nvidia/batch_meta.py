@@ -4,9 +4,10 @@ The batched kernels never look at Python objects: they read rows, positions, sta
 tables from these tensors (layouts in `deepinfer_kernels`' module docs). Everything is computed from
 host lists the scheduler already holds and copied to the GPU in one transfer: no device sync.
 
-`StaticMeta` is the CUDA-graph form: fixed shapes (sequences padded to the graph's batch size, block
-tables to the longest possible, closed-block lists to one per sequence), refilled in place before
-each replay.
+`StaticMeta` is the CUDA-graph form: fixed shapes (sequences padded to the graph's batch size, every
+sequence feeding the same number q of tokens (1: decode, k+1: speculative verification), block tables
+padded to the longest possible, closed-block lists to the most that q tokens can close), refilled in
+place before each replay.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ class AttentionMeta:
     max_rows: dict[int, int]   # per ratio: the most compressed rows any query of the batch sees
 
 
-def _host_parts(starts, lens, slots, tables, ratios, max_blocks: int, blocks_len: int | None):
-    """The int32 lists of the metadata, in a fixed order; closed-block lists padded to `blocks_len`."""
+def _host_parts(starts, lens, slots, tables, ratios, max_blocks: int, blocks_len: dict[int, int] | None):
+    """The int32 lists of the metadata, in a fixed order; closed-block lists padded to `blocks_len[r]`."""
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
@@ -51,9 +52,10 @@ def _host_parts(starts, lens, slots, tables, ratios, max_blocks: int, blocks_len
         seq, idx = new_blocks(starts, lens, r)
         counts.append(len(seq))
         if blocks_len is not None:
-            if len(seq) > blocks_len:
-                raise ValueError(f"batch closes {len(seq)} ratio-{r} blocks; the static metadata holds {blocks_len}")
-            seq, idx = seq + [0] * (blocks_len - len(seq)), idx + [-1] * (blocks_len - len(idx))
+            cap = blocks_len[r]
+            if len(seq) > cap:
+                raise ValueError(f"batch closes {len(seq)} ratio-{r} blocks; the static metadata holds {cap}")
+            seq, idx = seq + [0] * (cap - len(seq)), idx + [-1] * (cap - len(idx))
         parts.extend([seq, idx])
     return parts, counts
 
@@ -81,18 +83,31 @@ def build_meta(batch, ratios: tuple[int, ...]) -> AttentionMeta:
 
 
 class StaticMeta:
-    """Fixed-shape metadata for a CUDA graph of `num_seqs` one-token sequences (decode)."""
+    """Fixed-shape metadata for a CUDA graph of `num_seqs` sequences of `query_len` new tokens each
+    (1: decode; k+1: verification of k draft tokens). `positions` is the graph's static [num_seqs *
+    query_len] positions tensor (the caller refills it); `query_len=None` reads q off its length."""
 
-    def __init__(self, ratios: tuple[int, ...], num_seqs: int, max_blocks: int, positions: torch.Tensor):
-        self.ratios, self.num_seqs, self.max_blocks = ratios, num_seqs, max_blocks
+    def __init__(self, ratios: tuple[int, ...], num_seqs: int, max_blocks: int, positions: torch.Tensor,
+                 query_len: int | None = None):
         n = num_seqs
-        self.sizes = [n + 1, n, n, n, n * max_blocks] + [n, n] * len(ratios)
+        q = positions.numel() // max(n, 1) if query_len is None else query_len
+        if n < 1 or q < 1 or positions.numel() != n * q:
+            raise ValueError(f"StaticMeta: positions holds {positions.numel()} entries, expected num_seqs={n} "
+                             f"x query_len={q} (both >= 1)")
+        self.ratios, self.num_seqs, self.max_blocks, self.query_len = ratios, n, max_blocks, q
+        # q consecutive positions s..s+q-1 close blocks s//r .. (s+q)//r - 1: at most ceil(q/r) of them
+        self.blocks_len = {r: n * -(-q // r) for r in ratios}
+        self.sizes = [n + 1, n, n * q, n, n * max_blocks] + [self.blocks_len[r] for r in ratios for _ in (0, 1)]
         self.flat = torch.zeros(sum(self.sizes), dtype=torch.int32, device=positions.device)
         rows = {r: max_blocks * 128 // r for r in ratios}      # the most rows a block table can hold
-        self.meta = _views(self.flat, self.sizes, ratios, n, max_blocks, positions, [n] * len(ratios), rows)
+        self.meta = _views(self.flat, self.sizes, ratios, n, max_blocks, positions,
+                           [self.blocks_len[r] for r in ratios], rows)
 
     def fill(self, starts: list[int], slots: list[int], tables: list[list[int]]) -> None:
-        """Copy one decode step's values in place (one host->device transfer)."""
-        parts, _ = _host_parts(starts, [1] * len(starts), slots, tables, self.ratios, self.max_blocks,
-                               self.num_seqs)
+        """Copy one step's values in place (one host->device transfer); sequence s feeds positions
+        starts[s] .. starts[s] + query_len - 1."""
+        if len(starts) != self.num_seqs:
+            raise ValueError(f"StaticMeta.fill: starts has {len(starts)} entries, the graph holds {self.num_seqs}")
+        parts, _ = _host_parts(starts, [self.query_len] * self.num_seqs, slots, tables, self.ratios,
+                               self.max_blocks, self.blocks_len)
         copy_into(self.flat, [v for p in parts for v in p])
