@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
     cfg = bench_config(base, a.layers)
     built = build_random_model(cfg, "cuda")
     finish_model(built)
-    model, layout, clock = built.model, cache_layout(built.cfg, built.ctx.torch_dtype), Clock("cuda")
+    model, layout, clock = built.model, cache_layout(built.cfg, built.ctx.torch_dtype, built.ctx.simulate_qat), Clock("cuda")
     result = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "config_source": source, "shapes": []}
     with torch.no_grad():
         for spec in [s for s in a.decode.split(",") if s]:

@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[sweep] {gpu}: {a.layers}-layer model ({source}), ratios {ratios}, fp8 linear {ops['linear']['fp8']}, "
           f"attention {ops['attention']}, moe {ops['moe']}", flush=True)
     ckpt_bytes = weight_bytes(built.model)
-    layout = cache_layout(cfg, built.ctx.torch_dtype)
+    layout = cache_layout(cfg, built.ctx.torch_dtype, built.ctx.simulate_qat)
     hf, hf_info = (None, {"status": "not run: --no-hf"}) if a.no_hf else hf_build(a, cfg_dict, built)
     finish_model(built)                                  # the weights in our runtime form from here on
     hf_pre, hf_dec = {}, {}
@@ -306,7 +306,9 @@ def main(argv: list[str] | None = None) -> dict:
         hf_pre, hf_dec = hf_runs(a, hf, built, layout, clock, hf_info)
         hf = None                                        # free transformers' copy before our sweep
         _free(dev)
-    elem = torch.empty((), dtype=layout.dtype).element_size()
+    # bytes per cached KV element (584/512 with FP8 rows; the indexer keys, bf16, are counted at this
+    # rate too, which makes the roofline slightly faster than the truth: conservative for us)
+    elem = layout.kv_row_bytes / layout.head_dim
     prefill_rows, decode_rows = [], []
     for n in a.prefill:
         row = {"tokens": n, "chunk": a.prefill_chunk, "label": f"prefill {n}", "status": over_budget(a) or "ok"}

@@ -25,6 +25,7 @@ from torch import nn
 
 from deepinfer_core.cache.sequence_state import SequenceState
 from deepinfer_core.cache.state_cache import CacheLayout, StateCache
+from deepinfer_core.ops.kv_fp8 import pack_kv_fp8
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model import ModelOps, bind_ops, build_model, head_for_device, process_weights
 from deepinfer_core.model.attention import Numerics
@@ -233,10 +234,13 @@ def weight_bytes(model: nn.Module) -> int:
 
 # ---- state -------------------------------------------------------------------------------------
 
-def cache_layout(cfg: ModelConfig, dtype: torch.dtype) -> CacheLayout:
-    """The engine's layout (the runner's backtrack default from the env table)."""
+def cache_layout(cfg: ModelConfig, dtype: torch.dtype, simulate_qat: bool = True,
+                 kv_cache_dtype: str = "auto") -> CacheLayout:
+    """The engine's layout: the runner's backtrack default (env table) and KV storage choice."""
     from deepinfer_core.envs import read_settings
-    return CacheLayout.from_config(cfg, dtype, read_settings().effective_max_backtracking_tokens)
+    from deepinfer_core.runner.model_runner import resolve_kv_fp8
+    return CacheLayout.from_config(cfg, dtype, read_settings().effective_max_backtracking_tokens,
+                                   kv_fp8=resolve_kv_fp8(kv_cache_dtype, dtype, simulate_qat))
 
 
 @torch.no_grad()
@@ -248,7 +252,14 @@ def decode_states(layout: CacheLayout, batch: int, context: int, device, seed: i
     cache = StateCache(layout, batch, batch * nb, device)
     gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
     for t in cache.tensors():
-        t.normal_(0.0, 1.0, generator=gen)
+        if t.dtype == torch.uint8:          # packed FP8 rows: pack random rows chunk by chunk
+            rows = t.view(-1, t.shape[-1])
+            for i in range(0, rows.shape[0], 1 << 18):
+                part = rows[i:i + (1 << 18)]
+                src = torch.randn(part.shape[0], layout.head_dim, device=t.device, generator=gen)
+                part.copy_(pack_kv_fp8(src, layout.rope_dim))
+        else:
+            t.normal_(0.0, 1.0, generator=gen)
     states = []
     for i in range(batch):
         st = cache.bind(i, list(range(i * nb, (i + 1) * nb)), fresh=False)
