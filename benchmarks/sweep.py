@@ -61,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--expert-dtype", default="fp8", choices=("fp8", "fp4", "bf16"))
     m.add_argument("--vocab", type=int, default=None, help="override vocab_size (CPU smoke runs)")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8"),
+                   help="storage of the window and compressed KV rows, as LLM(kv_cache_dtype=...)")
     s = ap.add_argument_group("shapes and timing")
     s.add_argument("--batches", type=sizes, default=sizes("1,8,64,256"))
     s.add_argument("--contexts", type=sizes, default=sizes("1k,4k,16k,32k"))
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[sweep] {gpu}: {a.layers}-layer model ({source}), ratios {ratios}, fp8 linear {ops['linear']['fp8']}, "
           f"attention {ops['attention']}, moe {ops['moe']}", flush=True)
     ckpt_bytes = weight_bytes(built.model)
-    layout = cache_layout(cfg, built.ctx.torch_dtype, built.ctx.simulate_qat)
+    layout = cache_layout(cfg, built.ctx.torch_dtype, built.ctx.simulate_qat, a.kv_cache_dtype)
     hf, hf_info = (None, {"status": "not run: --no-hf"}) if a.no_hf else hf_build(a, cfg_dict, built)
     finish_model(built)                                  # the weights in our runtime form from here on
     hf_pre, hf_dec = {}, {}
@@ -350,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
         "full_layers": a.full_layers, "full_ratios": full_ratios, "ops": built.ops_summary(),
         "weights": {"checkpoint_format_bytes": ckpt_bytes, "runtime_bytes": weight_bytes(built.model),
                     "note": "MTP block not built (never run)"},
-        "cache": {"dtype": str(layout.dtype), "backtrack": layout.backtrack, "slot_bytes": layout.slot_bytes,
+        "cache": {"dtype": str(layout.dtype), "kv_fp8": layout.kv_fp8, "backtrack": layout.backtrack, "slot_bytes": layout.slot_bytes,
                   "block_bytes": layout.block_bytes},
         "peaks": {"bw": peaks.bw, "bf16": peaks.bf16, "fp8": peaks.fp8},
         "assumptions": RL.ASSUMPTIONS + [
@@ -366,13 +368,13 @@ def main(argv: list[str] | None = None) -> dict:
             "(the measured model's figures are in each verdict's info); the transformers comparison uses the "
             "measured model; decode step = min(eager, CUDA graph) median"],
         "settings": {k: getattr(a, k) for k in ("warmup", "reps", "max_shape_seconds", "time_budget", "prefill_chunk",
-                                                "cuda_graph", "seed", "dtype", "no_qat", "hf_max_prefill",
+                                                "cuda_graph", "seed", "dtype", "no_qat", "kv_cache_dtype", "hf_max_prefill",
                                                 "hf_max_batch", "hf_max_context", "hf_max_tokens", "hf_reps")},
         "hf": hf_info, "prefill": prefill_rows, "decode": decode_rows, "verdicts": vs,
     }
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "sweep_" + gpu.replace(" ", "_") + ("_tiny" if a.tiny else "")
+    stem = "sweep_" + gpu.replace(" ", "_") + ("_tiny" if a.tiny else "") + ("_kvfp8" if layout.kv_fp8 else "")
     png = out_dir / f"{stem}.png"
     if a.no_plot:
         result["plot"] = "not drawn: --no-plot"

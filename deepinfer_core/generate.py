@@ -205,9 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                      help="CUDA: never capture decode CUDA graphs (default: DEEPINFER_ENFORCE_EAGER)")
     eng.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "fp8"), default=argparse.SUPPRESS,
-                     help="storage of window and compressed KV rows: fp8 = e4m3 nope dims with a power-of-two "
-                          "scale per 64 + bf16 RoPE dims; auto (default) = fp8 when lossless (bfloat16 with "
-                          "the QAT simulation), else the model dtype")
+                     help="storage of window and compressed KV rows: auto (default) = the model dtype; fp8 = "
+                          "e4m3 nope dims with a power-of-two scale per 64 + bf16 RoPE dims (35%% fewer cache "
+                          "bytes; lossless with the QAT simulation; needs --dtype bfloat16)")
 
     _add_sampling_flags(parser.add_argument_group("sampling (SamplingParams fields)"))
 
