@@ -34,7 +34,8 @@ FAMILIES = [   # (family, regex on the kernel name), first match wins
     ("MoE GEMMs + combine", r"_moe|_w13|_w2|combine"),
     ("FP8 linear GEMM", r"_fp8_gemm|_w8a16|_sum_splits|_act_quant"),
     ("mHC", r"_mhc|_mix|_coeff|_collapse|_post"),
-    ("cuBLAS GEMM (bf16/fp32: wo_a, compressor, gate, LM head)", r"gemm|sgemm|cutlass|cublas|Kernel2|splitKreduce"),
+    ("fused norm / RoPE / quant", r"_norm_rope|_rms_norm|_rope_inplace"),
+    ("cuBLAS GEMM (bf16/fp32: wo_a, compressor, gate, LM head)", r"gemm|sgemm|cutlass|cublas|Kernel2|splitKreduce|nvjet"),
     ("torch elementwise / reductions", r"elementwise|reduce|vectorized|index|cat|copy|fill|softmax|where"),
 ]
 
