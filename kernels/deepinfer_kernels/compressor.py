@@ -153,13 +153,20 @@ def _compress_kernel(kv_ptr, z_ptr, tkv_ptr, tz_ptr, out_ptr, bseq_ptr, bidx_ptr
 
 
 @triton.jit
-def _write_rows_kernel(rows_ptr, pool_ptr, table_ptr, bseq_ptr, bidx_ptr, NB, d, s_rows, s_p0, s_p1, s_tab,
-                       RPB: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+def _closed_blocks(bseq_ptr, bidx_ptr, table_ptr, NB, s_tab, RPB: tl.constexpr, BLOCK_B: tl.constexpr):
+    """This program's closed blocks: (list index i, row index b, valid = b >= 0, physical block)."""
     i = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     b = tl.load(bidx_ptr + i, mask=i < NB, other=-1)
     valid = b >= 0
     s = tl.load(bseq_ptr + i, mask=valid, other=0).to(tl.int64)
     phys = tl.load(table_ptr + s * s_tab + b // RPB, mask=valid, other=0).to(tl.int64)
+    return i, b, valid, phys
+
+
+@triton.jit
+def _write_rows_kernel(rows_ptr, pool_ptr, table_ptr, bseq_ptr, bidx_ptr, NB, d, s_rows, s_p0, s_p1, s_tab,
+                       RPB: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+    i, b, valid, phys = _closed_blocks(bseq_ptr, bidx_ptr, table_ptr, NB, s_tab, RPB, BLOCK_B)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = valid[:, None] & (cols < d)[None, :]
     x = tl.load(rows_ptr + i.to(tl.int64)[:, None] * s_rows + cols[None, :], mask=mask, other=0.0)
@@ -206,11 +213,7 @@ def _quant_store_fp8(x_ptr, src_off, dst_ptr, dst16_ptr, dst_off, ok, NOPE: tl.c
 def _write_rows_fp8_kernel(rows_ptr, pool_ptr, pool16_ptr, table_ptr, bseq_ptr, bidx_ptr, NB, s_rows, s_p0, s_p1,
                            s_tab, RPB: tl.constexpr, BLOCK_B: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
                            NT_P2: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr):
-    i = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    b = tl.load(bidx_ptr + i, mask=i < NB, other=-1)
-    valid = b >= 0
-    s = tl.load(bseq_ptr + i, mask=valid, other=0).to(tl.int64)
-    phys = tl.load(table_ptr + s * s_tab + b // RPB, mask=valid, other=0).to(tl.int64)
+    i, b, valid, phys = _closed_blocks(bseq_ptr, bidx_ptr, table_ptr, NB, s_tab, RPB, BLOCK_B)
     _quant_store_fp8(rows_ptr, i.to(tl.int64) * s_rows, pool_ptr, pool16_ptr,
                      phys * s_p0 + (b % RPB).to(tl.int64) * s_p1, valid, NOPE, ROPE, NT_P2, ROPE_P2, PAD)
 
