@@ -86,8 +86,8 @@ class Bf16LinearMethod:
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         out_dtype = layer.compute_dtype or self.dtype
-        if layer.weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
-            return self.fallback.apply(layer, x)
+        if layer.weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or not x.is_cuda:
+            return self.fallback.apply(layer, x)      # (mm's out_dtype is CUDA-only)
         x2 = x.reshape(-1, x.shape[-1])
         y = torch.mm(x2, layer.weight.t(), out_dtype=out_dtype) if out_dtype != x.dtype else x2 @ layer.weight.t()
         return y.view(*x.shape[:-1], y.shape[-1])

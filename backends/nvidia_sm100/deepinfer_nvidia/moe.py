@@ -145,7 +145,7 @@ class NvidiaMoEMethod:
         from deepinfer_kernels.moe_routing import route_topk
         gate = moe.gate
         w16 = getattr(gate, "weight_bf16", None)
-        if w16 is not None and x.dtype == torch.bfloat16:
+        if w16 is not None and x.dtype == torch.bfloat16 and x.is_cuda:     # (mm's out_dtype is CUDA-only)
             # the reference's fp32 product of bf16 values, exact per term: a bf16 GEMM accumulating in fp32
             logits = torch.mm(x, w16.t(), out_dtype=torch.float32)
         else:
