@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from ..ops.portable_pointwise import PORTABLE, head_rms_norm  # noqa: F401  (re-exported)
+from ..ops.portable_pointwise import PORTABLE
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu

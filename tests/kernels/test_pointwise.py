@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from deepinfer_core.config import YarnScaling
-from deepinfer_core.model.layers import RMSNorm, head_rms_norm
+from deepinfer_core.model.layers import RMSNorm
+from deepinfer_core.ops.portable_pointwise import head_rms_norm
 from deepinfer_core.model.rope import RotaryTable
 from deepinfer_core.ops.quant import fake_quant_fp4, fake_quant_fp8, hadamard_transform
 from deepinfer_kernels.pointwise import norm_rope_quant, rms_norm, rope_inplace
