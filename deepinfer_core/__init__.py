@@ -1,13 +1,13 @@
 """DeepInfer: an inference engine for the DeepSeek-V4 model family.
 
-Public API: `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`, `Logprob`,
-`InvalidRequestError`.
+Public API: `LLM`, `SamplingParams`, `StructuredOutputsParams`, `RequestOutput`, `CompletionOutput`,
+`Logprob`, `InvalidRequestError`.
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "InvalidRequestError",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "InvalidRequestError",
            "__version__"]
 
 
@@ -19,6 +19,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from .api.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from .api.structured_outputs import StructuredOutputsParams
+        return StructuredOutputsParams
     if name in ("RequestOutput", "CompletionOutput", "Logprob", "InvalidRequestError"):
         from .api import outputs
         return getattr(outputs, name)

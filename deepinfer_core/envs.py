@@ -128,6 +128,19 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            minimum=1),
     EnvVar("DEEPINFER_ENFORCE_EAGER", "bool", False,
            "Disable CUDA graphs for the main model (always eager)."),
+    EnvVar("DEEPINFER_XGRAMMAR_TIMEOUT", "int", 20,
+           "Structured outputs: seconds a grammar may take to compile before its request is refused.",
+           minimum=1),
+    EnvVar("DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES", "int", 10 << 30,
+           "Structured outputs: memory cap of the compiled-grammar cache (least recently used "
+           "grammars are evicted past it).", minimum=0),
+    EnvVar("DEEPINFER_XGRAMMAR_DISABLE_CACHE", "bool", False,
+           "Structured outputs: compile every request's grammar afresh (no compiled-grammar cache)."),
+    EnvVar("DEEPINFER_SO_BUILDER_CPUS", "int", 4,
+           "Structured outputs: threads that compile grammars off the step loop.", minimum=1),
+    EnvVar("DEEPINFER_SO_JSON_MAX_WHITESPACE", "int", 16,
+           "Structured outputs: JSON schemas allow up to this many whitespace characters between "
+           "elements; 0 = none beyond single-space separators.", minimum=0),
     EnvVar("DEEPINFER_PLUGINS", "list", None,
            "Allow-list of entry-point plugin names to load; unset = all (the core is always "
            "loaded)."),
@@ -158,6 +171,11 @@ class Settings:
     zero_overhead_scheduling: bool = True
     cpu_kv_cache_bytes: int = 1 << 30
     enforce_eager: bool = False
+    xgrammar_timeout: int = 20
+    xgrammar_cache_limit_bytes: int = 10 << 30
+    xgrammar_disable_cache: bool = False
+    so_builder_cpus: int = 4
+    so_json_max_whitespace: int = 16
     plugins: tuple[str, ...] | None = None
     disable_plugins: tuple[str, ...] = ()
     trace_plugins: bool = False

@@ -62,7 +62,10 @@ SAMPLING_HELP = {
     "prompt_logprobs": "top-K logprobs per prompt token; 'none' = off",
     "detokenize": "decode the output tokens to text",
     "skip_special_tokens": "leave special tokens out of the decoded text",
-    "so_args": "structured-output arguments, a JSON object (handled by a plugin)",
+    "so_args": 'structured output, a JSON object: {"schema_type": "json"|"regex"|"ebnf", "schema": ..., '
+               'optional "trigger_token_ids": [...], "bound_token_id": id}',
+    "structured_outputs": 'structured output in vLLM\'s spelling, a JSON object with one of "json", '
+                          '"regex", "choice", "grammar", "json_object"',
     "extra_args": "free-form arguments for plugins, a JSON object",
 }
 

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from ..cache.block_allocator import BlockAllocator
 from .options import LLM_OPTION_DEFAULTS
 from ..cache.budget import CacheRequest, validate_utilization
+from ..engine.constraints import attach_constraint
 from ..engine.engine import Engine
 from ..engine.output_processor import CompletionState, Request
 from ..engine.scheduler import Scheduler, SchedulerConfig
@@ -217,6 +218,8 @@ class LLM:
         # The runner resolved the sampler through the hooks; runners without one (test fakes,
         # tools) get the portable sampler.
         self.sampler = getattr(runner, "sampler", None) or Sampler()
+        # Chosen through deepinfer_logits_processors with the other hooks (structured outputs).
+        self.logits_processors = list(getattr(runner, "logits_processors", None) or [])
         self._request_counter = 0
 
     def get_tokenizer(self) -> Tokenizer | None:
@@ -296,10 +299,14 @@ class LLM:
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise ValueError(f"generate: {name}={getattr(params, name)} exceeds "
                                  f"vocab_size={self.vocab_size}")
+        # Last: a grammar starts compiling here, so only for a request that is otherwise valid.
+        constraint = attach_constraint(self.logits_processors, params, tokenizer=self.tokenizer,
+                                       vocab_size=self.vocab_size, eos_token_id=self.eos_token_id)
         # Seed: the request's own, else derived from the LLM seed and a request counter.
         counter = self._request_counter + index
         base = params.seed if params.seed is not None else mix_seed(self.seed, counter)
-        return Request(str(counter), text, ids, params, base, RequestMetrics(arrival_time=arrival))
+        return Request(str(counter), text, ids, params, base, RequestMetrics(arrival_time=arrival),
+                       constraint)
 
     def _sequences(self, req: Request) -> list[EngineSequence]:
         p = req.params
@@ -340,6 +347,11 @@ class LLM:
         except BaseException:
             engine.abort_all()
             raise
+        for sid, reason in engine.refused.items():     # a grammar that failed or timed out
+            i = owner[sid]
+            if seqs.pop(i, None) is not None:
+                errors[i] = ValueError(f"request {i}: {reason}")
+                logger.error("%s", errors[i])
         return {i: RequestOutput(g[0].request.request_id, g[0].request.prompt, list(g[0].request.prompt_token_ids),
                                  g[0].prompt_logprobs, [s.completion.to_output() for s in g], True, g[0].request.metrics)
                 for i, g in seqs.items()}

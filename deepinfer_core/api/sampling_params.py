@@ -10,6 +10,8 @@ import copy
 from dataclasses import InitVar, dataclass
 from typing import Any
 
+from .structured_outputs import parse_so_args, structured_outputs_to_so_args
+
 MASK64 = (1 << 64) - 1
 INT32_MAX = (1 << 31) - 1
 # Temperatures below this are treated as greedy (exact argmax), as in vLLM; DS-DeepInfer clamps here.
@@ -47,7 +49,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None    # top-K logprobs per prompt token
     detokenize: bool = True
     skip_special_tokens: bool = True
-    so_args: dict[str, Any] | None = None     # structured output (DS-DeepInfer); validated by a plugin
+    so_args: dict[str, Any] | None = None     # structured output (DS-DeepInfer), api/structured_outputs.py
+    structured_outputs: Any = None            # vLLM's spelling (StructuredOutputsParams or dict) -> so_args
     extra_args: dict[str, Any] | None = None  # free-form, for plugins
     seq_seed: InitVar[int | None] = None      # alias of `seed`
     top_logprobs: InitVar[int | None] = None  # alias of `logprobs`
@@ -55,6 +58,10 @@ class SamplingParams:
     def __post_init__(self, seq_seed: int | None, top_logprobs: int | None) -> None:
         self.seed = self._merge_alias("seed", self.seed, "seq_seed", seq_seed)
         self.logprobs = self._merge_alias("logprobs", self.logprobs, "top_logprobs", top_logprobs)
+        if self.structured_outputs is not None:
+            if self.so_args is not None:
+                raise ValueError("SamplingParams: pass so_args or structured_outputs, not both")
+            self.so_args = structured_outputs_to_so_args(self.structured_outputs)
         self._normalise()
         self._validate()
 
@@ -149,10 +156,11 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams: stop_token_ids={self.stop_token_ids} has a negative id; "
                              f"allowed: ids >= 0")
-        for name in ("so_args", "extra_args"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, dict):
-                raise ValueError(f"SamplingParams: {name} must be a dict or None, got {type(v).__name__}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"SamplingParams: extra_args must be a dict or None, "
+                             f"got {type(self.extra_args).__name__}")
+        if self.so_args is not None:
+            parse_so_args(self.so_args)
 
     # ---- derived --------------------------------------------------------------------------------
     @property

@@ -18,12 +18,14 @@ from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SeqStatus
 from .step_executor import ChunkPlan, SampleSpec, StepExecutor, StepPlan, StepResult
 
+CONSTRAINT_POLL_SECONDS = 0.05     # nothing to run but grammars compiling: wait this long per step
+
 
 class Engine:
     def __init__(self, runner: Any, sampler: Any, scheduler: Scheduler, tokenizer: Any,
                  eos_token_id: int | None, async_scheduling: bool = False):
         self.scheduler, self.tokenizer, self.eos_token_id = scheduler, tokenizer, eos_token_id
-        self.executor = StepExecutor(runner, sampler)
+        self.executor = StepExecutor(runner, sampler, eos_token_id)
         self.async_scheduling = async_scheduling
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if async_scheduling else None
         self._in_flight: tuple[list[ScheduledChunk], Future] | None = None
@@ -31,6 +33,7 @@ class Engine:
         self._finished_ids: list[int] = []
         self.num_steps = 0
         self.num_dropped_tokens = 0        # sampled for a sequence that had already stopped (async)
+        self.refused: dict[int, str] = {}  # seq_id -> why its constraint never became ready
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -41,14 +44,21 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Plan and launch one step, post-process the previous one (async) or this one (sync);
         returns the sequences that finished."""
+        refused = self._refuse_failed_constraints()
         out = self.scheduler.schedule()
         for seq in out.preempted:
             self._released.append(seq.seq_id)
         if not out.chunks:
-            if self._in_flight is None:
-                raise RuntimeError("scheduler scheduled nothing while requests are pending "
-                                   "(the state cache is too small for any waiting request)")
-            return self._process(*self._take_in_flight())
+            if self._in_flight is not None:
+                return refused + self._process(*self._take_in_flight())
+            unready = self.scheduler.unready()
+            if unready:                    # only grammars still compiling: wait for the first one
+                unready[0].request.constraint.wait(CONSTRAINT_POLL_SECONDS)
+                return refused
+            if refused or not self.scheduler.has_unfinished():
+                return refused
+            raise RuntimeError("scheduler scheduled nothing while requests are pending "
+                               "(the state cache is too small for any waiting request)")
         plan = self._plan(out.chunks)
         self.num_steps += 1
         if self._pool is None:
@@ -56,7 +66,22 @@ class Engine:
         future = self._pool.submit(self.executor.execute, plan)
         finished = self._process(*self._take_in_flight()) if self._in_flight is not None else []
         self._in_flight = (out.chunks, future)
-        return finished
+        return refused + finished
+
+    def _refuse_failed_constraints(self) -> list[Sequence]:
+        """Finish the waiting sequences whose constraint can never be ready (a grammar that failed
+        to compile or timed out); `refused` says why. They never ran, so nothing else is owed."""
+        out = []
+        for seq in self.scheduler.unready():
+            reason = seq.request.constraint.error()
+            if reason is not None:
+                self.scheduler.finish(seq)
+                seq.completion.finish_reason = "abort"
+                self.refused[seq.seq_id] = reason
+                self._released.append(seq.seq_id)
+                self._finished_ids.append(seq.seq_id)
+                out.append(seq)
+        return out
 
     def close(self) -> None:
         """Drain the last step, let the executor drop every remaining state, stop the worker."""
@@ -104,7 +129,8 @@ class Engine:
             if c.samples:
                 params = seq.request.params
                 p.sample = SampleSpec(params, seq.completion.seed, seq.prompt_ids,
-                                      params.all_stop_token_ids(self.eos_token_id))
+                                      params.all_stop_token_ids(self.eos_token_id),
+                                      seq.request.constraint)
             plans.append(p)
         plan = StepPlan(plans, self._released, self._finished_ids)
         self._released, self._finished_ids = [], []
@@ -121,7 +147,7 @@ class Engine:
             self._add_prompt_logprobs(chunks[i], lp)
         finished, now = [], time.time()
         sampled = [c for c in chunks if c.samples]
-        for c, tok, lp in zip(sampled, result.tokens, result.logprobs):
+        for c, tok, lp, done in zip(sampled, result.tokens, result.logprobs, result.constraint_done):
             seq = c.seq
             seq.num_pending -= 1
             if seq.status is SeqStatus.FINISHED:
@@ -136,8 +162,11 @@ class Engine:
             m = seq.request.metrics
             m.token_times.append(now)
             m.first_token_time = m.first_token_time or now
-            if check_stop(comp, params, eos_token_id=self.eos_token_id, max_tokens=seq.max_tokens,
-                          tokenizer=self.tokenizer):
+            stopped = check_stop(comp, params, eos_token_id=self.eos_token_id, max_tokens=seq.max_tokens,
+                                 tokenizer=self.tokenizer)
+            if done and not stopped:       # the grammar is complete (its stop token, even with ignore_eos)
+                comp.finish_reason, comp.stop_reason, stopped = "stop", None, True
+            if stopped:
                 self.scheduler.finish(seq)
                 self._released.append(seq.seq_id)
                 self._finished_ids.append(seq.seq_id)

@@ -3,7 +3,7 @@ and logprob entries. Host-side only; shared by the engine and the API."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..api.outputs import CompletionOutput, Logprob, RequestMetrics
 from ..api.sampling_params import SamplingParams
@@ -30,6 +30,7 @@ class Request:
     params: SamplingParams
     seed: int                          # completion j samples with completion_seed(seed, j)
     metrics: RequestMetrics
+    constraint: Any = None             # a RequestConstraint (structured outputs) or None
 
 
 @dataclass

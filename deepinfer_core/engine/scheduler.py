@@ -103,6 +103,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def unready(self) -> list[Sequence]:
+        """Waiting sequences whose constraint is still being prepared (or failed)."""
+        return [s for s in self.waiting if not s.ready]
+
     def _next_chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` can feed now: everything up to its newest (possibly pending) token; none
         once its in-flight tokens already reach max_tokens."""
@@ -132,14 +136,17 @@ class Scheduler:
             self.blocks.hold(seq, seq.num_computed + n)
             planned.append((seq, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not seq.ready:
+                continue                           # its grammar is still compiling: the others go first
             if seq.num_pending:
                 break                              # preempted while a token was in flight: wait for it
             n = self._next_chunk(seq, budget)
             if not self.blocks.can_hold(seq, seq.num_computed + n):
                 break                              # admission never preempts
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self.blocks.hold(seq, seq.num_computed + n)

@@ -33,6 +33,12 @@ class Sequence:
         return self.request.prompt_token_ids
 
     @property
+    def ready(self) -> bool:
+        """False while the request's constraint (e.g. its grammar) is still being prepared."""
+        c = self.request.constraint
+        return c is None or c.ready()
+
+    @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.completion.token_ids)
 

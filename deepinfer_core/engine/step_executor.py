@@ -1,5 +1,6 @@
 """The device side of one engine step: bind states, resolve pending input tokens, run the batched
-forward, apply penalties and the min_tokens mask, sample, and compute logprobs.
+forward, apply the request constraints (structured-output masks), compute logprobs, apply
+penalties and the min_tokens mask, sample, and advance the constraints with the sampled tokens.
 
 It runs steps strictly in submission order (inline, or on one worker thread when scheduling is
 asynchronous), so it can keep the facts a step needs from the previous one: each sequence's state
@@ -22,6 +23,7 @@ class SampleSpec:
     seed: int
     prompt_ids: list[int]
     stop_ids: list[int]                 # masked while fewer than min_tokens outputs exist
+    constraint: Any = None              # RequestConstraint (engine/constraints.py) or None
 
 
 @dataclass
@@ -54,13 +56,17 @@ class StepResult:
     tokens: list[int]                                     # one per sampling chunk, in order
     logprobs: list[LogprobsResult | None]
     prompt_logprobs: dict[int, LogprobsResult]            # chunk index -> result
+    constraint_done: list[bool] = field(default_factory=list)   # per sampled token: constraint complete
 
 
 class StepExecutor:
-    def __init__(self, runner: Any, sampler: Any):
-        self.runner, self.sampler = runner, sampler
+    def __init__(self, runner: Any, sampler: Any, eos_token_id: int | None = None):
+        self.runner, self.sampler, self.eos_token_id = runner, sampler, eos_token_id
         self.states: dict[int, Any] = {}
         self.outputs: dict[int, list[int]] = {}           # every token each sequence sampled
+        # Per-completion constraint states. They survive a preemption (the recompute re-feeds
+        # exactly the tokens they have accepted) and go when the sequence finishes.
+        self.constraint_states: dict[int, Any] = {}
 
     @property
     def num_states(self) -> int:
@@ -74,6 +80,7 @@ class StepExecutor:
                 self.runner.release(state)
         for sid in plan.finished:
             self.outputs.pop(sid, None)
+            self.constraint_states.pop(sid, None)
         if not plan.chunks:
             return StepResult([], [], {})
         states, inputs = [], []
@@ -98,15 +105,35 @@ class StepExecutor:
                 rows.append(row + n_rows - 1)
                 sampling.append(c)
             row += n_rows
-        tokens, logprobs = self._sample(logits[rows] if rows else logits[:0], sampling)
-        return StepResult(tokens, logprobs, prompt_lp)
+        tokens, logprobs, done = self._sample(logits[rows] if rows else logits[:0], sampling)
+        return StepResult(tokens, logprobs, prompt_lp, done)
 
-    def _sample(self, logits: torch.Tensor, chunks: list[ChunkPlan]) -> tuple[list[int], list]:
+    def _constrained(self, chunks: list[ChunkPlan]) -> dict[Any, tuple[list[int], list[Any]]]:
+        """processor -> (rows, states) of the sampled rows that carry a constraint."""
+        groups: dict[Any, tuple[list[int], list[Any]]] = {}
+        for i, c in enumerate(chunks):
+            cons = c.sample.constraint
+            if cons is None:
+                continue
+            state = self.constraint_states.get(c.seq_id)
+            if state is None:
+                state = self.constraint_states[c.seq_id] = cons.new_state(c.sample.params, self.eos_token_id)
+            rows, states = groups.setdefault(cons.processor, ([], []))
+            rows.append(i)
+            states.append(state)
+        return groups
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ChunkPlan]) -> tuple[list[int], list, list[bool]]:
         if not chunks:
-            return [], []
+            return [], [], []
         specs = [c.sample for c in chunks]
         params = [s.params for s in specs]
         outs = [self.outputs.setdefault(c.seq_id, []) for c in chunks]
+        constrained = self._constrained(chunks)
+        for proc, (rows, states) in constrained.items():
+            # In place: `logits` is this step's own gathered copy. The masked logits are the request's
+            # distribution, so logprobs see the mask too (as in vLLM).
+            proc.mask(logits, rows, states)
         proc = apply_penalties(logits, params, outs, [s.prompt_ids for s in specs])
         for i, s in enumerate(specs):           # min_tokens: stop tokens may not be sampled yet
             if len(outs[i]) < s.params.min_tokens:
@@ -122,4 +149,8 @@ class StepExecutor:
             k = s.params.logprobs
             logprobs.append(None if k is None else
                             compute_logprobs(logits[i:i + 1], k, torch.tensor([tok], device=logits.device)))
-        return [int(t) for t in tokens], logprobs
+        done = [False] * len(chunks)
+        for proc, (rows, states) in constrained.items():
+            for r, d in zip(rows, proc.advance(states, [tokens[r] for r in rows])):
+                done[r] = d
+        return [int(t) for t in tokens], logprobs, done

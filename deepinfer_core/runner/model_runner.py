@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ class LoadedModel:
     sampler: object
     load_seconds: float
     ops: ModelOps | None = None
+    logits_processors: list = field(default_factory=list)   # deepinfer_logits_processors, once
 
 
 def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True, device: str | None = None,
@@ -65,13 +66,15 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
                    attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx),
                    pointwise=pm.pointwise_method(ctx))
     sampler = pm.sampler(ctx)
+    logits_processors = pm.logits_processors(ctx)
     model = build_model(cfg, device="meta")
     load_checkpoint(model, model_dir)
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))
     process_weights(model)
     model.to(device)
     head_for_device(model, device)
-    return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops)
+    return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops,
+                       logits_processors=logits_processors)
 
 
 class ModelRunner:
@@ -81,6 +84,7 @@ class ModelRunner:
         self.loaded = load_model(model_dir, dtype=dtype, simulate_qat=simulate_qat, device=device, options=options)
         self.model = self.loaded.model
         self.sampler = self.loaded.sampler      # chosen through deepinfer_sampler, once
+        self.logits_processors = self.loaded.logits_processors
         self.model_config: ModelConfig = self.model.cfg
         self.device = self.loaded.ctx.device
         self.dtype = self.loaded.ctx.torch_dtype

@@ -84,7 +84,7 @@ def test_stop_strings_need_detokenize():
 
 
 def test_copy_and_replace():
-    p = SamplingParams(seq_seed=9, stop=["a"], so_args={"schema": "{}"})
+    p = SamplingParams(seq_seed=9, stop=["a"], so_args={"schema_type": "json", "schema": "{}"})
     q = copy.deepcopy(p)
     assert q == p and q.stop is not p.stop and q.so_args is not p.so_args
     r = dataclasses.replace(p, temperature=0.5)

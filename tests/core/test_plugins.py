@@ -265,9 +265,10 @@ def test_cli_table_lists_installed_skeletons(site):
         if os.environ.get("CI"):
             pytest.fail("build.sh should have installed the feature skeletons")
         pytest.skip("feature skeletons not installed (run ./build.sh)")
-    for name in ("dspark", "swa_replay", "batch_invariant", "structured_outputs"):
+    for name, state in (("dspark", "skeleton"), ("swa_replay", "skeleton"), ("batch_invariant", "skeleton"),
+                        ("structured_outputs", "ready")):
         line = next(line for line in proc.stdout.splitlines() if line.startswith(name + " "))
-        assert "loaded (skeleton)" in line, line
+        assert f"loaded ({state})" in line, line
     proc = _run_listing(site, DEEPINFER_ACCELERATOR="nvidia")
     if NO_NVIDIA:
         assert proc.returncode == 0 and "active backend: none" in proc.stdout
