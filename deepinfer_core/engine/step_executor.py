@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..ops.sampler import LogprobsResult, apply_penalties, compute_logprobs
+from ..ops.transfer import to_device
 
 
 @dataclass
@@ -105,7 +106,10 @@ class StepExecutor:
                 rows.append(row + n_rows - 1)
                 sampling.append(c)
             row += n_rows
-        tokens, logprobs, done = self._sample(logits[rows] if rows else logits[:0], sampling)
+        # index_select with a staged index: indexing by a list would wait for the forward on a GPU,
+        # and the host work of sampling (the structured-output masks) is meant to overlap it.
+        picked = logits.index_select(0, to_device(rows, torch.long, logits.device)) if rows else logits[:0]
+        tokens, logprobs, done = self._sample(picked, sampling)
         return StepResult(tokens, logprobs, prompt_lp, done)
 
     def _constrained(self, chunks: list[ChunkPlan]) -> dict[Any, tuple[list[int], list[Any]]]:

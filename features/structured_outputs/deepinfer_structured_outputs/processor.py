@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from deepinfer_core.api.structured_outputs import parse_so_args
+from deepinfer_core.ops.transfer import to_device
 
 from .grammar_service import GrammarConstraint, GrammarService, ServiceSettings
 from .matcher_state import FORCING, GRAMMAR, set_single_token
@@ -70,7 +71,8 @@ class StructuredOutputProcessor:
     # ---- the step (executor thread) ----------------------------------------------------------------
     def _buffers(self, rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         words = (vocab + 31) // 32
-        if self._host is None or self._host.shape[0] < rows or self._host.shape[1] != words:
+        if (self._host is None or self._host.shape[0] < rows or self._host.shape[1] != words
+                or self._device.device != device):
             cap = max(rows, 64)
             pinned = device.type == "cuda"
             self._host = torch.empty(cap, words, dtype=torch.int32, pin_memory=pinned)
@@ -95,10 +97,12 @@ class StructuredOutputProcessor:
         for r, s in forced:
             set_single_token(host, r, s.forced_token)
         t1 = time.perf_counter()
+        masked = sorted(r for r, _ in grammar + forced)
         if dev is not host:
             dev[:n].copy_(host[:n], non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, dev[:n], vocab_size=logits.shape[-1],
-                                        indices=sorted(r for r, _ in grammar + forced))
+            # A list would be copied from pageable memory, which waits for the queued forward.
+            masked = to_device(masked, torch.int32, logits.device)
+        xgr.apply_token_bitmask_inplace(logits, dev[:n], vocab_size=logits.shape[-1], indices=masked)
         st = self.stats
         st.calls, st.rows = st.calls + 1, st.rows + len(grammar) + len(forced)
         st.fill_seconds += t1 - t0
