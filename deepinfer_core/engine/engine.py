@@ -2,6 +2,10 @@
 stop checks, freeing finished sequences). Policy lives in the scheduler, tensors in the executor
 and the runner; this file only moves plain data between them.
 
+Request constraints (structured outputs, `constraints.py`): a sequence whose grammar is still
+compiling waits without holding up the others; one whose grammar failed or timed out is refused
+(`refused`); a completed grammar finishes its sequence like a stop token.
+
 Zero-overhead scheduling (on by default): the executor runs step N on a worker thread while the
 host post-processes step N-1 and plans step N+1. A sequence that stops at step N has already been
 planned into step N+1; that extra token is dropped. Tokens come from the counter-based RNG keyed by

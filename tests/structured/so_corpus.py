@@ -259,20 +259,20 @@ def _self_check(n_uniform: int = 20) -> None:  # pragma: no cover - run by hand
     import time
     import torch
     import xgrammar as xgr
-    from tokenizers import Tokenizer
+    from deepinfer_core.api.tokenizer import Tokenizer
     from deepinfer_core.tools.make_tiny_checkpoint import tokenizer_dir
+    from deepinfer_structured_outputs.tokenizer_info import build_tokenizer_info
 
     t_start = time.time()
-    backend = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json"))
+    tokenizer = Tokenizer.from_path(tokenizer_dir())       # the engine's tokenizer and TokenizerInfo
+    backend = tokenizer.backend
     V, EOS, SPACE = 129280, 1, backend.token_to_id("Ġ")
-    enc = [""] * V
+    info = build_tokenizer_info(tokenizer, V, EOS)
+    enc = [""] * V                                           # the token strings, for the byte cross-check
+    added = backend.get_added_tokens_decoder()
     for tok, i in backend.get_vocab(with_added_tokens=True).items():
-        if i < V:
+        if i < V and i not in added:
             enc[i] = tok
-    for i in backend.get_added_tokens_decoder():
-        if i < V:
-            enc[i] = ""
-    info = xgr.TokenizerInfo(enc, xgr.VocabType.BYTE_LEVEL, vocab_size=V, stop_token_ids=[EOS])
     compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
     # Byte-level BPE: one token-string character is one byte; rebuild exact bytes to cross-check
     # backend.decode (a mismatch would mean U+FFFD from a UTF-8 sequence split or lost bytes).
