@@ -139,12 +139,17 @@ class StepExecutor:
             # distribution, so logprobs see the mask too (as in vLLM).
             proc.mask(logits, rows, states)
         proc = apply_penalties(logits, params, outs, [s.prompt_ids for s in specs])
-        for i, s in enumerate(specs):           # min_tokens: stop tokens may not be sampled yet
-            if len(outs[i]) < s.params.min_tokens:
-                stop = [t for t in s.stop_ids if t < proc.shape[-1]]
-                if stop:
-                    proc = proc.clone() if proc is logits else proc
-                    proc[i, stop] = float("-inf")
+        held = {i: [t for t in s.stop_ids if t < proc.shape[-1]] for i, s in enumerate(specs)
+                if len(outs[i]) < s.params.min_tokens}        # min_tokens: no stop token yet
+        held = {i: stop for i, stop in held.items() if stop}
+        if held:
+            before, proc = proc, proc.clone()
+            for i, stop in held.items():
+                proc[i, stop] = float("-inf")
+            if any(specs[i].constraint is not None for i in held):
+                # A grammar that can only end now wins over min_tokens: a row left with nothing to
+                # sample keeps its stop tokens (decided on the device, no sync).
+                proc = torch.where(proc.isneginf().all(-1, keepdim=True), before, proc)
         positions = [c.start + c.num_tokens for c in chunks]
         tokens = self.sampler.sample(proc, params, positions, [s.seed for s in specs]).tolist()
         logprobs = []

@@ -211,3 +211,27 @@ def test_compile_timeout_and_failure_are_reported(tok, monkeypatch):
     cons.wait(5)
     assert cons.error() == "so_args: grammar compilation failed: out of memory"
     assert broken.service.cache_size == 0                   # a failure is not cached
+
+
+def test_a_stuck_compilation_does_not_hold_the_interpreter(tmp_path):
+    """Compilations cannot be interrupted: one still running past its timeout must not block exit."""
+    import subprocess
+    import sys
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import time\n"
+        "from deepinfer_core import SamplingParams\n"
+        "from deepinfer_core.api.tokenizer import Tokenizer\n"
+        "from deepinfer_core.tools.make_tiny_checkpoint import tokenizer_dir\n"
+        "from deepinfer_structured_outputs.grammar_service import ServiceSettings\n"
+        "from deepinfer_structured_outputs.processor import StructuredOutputProcessor\n"
+        "p = StructuredOutputProcessor(ServiceSettings(timeout_s=0.2))\n"
+        "p.service._compile = lambda *a: time.sleep(600)\n"
+        "c = p.prepare(SamplingParams(so_args={'schema_type': 'regex', 'schema': 'a'}),\n"
+        "              tokenizer=Tokenizer.from_path(tokenizer_dir()), vocab_size=129280, eos_token_id=1)\n"
+        "c.wait(5)\n"
+        "print(c.error())\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "did not compile within 0.2 s" in out.stdout, out.stderr
+    assert time.monotonic() - t0 < 60

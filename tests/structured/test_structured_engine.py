@@ -107,9 +107,20 @@ def test_triggers_and_bound_tokens(llm):
         # the grammar's end stops the request even with ignore_eos; n = 2 completions each constrained
         SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=40, ignore_eos=True,
                        so_args={"schema_type": "regex", "schema": regex}),
+        # min_tokens holds the stop token back while the grammar can go on (<= 3 digits per token),
+        # not once the grammar can only end
+        SamplingParams(temperature=1.0, seed=6, max_tokens=40, min_tokens=4,
+                       so_args={"schema_type": "regex", "schema": "[0-9]{1,12}"}),
+        SamplingParams(temperature=1.0, seed=6, max_tokens=40, min_tokens=6,
+                       so_args={"schema_type": "regex", "schema": "[ab]"}),
     ]
     outs = llm.generate(prompt_token_ids=[p] * len(cases), sampling_params=cases, use_tqdm=False)
-    natural, bound, never, plain = (o.outputs for o in outs)
+    natural, bound, never, plain, held, short = (o.outputs for o in outs)
+    ids = held[0].token_ids
+    assert len(ids) >= 5 and ids[-1] == 1 and held[0].finish_reason == "stop", ids
+    check_regex(held[0].text, "[0-9]{1,12}")
+    assert len(short[0].token_ids) == 2 and short[0].token_ids[-1] == 1 and short[0].finish_reason == "stop"
+    check_regex(short[0].text, "[ab]")
     ids = natural[0].token_ids
     assert ids[:4] == f[:4] and ids[-1] == 1
     check_regex(tok.decode(ids[4:-1]), regex)

@@ -11,11 +11,12 @@ refused (the compilation itself cannot be interrupted; its result still lands in
 """
 from __future__ import annotations
 
+import queue
 import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -68,12 +69,44 @@ def parse_grammar(so: SoArgs, json_max_whitespace: int):
         raise ValueError(f"so_args: invalid {what}: {xgrammar_message(e)}") from None
 
 
+class DaemonPool:
+    """Daemon worker threads started on first use. An xgrammar compilation cannot be interrupted, and
+    one still running past its timeout must not keep the interpreter from exiting, which a
+    ThreadPoolExecutor (it joins its workers at exit) would do."""
+
+    def __init__(self, threads: int, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads, self._name = threads, name
+        self._started = False
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> Future:
+        with self._lock:
+            if not self._started:
+                for i in range(self._threads):
+                    threading.Thread(target=self._work, name=f"{self._name}-{i}", daemon=True).start()
+                self._started = True
+        fut: Future = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            fut, fn, args = self._queue.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                fut.set_exception(e)
+
+
 class GrammarService:
     """One per structured-outputs processor: the compile pool and the compiled-grammar cache."""
 
     def __init__(self, settings: ServiceSettings):
         self.settings = settings
-        self._pool = ThreadPoolExecutor(settings.builder_threads, thread_name_prefix="deepinfer-grammar")
+        self._pool = DaemonPool(settings.builder_threads, "deepinfer-grammar")
         self._lock = threading.RLock()       # a done-callback may run inside submit()
         self._compilers: dict[tuple, Any] = {}
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
