@@ -134,10 +134,10 @@ class StepExecutor:
         params = [s.params for s in specs]
         outs = [self.outputs.setdefault(c.seq_id, []) for c in chunks]
         constrained = self._constrained(chunks)
-        for proc, (rows, states) in constrained.items():
+        for processor, (rows, states) in constrained.items():
             # In place: `logits` is this step's own gathered copy. The masked logits are the request's
             # distribution, so logprobs see the mask too (as in vLLM).
-            proc.mask(logits, rows, states)
+            processor.mask(logits, rows, states)
         proc = apply_penalties(logits, params, outs, [s.prompt_ids for s in specs])
         held = {i: [t for t in s.stop_ids if t < proc.shape[-1]] for i, s in enumerate(specs)
                 if len(outs[i]) < s.params.min_tokens}        # min_tokens: no stop token yet
@@ -159,7 +159,7 @@ class StepExecutor:
             logprobs.append(None if k is None else
                             compute_logprobs(logits[i:i + 1], k, torch.tensor([tok], device=logits.device)))
         done = [False] * len(chunks)
-        for proc, (rows, states) in constrained.items():
-            for r, d in zip(rows, proc.advance(states, [tokens[r] for r in rows])):
+        for processor, (rows, states) in constrained.items():
+            for r, d in zip(rows, processor.advance(states, [tokens[r] for r in rows])):
                 done[r] = d
         return [int(t) for t in tokens], logprobs, done

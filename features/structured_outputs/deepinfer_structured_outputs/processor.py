@@ -1,7 +1,7 @@
 """The structured-outputs logits processor (the `deepinfer_logits_processors` answer).
 
 Per step, for the sampled rows whose request has so_args: fill one int32 bitmask row per constrained
-row on the host (xgrammar's batch fill, several threads, GIL released; a forced trigger token is one
+row on the host (xgrammar's batch fill on several threads; a forced trigger token is one
 bit), copy it to the logits' device (pinned, asynchronous) and apply it there in place (xgrammar's
 Triton kernel on CUDA, its C++ kernel on the CPU). The executor calls this after launching the
 forward, so on a GPU the host fill overlaps the device's work. The masked logits then feed logprobs
