@@ -16,8 +16,10 @@ bounded in practice for near-uniform / arbitrary choices (policies A-D: <= ~125 
 
 xgrammar 0.2.9 quirks found while building this (each led to dropping or replacing a feature):
   * plain {"type": "string", "maxLength": n} compiles to [^"\\\r\n]{0,n}: raw control characters
-    such as TAB are allowed although JSON forbids them, so json.loads rejects such output.  Free
-    text strings therefore carry a `pattern` of printable characters (_text(n) below).
+    such as TAB are allowed although JSON forbids them, so json.loads rejects such output.  The
+    plugin rewrites such strings to a pattern (grammar_service.bounded_strings_fixed; the
+    "plain_lengths" entry checks it); the other free-text strings carry a `pattern` of printable
+    characters (_text(n) below).
   * maxLength/minLength are silently IGNORED when combined with `pattern` or `format` (a warning is
     logged), so a pattern must bound itself with {m,n}; format "email" is unbounded -> dropped.
   * formats "time" / "date-time" allow unbounded fractional seconds -> dropped.
@@ -113,6 +115,8 @@ JSON_SCHEMAS: list[tuple[str, dict]] = [
     ("all_optional", _obj({"a": _int(0, 9), "b": {"type": "boolean"}, "c": _text(4),
                            "d": {"type": "null"}}, required=[])),
     ("top_level_int", _int(-1000, 1000)),
+    ("plain_lengths", _obj({"note": {"type": "string", "maxLength": 8},
+                            "code": {"type": "string", "minLength": 2, "maxLength": 4}})),
     ("order", _obj({"id": _int(1, 9999), "lines": {"type": "array", "minItems": 1, "maxItems": 2,
                               "items": _obj({"item": _text(6, 1), "n": _int(1, 9)})}},
                    required=["id", "lines"])),
@@ -261,6 +265,8 @@ def _self_check(n_uniform: int = 20) -> None:  # pragma: no cover - run by hand
     import xgrammar as xgr
     from deepinfer_core.api.tokenizer import Tokenizer
     from deepinfer_core.tools.make_tiny_checkpoint import tokenizer_dir
+    from deepinfer_core.api.structured_outputs import parse_so_args
+    from deepinfer_structured_outputs.grammar_service import parse_grammar
     from deepinfer_structured_outputs.tokenizer_info import build_tokenizer_info
 
     t_start = time.time()
@@ -312,12 +318,13 @@ def _self_check(n_uniform: int = 20) -> None:  # pragma: no cover - run by hand
 
     runs = ([("A", s) for s in range(n_uniform)] + [("B", 100 + s) for s in range(5)]
             + [("C", 0), ("D", 0)])
-    cases = ([("json", n, xgr.Grammar.from_json_schema(json.dumps(s), strict_mode=True,
-                                                       any_whitespace=True, max_whitespace_cnt=16),
-               lambda t, s=s: check_json(t, s), 150) for n, s in JSON_SCHEMAS]
-             + [("regex", n, xgr.Grammar.from_regex(r), lambda t, r=r: check_regex(t, r), 60)
+    def grammar(kind, text):                                 # exactly as the engine parses it
+        return parse_grammar(parse_so_args({"schema_type": kind, "schema": text}), 16)
+
+    cases = ([("json", n, grammar("json", s), lambda t, s=s: check_json(t, s), 150) for n, s in JSON_SCHEMAS]
+             + [("regex", n, grammar("regex", r), lambda t, r=r: check_regex(t, r), 60)
                 for n, r in REGEXES]
-             + [("ebnf", n, xgr.Grammar.from_ebnf(e), lambda t, g=g: check_ebnf(t, g), 60)
+             + [("ebnf", n, grammar("ebnf", e), lambda t, g=g: check_ebnf(t, g), 60)
                 for n, e, g in EBNF_GRAMMARS])
     print(f"{'kind':6} {'name':20} {'max_tok':>7} {'A/B/C/D max':>13} {'pass':>5} {'W':>4}  "
           f"example (policy C)")

@@ -87,6 +87,22 @@ def test_control_tokens_never_enter_a_grammar(proc, tok):
     assert not ok & set(tok.backend.get_added_tokens_decoder())
 
 
+def test_length_bounded_json_strings_never_allow_control_characters(proc, tok):
+    """xgrammar 0.2.9 lets TAB & co. into {"type": "string", "maxLength": n}; the plugin rewrites such
+    strings to an equivalent pattern, so the output stays valid JSON (grammar_service.py)."""
+    def inside(text):                 # the part of a token that would still be in the string
+        return text.split('"')[0]
+    control = {i for i in range(128000) if any(ord(ch) < 32 for ch in inside(tok.decode([i])))}
+    assert len(control) > 100
+    for schema in ({"type": "string", "maxLength": 6}, {"type": "string", "minLength": 2, "maxLength": 40},
+                   {"type": "object", "properties": {"s": {"type": "string", "maxLength": 9}}, "required": ["s"]}):
+        st = state_for(proc, tok, schema_type="json", schema=schema)
+        for t in ids(tok, '{"s": "' if "properties" in schema else '"'):
+            assert st.accept(t)
+        ok = allowed(st)
+        assert len(ok) > 10_000 and not ok & control, schema
+
+
 # ---- phases --------------------------------------------------------------------------------------
 def test_trigger_starts_the_grammar_and_falls_back_on_partial_matches(proc, tok):
     st = state_for(proc, tok, schema_type="regex", schema="[0-9]{2}", trigger_token_ids=[A, A, B])

@@ -11,6 +11,7 @@ refused (the compilation itself cannot be interrupted; its result still lands in
 """
 from __future__ import annotations
 
+import json
 import queue
 import re
 import threading
@@ -51,6 +52,27 @@ class ServiceSettings:
                    s.so_builder_cpus, s.so_json_max_whitespace)
 
 
+_NOT_SCHEMAS = ("enum", "const", "default", "examples")     # values that are data, not subschemas
+
+
+def bounded_strings_fixed(schema: Any) -> Any:
+    """xgrammar 0.2.9 compiles a length-bounded string ({"type": "string", "maxLength": n}) to raw
+    characters that include TAB and the other control characters, which JSON forbids; its `pattern`
+    path does it right. So such a string becomes the equivalent pattern of non-control characters
+    (escapes stay excluded, as xgrammar's own bounded strings exclude them)."""
+    if isinstance(schema, list):
+        return [bounded_strings_fixed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _NOT_SCHEMAS else bounded_strings_fixed(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if (out.get("type") == "string" and bounded
+            and not any(k in out for k in ("pattern", "format", "enum", "const"))):
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^[^\\x00-\\x1f]{{{lo},{hi}}}$"
+    return out
+
+
 def parse_grammar(so: SoArgs, json_max_whitespace: int):
     """xgrammar's Grammar for so_args, or a ValueError naming what is wrong with the schema."""
     import xgrammar as xgr
@@ -60,7 +82,8 @@ def parse_grammar(so: SoArgs, json_max_whitespace: int):
             # Strict mode (no properties or items beyond the schema's), as DS-DeepInfer compiles it.
             ws = ({"any_whitespace": True, "max_whitespace_cnt": json_max_whitespace}
                   if json_max_whitespace > 0 else {"any_whitespace": False})
-            return xgr.Grammar.from_json_schema(so.schema, strict_mode=True, **ws)
+            schema = json.dumps(bounded_strings_fixed(json.loads(so.schema)))
+            return xgr.Grammar.from_json_schema(schema, strict_mode=True, **ws)
         if so.schema_type == "regex":
             return xgr.Grammar.from_regex(so.schema)
         return xgr.Grammar.from_ebnf(so.schema)
