@@ -1,0 +1,43 @@
+"""Structured outputs with DeepInfer: a JSON schema, a regex, an EBNF grammar and vLLM's `choice`.
+
+    python examples/structured_outputs.py                      # bundled tiny model (random weights)
+    DEEPINFER_HF_MODEL_DIR=/path/to/DeepSeek-V4-Flash python examples/structured_outputs.py
+
+The tiny model's weights are random, so its text is nonsense, but every output still follows its
+grammar (the README's "Structured outputs" section has the semantics).
+"""
+from __future__ import annotations
+
+import json
+
+from offline_inference import model_path
+
+from deepinfer_core import LLM, SamplingParams, StructuredOutputsParams
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
+          "properties": {"name": {"type": "string", "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "role": {"enum": ["admin", "user", "guest"]}}}
+
+
+def main() -> None:
+    llm = LLM(model=model_path())
+    chat = llm.get_tokenizer().encode("<｜begin▁of▁sentence｜><｜User｜>Describe a user.<｜Assistant｜>")
+    requests = {
+        "json": SamplingParams(max_tokens=80, so_args={"schema_type": "json", "schema": PERSON}),
+        "regex": SamplingParams(max_tokens=40, so_args={"schema_type": "regex",
+                                                        "schema": r"[a-z]{3,8}@[a-z]{3,8}\.(com|org)"}),
+        "ebnf": SamplingParams(max_tokens=40, so_args={"schema_type": "ebnf", "schema":
+                                                       'root ::= "SELECT " col (", " col){0,2} " FROM users;"\n'
+                                                       'col ::= "id" | "name" | "age"'}),
+        "choice": SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+    }
+    outs = llm.generate(prompt_token_ids=[chat] * len(requests), sampling_params=list(requests.values()))
+    for name, out in zip(requests, outs):
+        text = out.outputs[0].text
+        print(f"{name:6} -> {text!r} ({out.outputs[0].finish_reason})")
+    print("json parses:", json.loads(outs[0].outputs[0].text))
+
+
+if __name__ == "__main__":
+    main()
