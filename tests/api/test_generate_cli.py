@@ -257,3 +257,23 @@ def test_a_bad_prompt_beside_good_ones_fails_but_keeps_their_outputs(capsys, tmp
     assert "token ids [5, 6]" in out
     good, bad = json.loads(path.read_text())
     assert len(good["outputs"][0]["token_ids"]) == 2 and "vocab_size" in bad["error"] and bad["index"] == 1
+
+
+def test_so_args_and_structured_outputs_flags(tiny_ckpt_dir, tmp_path, capsys):
+    """--so-args and --structured-outputs reach the grammar; a bad grammar exits with status 2 naming it."""
+    pytest.importorskip("xgrammar")
+    path = tmp_path / "out.json"
+    rc, _, err = run_cli(capsys, "--model", tiny_ckpt_dir, "--prompt", "Hello", "--prompt", "Bye",
+                         "--max-tokens", "30", "--temperature", "1", "--seed", "3",
+                         "--so-args", '{"schema_type": "regex", "schema": "[0-9]{3}-[a-z]{2}"}',
+                         "--output-json", path, *ENGINE)
+    assert rc == 0, err
+    import re
+    for d in json.loads(path.read_text()):
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", d["outputs"][0]["text"]) and d["outputs"][0]["finish_reason"] == "stop"
+    rc, out, _ = run_cli(capsys, "--model", tiny_ckpt_dir, "--prompt", "Hello", "--max-tokens", "8",
+                         "--structured-outputs", '{"choice": ["red", "green"]}', *ENGINE)
+    assert rc == 0 and ("'red'" in out or "'green'" in out), out
+    rc, _, err = run_cli(capsys, "--model", tiny_ckpt_dir, "--prompt", "Hello",
+                         "--so-args", '{"schema_type": "regex", "schema": "(ab"}', *ENGINE)
+    assert rc == 2 and "invalid regex" in err and "Traceback" not in err
