@@ -61,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--expert-dtype", default="fp8", choices=("fp8", "fp4", "bf16"))
     m.add_argument("--vocab", type=int, default=None, help="override vocab_size (CPU smoke runs)")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels (DEEPINFER_BATCH_INVARIANT)")
     m.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8"),
                    help="storage of the window and compressed KV rows, as LLM(kv_cache_dtype=...)")
     s = ap.add_argument_group("shapes and timing")
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
         base["vocab_size"] = a.vocab
     cfg_dict = bench_config(base, a.layers, a.expert_dtype)
     full_dict = full_config(base, cfg_dict, a.full_layers)
-    built = build_random_model(cfg_dict, a.device, a.dtype, not a.no_qat, a.seed)
+    built = build_random_model(cfg_dict, a.device, a.dtype, not a.no_qat, a.seed, batch_invariant=a.batch_invariant)
     dev, cfg = built.ctx.device, built.cfg
     full_cfg = ModelConfig.from_dict(full_dict)
     ratios = [cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers)]
@@ -368,13 +369,14 @@ def main(argv: list[str] | None = None) -> dict:
             "(the measured model's figures are in each verdict's info); the transformers comparison uses the "
             "measured model; decode step = min(eager, CUDA graph) median"],
         "settings": {k: getattr(a, k) for k in ("warmup", "reps", "max_shape_seconds", "time_budget", "prefill_chunk",
-                                                "cuda_graph", "seed", "dtype", "no_qat", "kv_cache_dtype", "hf_max_prefill",
+                                                "cuda_graph", "seed", "dtype", "no_qat", "kv_cache_dtype", "batch_invariant", "hf_max_prefill",
                                                 "hf_max_batch", "hf_max_context", "hf_max_tokens", "hf_reps")},
         "hf": hf_info, "prefill": prefill_rows, "decode": decode_rows, "verdicts": vs,
     }
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "sweep_" + gpu.replace(" ", "_") + ("_tiny" if a.tiny else "") + ("_kvfp8" if layout.kv_fp8 else "")
+    stem = "sweep_" + gpu.replace(" ", "_") + ("_tiny" if a.tiny else "") + ("_kvfp8" if layout.kv_fp8 else "") \
+        + ("_invariant" if a.batch_invariant else "")
     png = out_dir / f"{stem}.png"
     if a.no_plot:
         result["plot"] = "not drawn: --no-plot"

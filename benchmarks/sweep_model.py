@@ -27,7 +27,8 @@ from deepinfer_core.cache.sequence_state import SequenceState
 from deepinfer_core.cache.state_cache import CacheLayout, StateCache
 from deepinfer_core.ops.kv_fp8 import pack_kv_fp8
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.model import ModelOps, bind_ops, build_model, head_for_device, process_weights
+from deepinfer_core.runner.model_runner import check_batch_invariant
+from deepinfer_core.model import ModelOps, bind_ops, build_model, process_weights
 from deepinfer_core.model.attention import Numerics
 from deepinfer_core.plugin_context import BuildContext, normalize_dtype
 from deepinfer_core.plugins import get_plugin_manager
@@ -139,7 +140,8 @@ class Built:
 
 
 def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str = "bfloat16",
-                       simulate_qat: bool = True, seed: int = 0, options: dict | None = None) -> Built:
+                       simulate_qat: bool = True, seed: int = 0, options: dict | None = None,
+                       batch_invariant: bool = False) -> Built:
     """load_model's path with random weights instead of a checkpoint. The weights stay in checkpoint
     format until `finish_model` (so transformers can be given the same weights first). The MTP blocks
     are dropped: the sweep never runs them."""
@@ -148,11 +150,14 @@ def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str 
     platform = pm.detect_platform()
     device = device or platform.device_type
     ctx = BuildContext(model_config=cfg, platform=platform, device=device, dtype=normalize_dtype(dtype),
-                       simulate_qat=bool(simulate_qat), options=dict(options or {}))
+                       simulate_qat=bool(simulate_qat), batch_invariant=batch_invariant,
+                       options=dict(options or {}))
     pm.configure(ctx)
     ops = ModelOps(linear={f: pm.linear_method(ctx, f) for f in WEIGHT_FORMATS},
                    attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx),
                    pointwise=pm.pointwise_method(ctx))
+    if batch_invariant:
+        check_batch_invariant(ops, pm.sampler(ctx))
     model = build_model(cfg, device=device)          # torch.empty buffers, filled below
     model.mtp = nn.ModuleList()
     if torch.device(device).type == "cuda":
@@ -166,7 +171,6 @@ def finish_model(built: Built) -> None:
     """The rest of load_model: bind the op objects, let them convert the weights to runtime form."""
     bind_ops(built.model, built.ops, Numerics(dtype=built.ctx.torch_dtype, simulate_qat=built.ctx.simulate_qat))
     process_weights(built.model)
-    head_for_device(built.model, built.ctx.device)
 
 
 def large_std(name: str, shape: tuple[int, ...], hidden: int) -> float:

@@ -13,7 +13,7 @@ from .layers import Linear, RMSNorm
 from .moe import MoE
 from .rope import rope_tables
 
-__all__ = ["build_model", "bind_ops", "process_weights", "head_for_device", "ModelOps", "DeepseekV4Model", "ForwardBatch",
+__all__ = ["build_model", "bind_ops", "process_weights", "ModelOps", "DeepseekV4Model", "ForwardBatch",
            "ModelOutput"]
 
 
@@ -57,12 +57,3 @@ def process_weights(model: DeepseekV4Model) -> None:
             mod.method.process_weights(mod)
         elif isinstance(mod, MoE) and hasattr(mod.method, "process_weights"):
             mod.method.process_weights(mod)
-    # The reference computes the LM head in fp32: convert its weight once, not per step.
-    model.head.register_buffer("weight", model.head.weight.float(), persistent=False)
-
-
-def head_for_device(model: DeepseekV4Model, device) -> None:
-    """On a CUDA device with bf16 activations keep the LM head bf16 (exact: it is bf16 in the
-    checkpoint) for the fp32-accumulating bf16 GEMM in `lm_head`; elsewhere it stays fp32."""
-    if torch.device(device).type == "cuda" and model.numerics.dtype == torch.bfloat16:
-        model.head.register_buffer("weight", model.head.weight.to(torch.bfloat16), persistent=False)

@@ -84,7 +84,10 @@ class DeepseekV4Model(nn.Module):
             Block(cfg, i, cfg.layer_ratio(i), cfg.is_hash_layer(i), device=device)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device)
-        self.head = Embedding(cfg.vocab_size, cfg.hidden_size, device=device)   # [vocab, D] bf16
+        # [vocab, D] bf16 in the checkpoint, an fp32 product in the reference: computed by the bf16
+        # linear method like every other GEMM (so a backend or feature that replaces GEMMs covers it)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, "bf16", act_quant=False, device=device)
+        self.head.compute_dtype = torch.float32
         _hc_params(self, "hc_head", cfg, cfg.hc_mult, device)
         self.mtp = nn.ModuleList(MTPBlock(cfg, i, device=device) for i in range(cfg.num_nextn_predict_layers))
         self.numerics = Numerics()
@@ -94,14 +97,9 @@ class DeepseekV4Model(nn.Module):
         return self.embed(ids).to(self.numerics.dtype)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 logits, as the reference computes them (fp32 product of the bf16 weight and x). On a
-        GPU with bf16 activations the weight stays bf16 (see `head_for_device`): bf16 x bf16 products
-        are exact in fp32, so an fp32-accumulating bf16 GEMM is the same math at half the bytes and
-        on the tensor cores."""
-        w = self.head.weight
-        if w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
-            return torch.mm(x, w.t(), out_dtype=torch.float32)
-        return x.float() @ w.t()
+        """fp32 logits [N, vocab] (the bf16 linear method: on a GPU with bf16 activations an
+        fp32-accumulating bf16 GEMM, exact products; elsewhere an fp32 product)."""
+        return self.head(x)
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         e = self.embed_tokens(batch.input_ids)

@@ -38,12 +38,13 @@ class Expert(nn.Module):
         self.w2 = Linear(I, D, fmt, block=block, device=device)
         self.w3 = Linear(D, I, fmt, block=block, device=device)
 
-    def forward(self, x: torch.Tensor, route_weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route_weight: torch.Tensor | None = None,
+                silu=torch.nn.functional.silu) -> torch.Tensor:
         g, u = self.w1(x).float(), self.w3(x).float()
         if self.swiglu_limit > 0:
             u = u.clamp(-self.swiglu_limit, self.swiglu_limit)
             g = g.clamp(max=self.swiglu_limit)
-        a = torch.nn.functional.silu(g) * u
+        a = silu(g) * u
         if route_weight is not None:      # the routing weight multiplies before w2 (reference order)
             a = route_weight[:, None] * a
         return self.w2(a.to(x.dtype))

@@ -12,14 +12,21 @@ class PortableMHC:
         """(flat streams @ fn^T) * rsqrt(mean square): the unweighted RMS norm folded in after."""
         xf = x.flatten(-2).float()
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        return (xf * r) @ fn.t()
+        return self._matmul(xf * r, fn)
+
+    _sigmoid = staticmethod(torch.sigmoid)    # a subclass may choose the elementwise functions
+
+    @staticmethod
+    def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b^T (a subclass may choose the GEMM)."""
+        return a @ b.t()
 
     def pre(self, x: torch.Tensor, fn, scale, base):
         """x [T, hc, D] -> (collapsed input [T, D], post [T, hc], comb [T, hc, hc])."""
         hc = self.hc
         mix = self._mix(x, fn)
-        pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + self.hc_eps
-        post = 2 * torch.sigmoid(mix[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+        pre = self._sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + self.hc_eps
+        post = 2 * self._sigmoid(mix[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
         comb = (mix[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)
         comb = torch.softmax(comb, dim=-1) + self.hc_eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
@@ -35,5 +42,5 @@ class PortableMHC:
         return out.to(res.dtype)
 
     def head(self, x: torch.Tensor, fn, scale, base) -> torch.Tensor:
-        pre = torch.sigmoid(self._mix(x, fn) * scale + base) + self.hc_eps
+        pre = self._sigmoid(self._mix(x, fn) * scale + base) + self.hc_eps
         return (pre[..., None] * x.float()).sum(dim=1).to(x.dtype)

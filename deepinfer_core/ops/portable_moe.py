@@ -10,10 +10,22 @@ class PortableMoE:
         gate = moe.gate
         gate.register_buffer("weight", gate.weight.float(), persistent=False)
 
+    # elementwise functions (a subclass may choose their implementation)
+    softplus = staticmethod(F.softplus)
+    silu = staticmethod(F.silu)
+
+    def gate_logits(self, gate, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] in fp32 (a subclass may choose the GEMM)."""
+        return x.float() @ gate.weight.t()
+
     @staticmethod
-    def route(gate, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] fp32, expert ids [T, k]) — the bias picks experts but never weights them."""
-        scores = torch.sqrt(F.softplus(x.float() @ gate.weight.t()))
+    def route(gate, x: torch.Tensor, input_ids: torch.Tensor, logits: torch.Tensor | None = None,
+              softplus=F.softplus) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, expert ids [T, k]) — the bias picks experts but never weights them.
+        `logits`: the router logits when the caller computed them (default x.float() @ gate.weight^T)."""
+        if logits is None:
+            logits = x.float() @ gate.weight.t()
+        scores = torch.sqrt(softplus(logits))
         if gate.hash_routed:
             idx = gate.tid2eid[input_ids]
         else:
@@ -25,8 +37,8 @@ class PortableMoE:
         return w * gate.routed_scale, idx
 
     def apply(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, idx = self.route(moe.gate, x, input_ids)
-        out = moe.shared_experts(x).float()
+        weights, idx = self.route(moe.gate, x, input_ids, self.gate_logits(moe.gate, x), self.softplus)
+        out = moe.shared_experts(x, silu=self.silu).float()
         flat_idx = idx.flatten()
         order = torch.argsort(flat_idx, stable=True)
         counts = torch.bincount(flat_idx, minlength=len(moe.experts)).tolist()
@@ -37,7 +49,7 @@ class PortableMoE:
                 continue
             rows = order[start:start + n]
             toks = token_of[start:start + n]
-            y = moe.experts[e](x[toks], weights.flatten()[rows])
+            y = moe.experts[e](x[toks], weights.flatten()[rows], silu=self.silu)
             out.index_add_(0, toks, y.float())
             start += n
         return out.to(x.dtype)

@@ -14,7 +14,7 @@ from ..cache.budget import CacheRequest, resolve_num_blocks
 from ..cache.sequence_state import SequenceState
 from ..cache.state_cache import CacheLayout, StateCache
 from ..config import ModelConfig
-from ..model import ForwardBatch, ModelOps, bind_ops, build_model, head_for_device, process_weights
+from ..model import ForwardBatch, ModelOps, bind_ops, build_model, process_weights
 from ..model.attention import Numerics
 from ..model.deepseek_v4 import DeepseekV4Model
 from ..plugin_context import BuildContext, normalize_dtype
@@ -39,6 +39,32 @@ def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool) 
     if kv_cache_dtype == "fp8" and dtype != torch.bfloat16:
         raise ValueError(f"kv_cache_dtype='fp8' needs dtype='bfloat16' (the RoPE dims stay bf16), got {dtype}")
     return kv_cache_dtype == "fp8"
+def resolve_batch_invariant(options: dict) -> bool:
+    """`batch_invariant=` (LLM / runner option) if given, else DEEPINFER_BATCH_INVARIANT; taken out of
+    `options` so the BuildContext holds it in one place."""
+    value = options.pop("batch_invariant", None)
+    if value is None:
+        from ..envs import read_settings
+        return read_settings().batch_invariant
+    if not isinstance(value, bool):
+        raise ValueError(f"batch_invariant={value!r}; allowed: True, False, None (= DEEPINFER_BATCH_INVARIANT)")
+    return value
+
+
+def check_batch_invariant(ops: ModelOps, sampler) -> None:
+    """Batch invariance was asked for: every op object must declare it (`batch_invariant = True`,
+    set by the batch_invariant feature plugin), else nothing would make the output invariant."""
+    chosen = {**{f"linear method ({f})": m for f, m in ops.linear.items()}, "attention backend": ops.attention,
+              "MoE method": ops.moe, "mHC method": ops.mhc, "pointwise method": ops.pointwise, "sampler": sampler}
+    missing = [f"{what} {type(op).__module__}.{type(op).__qualname__}" for what, op in chosen.items()
+               if op is not None and not getattr(op, "batch_invariant", False)]
+    if missing:
+        from ..plugins import PluginError
+        raise PluginError("DEEPINFER_BATCH_INVARIANT=1 (batch_invariant=True), but these ops are not batch "
+                          f"invariant: {'; '.join(missing)}. Is the deepinfer-batch-invariant feature installed "
+                          "and not disabled (DEEPINFER_DISABLE_PLUGINS / DEEPINFER_PLUGINS)?")
+
+
 @dataclass
 class LoadedModel:
     model: DeepseekV4Model
@@ -59,20 +85,23 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
     pm = get_plugin_manager()
     platform = pm.detect_platform()
     device = device or platform.device_type        # None: the detected platform's device
+    options = dict(options or {})
     ctx = BuildContext(model_config=cfg, platform=platform, device=device, dtype=normalize_dtype(dtype),
-                       simulate_qat=bool(simulate_qat), options=dict(options or {}))
+                       simulate_qat=bool(simulate_qat), batch_invariant=resolve_batch_invariant(options),
+                       options=options)
     pm.configure(ctx)
     ops = ModelOps(linear={f: pm.linear_method(ctx, f) for f in WEIGHT_FORMATS},
                    attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx),
                    pointwise=pm.pointwise_method(ctx))
     sampler = pm.sampler(ctx)
+    if ctx.batch_invariant:
+        check_batch_invariant(ops, sampler)
     logits_processors = pm.logits_processors(ctx)
     model = build_model(cfg, device="meta")
     load_checkpoint(model, model_dir)
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))
     process_weights(model)
     model.to(device)
-    head_for_device(model, device)
     return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops,
                        logits_processors=logits_processors)
 

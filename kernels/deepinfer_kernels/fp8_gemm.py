@@ -109,6 +109,17 @@ def tile_config(M: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
+# Batch-invariant mode: one tile for every M (decode's, where the weights dominate), and split-K from
+# N and K alone (split_k as for a one-row batch), so a row's summation order never depends on M.
+INVARIANT_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+
+
+def invariant_plan(N: int, K: int, device: torch.device) -> tuple[dict, int]:
+    """(tile config, split-K count) of the batch-invariant mode for an [N, K] weight."""
+    cfg = dict(INVARIANT_CONFIG)
+    return cfg, split_k(N, K, cfg, 1, _num_sms(device))
+
+
 def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
              precise_acc: int = 32, splits: int | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from .fp8_quant import act_quant
 from .moe_gemm import moe_combine, moe_w2, moe_w13
 from .moe_routing import expert_schedule, max_tiles, route_topk
 
-__all__ = ["fused_moe", "moe_tile_config", "route_topk"]
+__all__ = ["fused_moe", "invariant_moe_config", "moe_tile_config", "route_topk"]
 
 
 def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False) -> dict:
@@ -36,6 +36,12 @@ def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = 
         cfg.update(block_m1=min(cfg["block_m1"], 32), block_m2=min(cfg["block_m2"], 32), num_stages1=2,
                    num_stages2=2)
     return cfg
+
+
+def invariant_moe_config(wide_fp32: bool = False) -> dict:
+    """Batch-invariant mode: one tile set for every batch (the prefill tiles; decode is bound by the
+    expert weights, which every tile set reads once per N tile)."""
+    return moe_tile_config(1 << 20, 1, 1, wide_fp32)
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,

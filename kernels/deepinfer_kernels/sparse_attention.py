@@ -34,6 +34,10 @@ NEG = tl.constexpr(-1.0e30)   # finite "-inf": masked logits and the empty runni
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16               # split-KV: at most this many partial results per (token, head block)
 MIN_SPLIT_KEYS = 128          # ... each covering at least this many keys
+# Batch-invariant mode: keys per split. V4's CSA list (window 128 + top-512) and HCA lists up to ~114k
+# tokens of context fit one split, so the fused epilogue (equal, bit for bit, to merging one split)
+# serves them; longer lists split at the same key indices in prefill, chunks and decode.
+INVARIANT_SPLIT_KEYS = 1024
 
 
 def _fix_interpreter_loop_bounds() -> None:
@@ -197,7 +201,7 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, ring16_ptr, sink_ptr, out_ptr, 
         alpha = tl.exp2(m_i - m_f)
         l_f = l_i * alpha + tl.exp2(sink - m_f)
         l_f = tl.where(l_f > 0, l_f, 1.0)
-        o = acc * (alpha / l_f)[:, None]
+        o = (acc * alpha[:, None]) / l_f[:, None]       # the same roundings as _combine_kernel on one split
         tl.store(out_ptr + row.to(tl.int64) * s_ot + heads[:, None] * s_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
@@ -285,23 +289,28 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, sink
                      scale: float, window: int, cu_seqlens: torch.Tensor, seq_start: torch.Tensor,
                      token_seq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      comp_rows: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                     comp_idx: torch.Tensor | None = None, comp_ratio: int = 0) -> torch.Tensor:
+                     comp_idx: torch.Tensor | None = None, comp_ratio: int = 0,
+                     batch_invariant: bool = False) -> torch.Tensor:
     """q [T, H, D], kv [T, D] (new keys = values), ring [NUM_SLOTS, R, D], sink [H] -> out [T, H, D].
     ring and comp_rows may instead be uint8 pools of packed FP8 rows (kv_fp8, `compressor.kv_row_bytes`).
 
     Compressed rows (comp_rows [NUM_BLOCKS, RPB, D], logical row r of sequence s at
     comp_rows[block_table[s, r // RPB], r % RPB]): CSA gives comp_idx [T, K] (row ids, < 0 = padding,
     each id at most once; with comp_ratio > 0, ids >= (t+1)//comp_ratio are dropped too); HCA gives
-    comp_idx=None and comp_ratio > 0 (query at t sees rows 0 .. (t+1)//comp_ratio - 1)."""
+    comp_idx=None and comp_ratio > 0 (query at t sees rows 0 .. (t+1)//comp_ratio - 1).
+
+    `batch_invariant`: one tile shape for every batch and splits of INVARIANT_SPLIT_KEYS keys (a fixed
+    split size, not a fixed number of splits), so a query's result does not depend on the batch."""
     return _sparse_attention(q, kv, ring, sink, scale=scale, window=window, cu_seqlens=cu_seqlens,
                              seq_start=seq_start, token_seq=token_seq, positions=positions, slots=slots,
                              comp_rows=comp_rows, block_table=block_table, comp_idx=comp_idx,
-                             comp_ratio=comp_ratio)
+                             comp_ratio=comp_ratio, batch_invariant=batch_invariant)
 
 
 def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start, token_seq, positions,
                       slots, comp_rows=None, block_table=None, comp_idx=None, comp_ratio=0,
-                      split: bool | None = None, config: dict | None = None) -> torch.Tensor:
+                      split: bool | None = None, config: dict | None = None,
+                      batch_invariant: bool = False) -> torch.Tensor:
     """sparse_attention with test hooks: split forces (True/False) the split-KV path, config the tiles."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("sparse_attention: q must be a [T, H, D] tensor")
@@ -360,6 +369,8 @@ def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start
     ring = ring if ring.stride(-1) == 1 else ring.contiguous()
     sink = sink.float().contiguous()
     meta = [t.contiguous() for t in (cu_seqlens, seq_start, token_seq, positions, slots)]
+    if batch_invariant:          # tiles for every T: the prefill tiles (a function of the model only)
+        config = config or tile_config(D, H, dt, rows=1 << 30)
     cfg = dict(config or tile_config(D, H, dt, T, _num_sms(dev)))
     block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
     n_hb = triton.cdiv(H, block_h)
@@ -382,10 +393,16 @@ def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start
         max_keys = window + (block_table.shape[1] * rpb if mode == 2 else 0)
 
     nsplit, chunk = split_plan(max_keys, block_n)
+    if batch_invariant:          # a split is one fixed-size slice of every query's own key list
+        chunk = triton.cdiv(INVARIANT_SPLIT_KEYS, block_n) * block_n
+        nsplit = triton.cdiv(max(max_keys, 1), chunk)
+        split = bool(split) or nsplit > 1     # never cut a key list short
     if split is None:
         split = nsplit > 1 and T * n_hb < _num_sms(dev)
-    if not split:
+    if not split and not batch_invariant:
         nsplit, chunk = 1, max_keys
+    elif not split:
+        nsplit = 1
     ws_acc = ws_ml = out
     if split:
         ws_acc = torch.empty((T, nsplit, H, D), dtype=torch.float32, device=dev)

@@ -21,3 +21,12 @@ PROBE_PATHS = ("/dev/davinci0",)   # tests may replace this tuple
 def deepinfer_detect_platform(requested):
     # PROBE_PATHS is read at call time so tests can replace it
     return probe_platform(requested, NAME, "npu", PROBE_PATHS, "Ascend NPU", "Ascend 950 NPU (skeleton backend: portable ops)")
+
+
+@hookimpl
+def deepinfer_configure(ctx):
+    # As DS-DeepInfer asserts: its batch-invariant kernels are NVIDIA only, and so are ours.
+    if ctx.platform.name == NAME and ctx.batch_invariant:
+        raise ValueError("DEEPINFER_BATCH_INVARIANT=1 (batch_invariant=True) is not supported on the Ascend "
+                         "backend: batch-invariant kernels exist for the nvidia and cpu platforms only; unset "
+                         "DEEPINFER_BATCH_INVARIANT")

@@ -20,8 +20,14 @@ META_KEY = "nvidia_attention"
 
 
 class NvidiaAttentionBackend:
-    def __init__(self, ratios: tuple[int, ...]):
+    def __init__(self, ratios: tuple[int, ...], batch_invariant: bool = False):
         self.ratios = tuple(sorted({r for r in ratios if r}))
+        self.batch_invariant = batch_invariant
+
+    def batch_invariant_variant(self) -> "NvidiaAttentionBackend":
+        """Fixed attention tiles and a fixed split size (the batch_invariant feature's protocol); the
+        compressors (per block) and the indexer (fixed score tiles, exact top-k) already are."""
+        return type(self)(self.ratios, batch_invariant=True)
 
     def meta(self, batch) -> AttentionMeta:
         m = batch.backend_meta.get(META_KEY)
@@ -47,7 +53,8 @@ class NvidiaAttentionBackend:
         out = sparse_attention(inp.q, inp.kv, pools.ring, attn.attn_sink, scale=attn.scale, window=attn.window,
                                cu_seqlens=m.cu_seqlens, seq_start=m.seq_start, token_seq=m.token_seq,
                                positions=m.positions, slots=m.slots, comp_rows=comp_rows,
-                               block_table=m.block_table, comp_idx=comp_idx, comp_ratio=attn.ratio)
+                               block_table=m.block_table, comp_idx=comp_idx, comp_ratio=attn.ratio,
+                               batch_invariant=self.batch_invariant)
         self._write_ring(inp.kv, pools.ring, m)
         return out
 

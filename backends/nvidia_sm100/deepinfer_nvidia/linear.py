@@ -28,9 +28,14 @@ log = logging.getLogger("deepinfer.nvidia")
 
 
 class Fp8LinearMethod:
-    def __init__(self, dtype: torch.dtype, simulate_qat: bool, block=(128, 128)):
+    def __init__(self, dtype: torch.dtype, simulate_qat: bool, block=(128, 128), batch_invariant: bool = False):
         self.dtype, self.block, self.simulate_qat = dtype, tuple(block), simulate_qat
-        self.fallback = PortableLinearMethod(dtype, simulate_qat, block)
+        self.batch_invariant = batch_invariant
+        self.fallback = (DenseLinearMethod if batch_invariant else PortableLinearMethod)(dtype, simulate_qat, block)
+
+    def batch_invariant_variant(self) -> "Fp8LinearMethod":
+        """Fixed GEMM tiles and split-K for every batch (the batch_invariant feature's protocol)."""
+        return type(self)(self.dtype, self.simulate_qat, self.block, batch_invariant=True)
 
     def uses_fp8(self, layer) -> bool:
         return getattr(layer, "fp8_scale", None) is not None
@@ -55,15 +60,18 @@ class Fp8LinearMethod:
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_fp8(layer):
             return self.fallback.apply(layer, x)
-        from deepinfer_kernels.fp8_gemm import fp8_gemm, w8a16_gemm
+        from deepinfer_kernels.fp8_gemm import fp8_gemm, invariant_plan, w8a16_gemm
         from deepinfer_kernels.fp8_quant import act_quant
         lead, out_dtype = x.shape[:-1], layer.compute_dtype or self.dtype
         x2 = x.reshape(-1, x.shape[-1])
+        cfg = splits = None
+        if self.batch_invariant:
+            cfg, splits = invariant_plan(layer.weight.shape[0], layer.weight.shape[1], x.device)
         if layer.act_quant and self.simulate_qat:
             qa, sa = act_quant(x2)
-            y = fp8_gemm(qa, sa, layer.weight, layer.fp8_scale, out_dtype=out_dtype)
+            y = fp8_gemm(qa, sa, layer.weight, layer.fp8_scale, out_dtype=out_dtype, config=cfg, splits=splits)
         else:
-            y = w8a16_gemm(x2.to(out_dtype), layer.weight, layer.fp8_scale, out_dtype=out_dtype)
+            y = w8a16_gemm(x2.to(out_dtype), layer.weight, layer.fp8_scale, out_dtype=out_dtype, config=cfg)
         return y.view(*lead, y.shape[-1])
 
     def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
@@ -73,9 +81,14 @@ class Fp8LinearMethod:
 
 
 class Bf16LinearMethod:
-    def __init__(self, dtype: torch.dtype, simulate_qat: bool, block=(128, 128)):
-        self.dtype = dtype
-        self.fallback = PortableLinearMethod(dtype, simulate_qat, block)
+    def __init__(self, dtype: torch.dtype, simulate_qat: bool, block=(128, 128), batch_invariant: bool = False):
+        self.dtype, self.simulate_qat, self.block = dtype, simulate_qat, tuple(block)
+        self.batch_invariant = batch_invariant
+        self.fallback = (DenseLinearMethod if batch_invariant else PortableLinearMethod)(dtype, simulate_qat, block)
+
+    def batch_invariant_variant(self) -> "Bf16LinearMethod":
+        """The fixed-tile Triton GEMM instead of cuBLAS (the batch_invariant feature's protocol)."""
+        return type(self)(self.dtype, self.simulate_qat, self.block, batch_invariant=True)
 
     def process_weights(self, layer) -> None:
         if self.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16 and not layer.grouped:
@@ -89,8 +102,32 @@ class Bf16LinearMethod:
         if layer.weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or not x.is_cuda:
             return self.fallback.apply(layer, x)      # (mm's out_dtype is CUDA-only)
         x2 = x.reshape(-1, x.shape[-1])
-        y = torch.mm(x2, layer.weight.t(), out_dtype=out_dtype) if out_dtype != x.dtype else x2 @ layer.weight.t()
+        if self.batch_invariant:
+            from deepinfer_kernels.dense_gemm import dense_gemm
+            y = dense_gemm(x2, layer.weight, out_dtype)
+        else:
+            y = torch.mm(x2, layer.weight.t(), out_dtype=out_dtype) if out_dtype != x.dtype else x2 @ layer.weight.t()
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
         return self.fallback.apply_grouped(layer, x)
+
+
+class DenseLinearMethod(PortableLinearMethod):
+    """The portable method's weights (dequantised to the compute dtype) through the fixed-tile Triton
+    GEMM (`deepinfer_kernels.dense_gemm`): the batch-invariant fallback of the two methods above on
+    a GPU, including the grouped wo_a."""
+    batch_invariant = True
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda:
+            raise ValueError("DenseLinearMethod: batch-invariant GEMMs run on CUDA tensors only")
+        from deepinfer_kernels.dense_gemm import dense_gemm
+        xq = self._quant_input(layer, x)
+        y = dense_gemm(xq.reshape(-1, xq.shape[-1]), layer.weight)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
+        from deepinfer_kernels.dense_gemm import dense_gemm
+        G = x.shape[1]
+        return dense_gemm(self._quant_input(layer, x), layer.weight.view(G, -1, x.shape[-1]))

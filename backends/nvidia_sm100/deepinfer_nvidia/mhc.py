@@ -10,6 +10,8 @@ from deepinfer_kernels.mhc import mhc_head, mhc_post, mhc_pre
 
 
 class NvidiaMHC:
+    batch_invariant = True      # every row alone; tiles and splits fixed by the model shape
+
     def __init__(self, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
         self.hc, self.iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
 

@@ -80,9 +80,15 @@ class NvidiaMoEMethod:
     """Same interface as the core's PortableMoE: `process_weights(moe)` once after loading, then
     `apply(moe, x, input_ids)` per forward."""
 
-    def __init__(self, config: dict | None = None) -> None:
+    def __init__(self, config: dict | None = None, batch_invariant: bool = False) -> None:
         self.portable = PortableMoE()
         self.config = config        # tile-config override for `fused_moe` (tuning, tests); None = heuristic
+        self.batch_invariant = batch_invariant
+
+    def batch_invariant_variant(self) -> "NvidiaMoEMethod":
+        """Fixed grouped-GEMM tiles for every batch and the router GEMM on fixed tiles (the
+        batch_invariant feature's protocol); the combine already sums in slot order."""
+        return type(self)(self.config, batch_invariant=True)
 
     @staticmethod
     def fused(moe) -> bool:
@@ -90,6 +96,12 @@ class NvidiaMoEMethod:
 
     @torch.no_grad()
     def process_weights(self, moe) -> None:
+        self._fuse(moe)
+        if self.batch_invariant and not self.fused(moe):
+            raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1: MoE layer {moe.layer_id} cannot use the fused FP8 "
+                             f"MoE (see the log), and the portable fallback on the GPU is not batch invariant")
+
+    def _fuse(self, moe) -> None:
         if self.fused(moe):
             return
         gate_bf16 = moe.gate.weight
@@ -145,7 +157,11 @@ class NvidiaMoEMethod:
         from deepinfer_kernels.moe_routing import route_topk
         gate = moe.gate
         w16 = getattr(gate, "weight_bf16", None)
-        if w16 is not None and x.dtype == torch.bfloat16 and x.is_cuda:     # (mm's out_dtype is CUDA-only)
+        if self.batch_invariant:
+            from deepinfer_kernels.dense_gemm import dense_gemm
+            logits = dense_gemm(x, w16, torch.float32) if w16 is not None and x.dtype == torch.bfloat16 \
+                else dense_gemm(x.float(), gate.weight, torch.float32)
+        elif w16 is not None and x.dtype == torch.bfloat16 and x.is_cuda:     # (mm's out_dtype is CUDA-only)
             # the reference's fp32 product of bf16 values, exact per term: a bf16 GEMM accumulating in fp32
             logits = torch.mm(x, w16.t(), out_dtype=torch.float32)
         else:
@@ -153,6 +169,13 @@ class NvidiaMoEMethod:
         return route_topk(logits, gate.topk, bias=gate.bias, tid2eid=gate.tid2eid if gate.hash_routed else None,
                           input_ids=input_ids.reshape(-1) if gate.hash_routed else None,
                           renormalize=gate.renormalize, routed_scale=gate.routed_scale, shared_expert=True)
+
+    def _config(self, spec) -> dict | None:
+        if self.config is not None or not self.batch_invariant:
+            return self.config
+        from deepinfer_kernels.moe import invariant_moe_config
+        return invariant_moe_config(wide_fp32=spec.compute_dtype == torch.float32
+                                    and not (spec.quant_in and spec.quant_mid))
 
     def apply(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         spec = moe.nv_fused if self.fused(moe) else None
@@ -164,5 +187,5 @@ class NvidiaMoEMethod:
         ids, w = self.route(moe, x2, input_ids)
         out = fused_moe(x2, ids, w, moe.nv_w13, moe.nv_s13, moe.nv_w2, moe.nv_s2, n_clamped=spec.n_routed,
                         swiglu_limit=spec.swiglu_limit, quant_in=spec.quant_in, quant_mid=spec.quant_mid,
-                        compute_dtype=spec.compute_dtype, shared_last=True, config=self.config)
+                        compute_dtype=spec.compute_dtype, shared_last=True, config=self._config(spec))
         return out.view(*lead, out.shape[-1])

@@ -9,6 +9,8 @@ from deepinfer_kernels.pointwise import norm_rope_quant, rms_norm, rope_inplace
 
 
 class NvidiaPointwise:
+    batch_invariant = True      # every row alone; tiles and splits fixed by the model shape
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 

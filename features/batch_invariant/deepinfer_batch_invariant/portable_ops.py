@@ -1,0 +1,166 @@
+"""Batch-invariant versions of the core's portable PyTorch ops (the CPU backend).
+
+Why the plain ops are not invariant: a CPU BLAS picks its kernel by the GEMM's shape (a 1-row product
+is a GEMV, 9 rows take another blocking than 16), so a row's bits change with the number of rows that
+share the call; the attention's key list starts wherever the chunk's ring starts, so the same key
+sits in another SIMD lane under another chunking; reductions over a dimension of varying length
+group their additions differently.
+
+What these do instead:
+* every GEMM (`fixed_tile_mm`) pads M and N up to a multiple of TILE rows, so the BLAS always runs
+  the same code path and a row's result depends on that row alone (checked by the tests on this
+  machine's BLAS, and by the end-to-end invariance check);
+* attention lays out each query's keys canonically: the sink, then window slot j for position
+  p - W + 1 + j, then the visible compressed rows in ascending order, padded at the end; masked
+  slots are exact zeros in every sum;
+* the indexer sums its heads in a fixed sequential order; mHC's post mix is written out term by term;
+* sigmoid, SiLU and softplus are composed from exp, log1p and division (see `sigmoid` below).
+Everything else in the portable path (norms, RoPE, quantisation, routing top-k, the sampler) is
+already computed row by row with fixed-length reductions.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.ops.portable_attention import PortableAttentionBackend, _ring_rope_dim
+from deepinfer_core.ops.portable_linear import PortableLinearMethod
+from deepinfer_core.ops.portable_mhc import PortableMHC
+from deepinfer_core.ops.portable_moe import PortableMoE
+from deepinfer_core.ops.kv_fp8 import unpack_kv_fp8
+
+TILE = 16            # GEMM rows and columns are padded to a multiple of this
+QUERY_CHUNK = 256    # bounds the gathered [queries, keys, dim] tensor on long prefills
+
+
+def _pad_rows(t: torch.Tensor, multiple: int = TILE) -> torch.Tensor:
+    pad = (-t.shape[0]) % multiple
+    return t if pad == 0 else torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))])
+
+
+# fp32 torch.sigmoid / silu / softplus on the CPU take a vectorised path for most elements and a scalar
+# one for a tensor's tail, which round differently, so an element's bits depend on the tensor's size.
+# exp, log1p and division round the same on both paths.
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1.0 + torch.exp(-x))
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp(max=20.0))))   # F.softplus's threshold
+
+
+def fixed_tile_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b[N, K]^T with M and N padded to multiples of TILE (see the module docstring)."""
+    M, N = a.shape[0], b.shape[0]
+    if M == 0:
+        return a.new_zeros((0, N))
+    return F.linear(_pad_rows(a), _pad_rows(b))[:M, :N]
+
+
+class InvariantPortableLinear(PortableLinearMethod):
+    batch_invariant = True
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        xq = self._quant_input(layer, x)
+        y = fixed_tile_mm(xq.reshape(-1, xq.shape[-1]), layer.weight)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
+        G = x.shape[1]
+        xq = self._quant_input(layer, x)
+        w = layer.weight.view(G, -1, x.shape[-1])
+        return torch.stack([fixed_tile_mm(xq[:, g], w[g]) for g in range(G)], dim=1)
+
+
+class InvariantPortableMoE(PortableMoE):
+    """Experts run through the (invariant) linear method; the combine adds a token's experts in
+    ascending expert order after the shared expert, whatever the batch (the base class's order)."""
+    batch_invariant = True
+    softplus = staticmethod(softplus)
+    silu = staticmethod(silu)
+
+    def gate_logits(self, gate, x: torch.Tensor) -> torch.Tensor:
+        return fixed_tile_mm(x.float(), gate.weight)
+
+
+class InvariantPortableMHC(PortableMHC):
+    batch_invariant = True
+    _sigmoid = staticmethod(sigmoid)
+
+    @staticmethod
+    def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return fixed_tile_mm(a, b)
+
+    def post(self, f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        rf = res.float()
+        out = post[..., None] * f.float()[:, None, :]
+        for j in range(self.hc):             # sum_j comb[j, k] * res[j], j in order
+            out = out + comb[:, j, :, None] * rf[:, j, None, :]
+        return out.to(res.dtype)
+
+
+class InvariantPortableAttention(PortableAttentionBackend):
+    batch_invariant = True
+
+    def index_select(self, q, w, keys, pos, ratio: int, topk: int, head_dim: int) -> torch.Tensor:
+        n_rows = keys.shape[0]
+        valid = self.causal_block_mask(pos, ratio, n_rows)
+        if n_rows == 0:
+            return valid
+        T, H, D = q.shape
+        dots = fixed_tile_mm(q.float().reshape(T * H, D), keys.float()).view(T, H, n_rows)
+        scores = torch.relu(dots) * head_dim ** -0.5
+        total = scores[:, 0] * w[:, 0, None]
+        for h in range(1, H):                # heads summed in a fixed order
+            total = total + scores[:, h] * w[:, h, None]
+        total = total.masked_fill(~valid, float("-inf"))
+        top = torch.sort(total, dim=-1, descending=True, stable=True).indices[:, :min(topk, n_rows)]
+        return torch.zeros_like(valid).scatter_(1, top, True) & valid
+
+    @staticmethod
+    def attend(attn, q, kv, st, start: int, pos, comp_rows, comp_mask) -> torch.Tensor:
+        W, ring_size, dev = attn.window, st.ring.shape[0], q.device
+        lo = max(0, start - W + 1)
+        ring_keys = st.ring[torch.arange(lo, start, device=dev) % ring_size]
+        if st.ring.dtype == torch.uint8:
+            ring_keys = unpack_kv_fp8(ring_keys, kv.shape[1], _ring_rope_dim(st.ring, kv), kv.dtype)
+        by_pos = torch.cat([ring_keys, kv])              # row i holds position lo + i
+        sink = attn.attn_sink.float()
+        out = torch.empty_like(q)
+        for a in range(0, q.shape[0], QUERY_CHUNK):
+            p = pos[a:a + QUERY_CHUNK]
+            win = p[:, None] - W + 1 + torch.arange(W, device=dev)[None, :]      # slot j: p - W + 1 + j
+            ok = win >= 0
+            keys = by_pos[(win - lo).clamp(min=0)]                                # [n, W, D]
+            if comp_rows is not None and comp_rows.shape[0]:
+                ids, c_ok = _visible_rows(comp_mask[a:a + QUERY_CHUNK])
+                keys = torch.cat([keys, comp_rows[ids]], dim=1)
+                ok = torch.cat([ok, c_ok], dim=1)
+            pad = (-keys.shape[1]) % TILE
+            if pad:
+                keys = torch.cat([keys, keys.new_zeros(keys.shape[0], pad, keys.shape[2])], dim=1)
+                ok = torch.cat([ok, ok.new_zeros(ok.shape[0], pad)], dim=1)
+            keys_f = keys.float()
+            logits = torch.bmm(q[a:a + QUERY_CHUNK].float(), keys_f.transpose(1, 2)) * attn.scale
+            logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+            # the sink first (a logit with a zero value vector), so trailing padding never moves a key
+            both = torch.cat([sink[None, :, None].expand(logits.shape[0], -1, 1), logits], dim=-1)
+            probs = torch.softmax(both, dim=-1)[..., 1:]
+            probs = probs.to(keys.dtype).float()         # rounded to the key dtype, as the reference
+            out[a:a + QUERY_CHUNK] = torch.bmm(probs, keys_f).to(q.dtype)
+        return out
+
+
+def _visible_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query, the ids of its visible compressed rows in ascending order, padded at the end:
+    (ids [n, K], ok [n, K]) with K the most any query sees."""
+    n, R = mask.shape
+    k = max(int(mask.sum(dim=1).max()), 1) if n else 1
+    rank = torch.where(mask, torch.arange(R, device=mask.device)[None, :], R)
+    ids = torch.sort(rank, dim=1).values[:, :k]
+    ok = ids < R
+    return ids.clamp(max=R - 1), ok
