@@ -119,7 +119,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "V4.1: prompt suffix replayed by YOCO consumer layers when truncation is on.",
            minimum=0),
     EnvVar("DEEPINFER_BATCH_INVARIANT", "bool", False,
-           "Batch-invariant kernels: a request's output does not depend on its batch."),
+           "Batch-invariant kernels (cpu and nvidia): a request's logits and tokens do not depend on "
+           "its batch or its prefill chunking; with DEEPINFER_ENABLE_MTP_VARLEN=0 and a seed, "
+           "deterministic sampling."),
     EnvVar("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "bool", True,
            "Overlap host post-processing of step N with the device forward of step N+1."),
     EnvVar("DEEPINFER_CPU_KV_CACHE_BYTES", "int", 1 << 30,
