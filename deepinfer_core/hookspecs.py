@@ -7,7 +7,11 @@ implementations (`deepinfer_core.ops.portable_plugin`) register through these sa
 (`wrapper=True`) a backend's choice.
 
 `ctx` is a `deepinfer_core.plugin_context.BuildContext` (model config, engine options, platform,
-device, dtype, simulate_qat).
+device, dtype, simulate_qat, batch_invariant).
+
+Batch invariance (`ctx.batch_invariant`): the batch_invariant feature wraps the op hooks and swaps each
+chosen op for its invariant version; a backend's op takes part by declaring `batch_invariant = True`
+(it already is) or offering `batch_invariant_variant()` (features/batch_invariant/.../variants.py).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def deepinfer_detect_platform(requested):
 @hookimpl
 def deepinfer_configure(ctx):
     # As DS-DeepInfer asserts: its batch-invariant kernels are NVIDIA only, and so are ours.
-    if ctx.platform.name == NAME and ctx.batch_invariant:
+    if ctx.platform.name == NAME and getattr(ctx, "batch_invariant", False):
         raise ValueError("DEEPINFER_BATCH_INVARIANT=1 (batch_invariant=True) is not supported on the Ascend "
                          "backend: batch-invariant kernels exist for the nvidia and cpu platforms only; unset "
                          "DEEPINFER_BATCH_INVARIANT")

@@ -23,7 +23,7 @@ SUPPORTED_PLATFORMS = ("cpu", "nvidia")
 
 @hookimpl
 def deepinfer_configure(ctx):
-    if not ctx.batch_invariant:
+    if not getattr(ctx, "batch_invariant", False):
         return
     if ctx.platform.name not in SUPPORTED_PLATFORMS:
         raise ValueError(
@@ -41,7 +41,7 @@ def deepinfer_configure(ctx):
 
 
 def _wrap(kind: str, ctx, result):
-    if result is None or not ctx.batch_invariant:
+    if result is None or not getattr(ctx, "batch_invariant", False):
         return result
     from .variants import invariant_op
     return invariant_op(kind, result, ctx)
