@@ -5,7 +5,9 @@ batch invariant); this measures which is fastest on the sweep's 4-layer V4-Flash
 
 Decode: CUDA-graph step at b1/b64/b256, context 4k. Prefill: eager forward over 4k tokens. The variant
 names say what differs from the shipped constants (fp8_gemm.INVARIANT_CONFIG, moe.invariant_moe_config,
-dense_gemm.INVARIANT_CONFIG, the sparse attention's prefill tiles).
+dense_gemm.INVARIANT_CONFIG, the sparse attention's prefill tiles). Each variant pins one tile set for
+every batch (the first design); the shipped mode now switches within row-equivalent families
+(benchmarks/tile_equivalence.py), which this script does not model.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ VARIANTS = [("moe64", "fp8_64", "dense64"), ("moe32", "fp8_64", "dense64"), ("mo
 
 
 def apply(moe: str, fp8: str, dense: str) -> None:
-    km.invariant_moe_config = lambda wide_fp32=False, _c=MOE[moe]: dict(_c)
+    km.invariant_moe_config = lambda *args, _c=MOE[moe], **kw: dict(_c)
     fg.INVARIANT_CONFIG.clear()
     fg.INVARIANT_CONFIG.update(FP8[fp8])
     dg.INVARIANT_CONFIG.clear()

@@ -109,15 +109,26 @@ def tile_config(M: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
-# Batch-invariant mode: one tile for every M (decode's, where the weights dominate), and split-K from
-# N and K alone (split_k as for a one-row batch), so a row's summation order never depends on M.
+# Batch-invariant mode: split-K from N and K alone (split_k as for a one-row batch) and a tile from one
+# *row-equivalent family*. Tiles that run the same MMA instruction over the same K order round every
+# output identically; on SM90 the wgmma tiles (64 rows and up) are one such family, measured by
+# benchmarks/tile_equivalence.py and checked by tests/gpu/test_batch_invariant_cuda.py, so decode takes
+# 64x64 and prefill 128x128 tiles. Elsewhere (SM100, the interpreter: not measured) one tile for all M.
 INVARIANT_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+INVARIANT_WIDE_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)   # same family on SM90
 
 
-def invariant_plan(N: int, K: int, device: torch.device) -> tuple[dict, int]:
-    """(tile config, split-K count) of the batch-invariant mode for an [N, K] weight."""
-    cfg = dict(INVARIANT_CONFIG)
-    return cfg, split_k(N, K, cfg, 1, _num_sms(device))
+def wgmma_family(device: torch.device) -> bool:
+    """Whether the 64-row-and-up tiles are known to be row-equivalent on this device (SM90)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def invariant_plan(N: int, K: int, device: torch.device, M: int = 1) -> tuple[dict, int]:
+    """(tile config, split-K count) of the batch-invariant mode for an [N, K] weight and M rows; the
+    rows' bits do not depend on M (see above)."""
+    wide = M > 64 and wgmma_family(device)
+    cfg = dict(INVARIANT_WIDE_CONFIG if wide else INVARIANT_CONFIG)
+    return cfg, split_k(N, K, INVARIANT_CONFIG, 1, _num_sms(device))
 
 
 def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,

@@ -38,10 +38,14 @@ def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = 
     return cfg
 
 
-def invariant_moe_config(wide_fp32: bool = False) -> dict:
-    """Batch-invariant mode: one tile set for every batch, the middle one (32-row tiles): on the H200
-    it costs decode 15-19% and a 4k prefill 25% against the per-batch choice, where the 64-row tiles
-    cost decode ~30% and the 16-row ones prefill ~30% (benchmarks/tune_batch_invariant.py)."""
+def invariant_moe_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False,
+                         mma_v2_family: bool = False) -> dict:
+    """Batch-invariant mode: tiles whose rows round identically for every batch. The 16- and 32-row
+    tile sets (mma.sync) are one row-equivalent family on SM90 (`mma_v2_family`, measured by
+    benchmarks/tile_equivalence.py, checked by the GPU tests), so decode keeps its 16-row tiles there;
+    the 64-row set (wgmma) rounds differently and is never used. Elsewhere: the 32-row set for all."""
+    if mma_v2_family and not wide_fp32 and tokens * topk / max(num_experts, 1) <= 16:
+        return moe_tile_config(16, 1, 1)
     return moe_tile_config(32, 1, 1, wide_fp32)
 
 

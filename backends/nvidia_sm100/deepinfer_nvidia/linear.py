@@ -66,7 +66,7 @@ class Fp8LinearMethod:
         x2 = x.reshape(-1, x.shape[-1])
         cfg = splits = None
         if self.batch_invariant:
-            cfg, splits = invariant_plan(layer.weight.shape[0], layer.weight.shape[1], x.device)
+            cfg, splits = invariant_plan(layer.weight.shape[0], layer.weight.shape[1], x.device, x2.shape[0])
         if layer.act_quant and self.simulate_qat:
             qa, sa = act_quant(x2)
             y = fp8_gemm(qa, sa, layer.weight, layer.fp8_scale, out_dtype=out_dtype, config=cfg, splits=splits)

@@ -170,12 +170,13 @@ class NvidiaMoEMethod:
                           input_ids=input_ids.reshape(-1) if gate.hash_routed else None,
                           renormalize=gate.renormalize, routed_scale=gate.routed_scale, shared_expert=True)
 
-    def _config(self, spec) -> dict | None:
+    def _config(self, spec, tokens: int, k1: int, experts: int, device) -> dict | None:
         if self.config is not None or not self.batch_invariant:
             return self.config
+        from deepinfer_kernels.fp8_gemm import wgmma_family
         from deepinfer_kernels.moe import invariant_moe_config
-        return invariant_moe_config(wide_fp32=spec.compute_dtype == torch.float32
-                                    and not (spec.quant_in and spec.quant_mid))
+        return invariant_moe_config(tokens, k1, experts, wide_fp32=spec.compute_dtype == torch.float32
+                                    and not (spec.quant_in and spec.quant_mid), mma_v2_family=wgmma_family(device))
 
     def apply(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         spec = moe.nv_fused if self.fused(moe) else None
@@ -187,5 +188,6 @@ class NvidiaMoEMethod:
         ids, w = self.route(moe, x2, input_ids)
         out = fused_moe(x2, ids, w, moe.nv_w13, moe.nv_s13, moe.nv_w2, moe.nv_s2, n_clamped=spec.n_routed,
                         swiglu_limit=spec.swiglu_limit, quant_in=spec.quant_in, quant_mid=spec.quant_mid,
-                        compute_dtype=spec.compute_dtype, shared_last=True, config=self._config(spec))
+                        compute_dtype=spec.compute_dtype, shared_last=True,
+                        config=self._config(spec, x2.shape[0], ids.shape[1], moe.nv_w13.shape[0], x.device))
         return out.view(*lead, out.shape[-1])
