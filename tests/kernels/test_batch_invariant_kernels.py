@@ -84,3 +84,20 @@ def test_sparse_attention_invariant_mode(kdev, monkeypatch, comp):
             need = max(1, -(-int(n_rows[i]) // (128 // 8)))
             one["block_table"] = one["block_table"][:, :need]
         assert torch.equal(run(one, kdev, batch_invariant=True)[0], full[i]), i
+
+
+def test_tile_family_policy(monkeypatch):
+    """Where a tile family is known row-equivalent (SM90) the tile follows M within it; elsewhere one
+    tile for every M. The split-K count never follows M."""
+    import deepinfer_kernels.fp8_gemm as fg
+    from deepinfer_kernels.moe import invariant_moe_config
+    dev = torch.device("cpu")
+    assert fg.invariant_plan(512, 4096, dev, 1) == fg.invariant_plan(512, 4096, dev, 5000)
+    monkeypatch.setattr(fg, "wgmma_family", lambda device: True)
+    (small, s1), (wide, s2) = fg.invariant_plan(512, 4096, dev, 64), fg.invariant_plan(512, 4096, dev, 65)
+    assert small == fg.INVARIANT_CONFIG and wide == fg.INVARIANT_WIDE_CONFIG and s1 == s2 > 1
+    assert min(small["BLOCK_M"], wide["BLOCK_M"]) >= 64          # both wgmma tiles
+    decode, prefill = invariant_moe_config(8, 8, 256, mma_v2_family=True), invariant_moe_config(4096, 8, 256, mma_v2_family=True)
+    assert decode["block_m1"] == 16 and prefill["block_m1"] == 32
+    assert invariant_moe_config(8, 8, 256) == invariant_moe_config(4096, 8, 256)            # not measured: one set
+    assert max(c["block_m1"] for c in (decode, prefill)) < 64       # never the wgmma set (another family)
