@@ -18,12 +18,13 @@ def invariant_llm(request, tiny_ckpt_dir):
 
 
 def _targets(llm, n=8):
-    return random_prompts(n, random.Random(7), 20, 150, llm.vocab_size)
+    # short prompts keep CI fast; they still span several CSA blocks and the 16-token window
+    return random_prompts(n, random.Random(7), 12, 72, llm.vocab_size)
 
 
 def test_logprobs_bitwise_equal_across_batches_and_chunks(invariant_llm):
     report = run_check(invariant_llm, _targets(invariant_llm), batch_sizes=(2, 3, 8, 64, 256),
-                       chunk_sizes=(1, 5, 64, 512))
+                       chunk_sizes=(1, 5, 64, 512), max_tokens=4, filler_len=(1, 48))
     print(report.table())
     assert report.batch_invariant
     assert sum(s.runs for s in report.scenarios) >= 8 * 10
@@ -31,8 +32,8 @@ def test_logprobs_bitwise_equal_across_batches_and_chunks(invariant_llm):
 
 
 def test_seeded_request_among_random_traffic_has_one_output(invariant_llm):
-    got = repeat_check(invariant_llm, 20, batch_range=(1, 24), max_tokens=6)   # the GPU test runs 1000
-    assert got["runs"] == 20 and got["distinct_outputs"] == 1, got
+    got = repeat_check(invariant_llm, 12, batch_range=(1, 16), max_tokens=4, filler_len=(1, 48))   # the GPU test runs 1000
+    assert got["runs"] == 12 and got["distinct_outputs"] == 1, got
 
 
 def test_without_the_feature_float32_cpu_results_differ(tiny_ckpt_dir):

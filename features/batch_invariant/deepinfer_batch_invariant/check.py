@@ -149,7 +149,8 @@ def run_check(llm, targets: list[list[int]], *, batch_sizes=(2, 3, 8, 64, 256), 
     return Report(inv, str(llm.dtype), str(llm.device), len(targets), scenarios)
 
 
-def repeat_check(llm, runs: int, *, seed: int = 0, batch_range=(1, 48), max_tokens: int = 8) -> dict[str, Any]:
+def repeat_check(llm, runs: int, *, seed: int = 0, batch_range=(1, 48), max_tokens: int = 8,
+                 filler_len=(1, 120)) -> dict[str, Any]:
     """`runs` generate calls, each with the same seeded sampled request at a random position among a
     random number of random other requests: how many distinct outputs did it give?"""
     from deepinfer_core import SamplingParams
@@ -162,7 +163,7 @@ def repeat_check(llm, runs: int, *, seed: int = 0, batch_range=(1, 48), max_toke
         n = rng.randint(*batch_range)
         placement: list[int | None] = [0] + [None] * (n - 1)
         rng.shuffle(placement)
-        fillers = random_prompts(n - 1, rng, 1, 120, vocab)
+        fillers = random_prompts(n - 1, rng, *filler_len, vocab)
         sig = run_batch(llm, [target], [sp], placement, fillers,
                         [filler_params(rng, max_tokens) for _ in fillers])[0]
         seen[sig] = seen.get(sig, 0) + 1
