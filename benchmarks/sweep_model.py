@@ -27,12 +27,11 @@ from deepinfer_core.cache.sequence_state import SequenceState
 from deepinfer_core.cache.state_cache import CacheLayout, StateCache
 from deepinfer_core.ops.kv_fp8 import pack_kv_fp8
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.runner.model_runner import check_batch_invariant
 from deepinfer_core.model import ModelOps, bind_ops, build_model, process_weights
 from deepinfer_core.model.attention import Numerics
 from deepinfer_core.plugin_context import BuildContext, normalize_dtype
 from deepinfer_core.plugins import get_plugin_manager
-from deepinfer_core.runner.model_runner import WEIGHT_FORMATS
+from deepinfer_core.runner.model_runner import WEIGHT_FORMATS, check_batch_invariant
 from deepinfer_core.tools.make_tiny_checkpoint import float_values
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 

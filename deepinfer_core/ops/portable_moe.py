@@ -14,7 +14,8 @@ class PortableMoE:
     softplus = staticmethod(F.softplus)
     silu = staticmethod(F.silu)
 
-    def gate_logits(self, gate, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def gate_logits(gate, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T, E] in fp32 (a subclass may choose the GEMM)."""
         return x.float() @ gate.weight.t()
 
@@ -24,7 +25,7 @@ class PortableMoE:
         """(weights [T, k] fp32, expert ids [T, k]) — the bias picks experts but never weights them.
         `logits`: the router logits when the caller computed them (default x.float() @ gate.weight^T)."""
         if logits is None:
-            logits = x.float() @ gate.weight.t()
+            logits = PortableMoE.gate_logits(gate, x)
         scores = torch.sqrt(softplus(logits))
         if gate.hash_routed:
             idx = gate.tid2eid[input_ids]

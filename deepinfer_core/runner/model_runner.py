@@ -39,6 +39,8 @@ def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool) 
     if kv_cache_dtype == "fp8" and dtype != torch.bfloat16:
         raise ValueError(f"kv_cache_dtype='fp8' needs dtype='bfloat16' (the RoPE dims stay bf16), got {dtype}")
     return kv_cache_dtype == "fp8"
+
+
 def resolve_batch_invariant(options: dict) -> bool:
     """`batch_invariant=` (LLM / runner option) if given, else DEEPINFER_BATCH_INVARIANT; taken out of
     `options` so the BuildContext holds it in one place."""

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import _sum_splits_kernel, _tile_ids
+from .fp8_gemm import _num_sms, _sum_splits_kernel, _tile_ids
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from . import sparse_attention  # noqa: F401  (installs the interpreter's loop-bound fix)
@@ -57,12 +57,6 @@ def _dense_gemm_kernel(x_ptr, w_ptr, c_ptr, M, N, K, s_xm, s_xg, s_wg, s_wn, s_c
             acc += tl.dot(x, w)
     c = c_ptr + split * s_cs + g.to(tl.int64) * s_cg + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
 
 
 def splits_for(N: int, K: int, groups: int, cfg: dict, num_sms: int) -> int:

@@ -11,6 +11,7 @@ row's result does not depend on how many other rows share the launch.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -120,7 +121,13 @@ INVARIANT_WIDE_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3
 
 def wgmma_family(device: torch.device) -> bool:
     """Whether the 64-row-and-up tiles are known to be row-equivalent on this device (SM90)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return device.type == "cuda" and _capability_major(device.index) == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int | None) -> int:
+    """Asked once per device: invariant_plan runs for every linear layer of every forward."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def invariant_plan(N: int, K: int, device: torch.device, M: int = 1) -> tuple[dict, int]:

@@ -399,10 +399,8 @@ def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start
         split = bool(split) or nsplit > 1     # never cut a key list short
     if split is None:
         split = nsplit > 1 and T * n_hb < _num_sms(dev)
-    if not split and not batch_invariant:
+    if not split:
         nsplit, chunk = 1, max_keys
-    elif not split:
-        nsplit = 1
     ws_acc = ws_ml = out
     if split:
         ws_acc = torch.empty((T, nsplit, H, D), dtype=torch.float32, device=dev)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,11 @@ def _generate(llm, prompts, params) -> list:
     return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
 
 
+def run_alone(llm, targets, params) -> dict[int, Signature]:
+    """Each target in a generate call of its own."""
+    return {t: signature(_generate(llm, [targets[t]], [params[t]])[0]) for t in range(len(targets))}
+
+
 def run_batch(llm, targets, params, placement: list[int | None], fillers, filler_sp) -> dict[int, Signature]:
     """One generate call: `placement[j]` is the target at batch position j (None: the next filler)."""
     prompts, sps, where = [], [], {}
@@ -102,8 +108,6 @@ def run_batch(llm, targets, params, placement: list[int | None], fillers, filler
 
 def run_check(llm, targets: list[list[int]], *, batch_sizes=(2, 3, 8, 64, 256), chunk_sizes=(1, 5, 64, 512),
               max_tokens: int = 6, logprobs: int = 4, seed: int = 0, filler_len=(1, 120)) -> Report:
-    import time
-
     rng = random.Random(seed)
     vocab = int(llm.vocab_size)
     params = target_params(len(targets), max_tokens, logprobs)
@@ -116,7 +120,7 @@ def run_check(llm, targets: list[list[int]], *, batch_sizes=(2, 3, 8, 64, 256), 
         scenarios.append(sc)
 
     t0 = time.perf_counter()
-    reference = {t: signature(_generate(llm, [targets[t]], [params[t]])[0]) for t in range(len(targets))}
+    reference = run_alone(llm, targets, params)
     scenarios.append(Scenario("alone (reference)", len(targets), [], time.perf_counter() - t0))
     try:
         for n in batch_sizes:
@@ -135,7 +139,7 @@ def run_check(llm, targets: list[list[int]], *, batch_sizes=(2, 3, 8, 64, 256), 
             t0 = time.perf_counter()
             llm.max_num_batched_tokens = c
             if c < 16:            # tiny chunks: one target at a time keeps the step count bounded
-                got = {t: signature(_generate(llm, [targets[t]], [params[t]])[0]) for t in range(len(targets))}
+                got = run_alone(llm, targets, params)
             else:
                 placement = list(range(len(targets))) + [None] * 4
                 rng.shuffle(placement)
@@ -145,8 +149,8 @@ def run_check(llm, targets: list[list[int]], *, batch_sizes=(2, 3, 8, 64, 256), 
             record(f"chunked prefill {c}", got, t0)
     finally:
         llm.max_num_batched_tokens = saved
-    inv = bool(getattr(getattr(llm.runner, "loaded", None), "ctx", None) and llm.runner.loaded.ctx.batch_invariant)
-    return Report(inv, str(llm.dtype), str(llm.device), len(targets), scenarios)
+    ctx = getattr(getattr(llm.runner, "loaded", None), "ctx", None)
+    return Report(bool(ctx and ctx.batch_invariant), str(llm.dtype), str(llm.device), len(targets), scenarios)
 
 
 def repeat_check(llm, runs: int, *, seed: int = 0, batch_range=(1, 48), max_tokens: int = 8,

@@ -83,7 +83,8 @@ class InvariantPortableMoE(PortableMoE):
     softplus = staticmethod(softplus)
     silu = staticmethod(silu)
 
-    def gate_logits(self, gate, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def gate_logits(gate, x: torch.Tensor) -> torch.Tensor:
         return fixed_tile_mm(x.float(), gate.weight)
 
 
