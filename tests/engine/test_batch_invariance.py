@@ -102,3 +102,22 @@ def test_unsupported_platform_and_op_are_refused(monkeypatch):
     declared = ThirdPartyAttention()
     declared.batch_invariant = True
     assert variants.invariant_op("attention backend", declared, cpu) is declared
+
+
+def test_cpu_primitives_do_not_depend_on_the_other_rows():
+    """The CPU building blocks alone: a GEMM row and an elementwise sigmoid/SiLU/softplus value keep
+    their bits whatever tensor they sit in (and stay close to torch's own functions)."""
+    import torch
+
+    from deepinfer_batch_invariant.portable_ops import fixed_tile_mm, sigmoid, silu, softplus
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 1024, generator=g)
+    x = torch.randn(300, 1024, generator=g)
+    full = fixed_tile_mm(x, w)
+    for rows in (slice(7, 8), slice(0, 9), slice(100, 300)):
+        assert torch.equal(fixed_tile_mm(x[rows], w), full[rows])
+    z = torch.randn(4 * 63, generator=g) * 8
+    for f, ref in ((sigmoid, torch.sigmoid), (silu, torch.nn.functional.silu), (softplus, torch.nn.functional.softplus)):
+        whole = f(z)
+        assert all(torch.equal(f(z[i:i + 4]), whole[i:i + 4]) for i in range(0, len(z), 4)), f.__name__
+        torch.testing.assert_close(whole, ref(z), rtol=1e-6, atol=1e-6)
