@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="bfloat16", help="compute dtype: bfloat16 | float32")
     m.add_argument("--no-qat", action="store_true", help="simulate_qat=False (default: the engine's True)")
     m.add_argument("--tiny", action="store_true", help="tiny dimensions (deepinfer_core/tools/tiny_config.py)")
-    m.add_argument("--config", default=None, help="config.json to take the width from (default: shared V4-Flash)")
+    m.add_argument("--config", default=None, help="config.json to take the width from (default: the real V4-Flash config in tests/data)")
     m.add_argument("--layers", type=int, default=4, help="main layers built and run (CSA/HCA alternating)")
     m.add_argument("--full-layers", type=int, default=43, help="depth the figures are extrapolated to")
     m.add_argument("--expert-dtype", default="fp8", choices=("fp8", "fp4", "bf16"))

@@ -36,8 +36,8 @@ from deepinfer_core.tools.make_tiny_checkpoint import float_values
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
 REPO = Path(__file__).resolve().parents[1]
-FLASH_CONFIG_PATHS = (REPO.parent / "shared/data/deepseek-v4-flash/config.json",
-                      Path("/work/shared/data/deepseek-v4-flash/config.json"))
+# the real V4-Flash config.json, kept in the repository (see its README there)
+FLASH_CONFIG = REPO / "tests/data/deepseek-v4-flash/config.json"
 BENCH_PATTERN = (4, 128)           # the sweep model's layers: CSA, HCA, CSA, HCA, ...
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
@@ -48,42 +48,16 @@ CHUNK = 1 << 24                    # elements per bf16 temporary when drawing la
 
 # ---- configs -----------------------------------------------------------------------------------
 
-# V4-Flash's config.json values that shape the model (a copy, used when the shared file is absent,
-# e.g. on a GPU machine that only has the repository).
-V4_FLASH: dict[str, Any] = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "attention_bias": False,
-    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "hc_eps": 1e-06, "hc_mult": 4,
-    "hc_sinkhorn_iters": 20, "head_dim": 512, "hidden_act": "silu", "hidden_size": 4096, "index_head_dim": 128,
-    "index_n_heads": 64, "index_topk": 512, "initializer_range": 0.02, "max_position_embeddings": 1048576,
-    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
-    "num_attention_heads": 64, "num_experts_per_tok": 6, "num_hidden_layers": 43, "num_hash_layers": 3,
-    "num_key_value_heads": 1, "num_nextn_predict_layers": 1, "o_groups": 8, "o_lora_rank": 1024,
-    "q_lora_rank": 1024, "qk_rope_head_dim": 64,
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536,
-                     "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 128,
-    "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
-    "use_cache": True, "vocab_size": 129280, "compress_rope_theta": 160000,
-    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
-}
-
-
 def load_base_config(path: str | None = None, tiny: bool = False) -> tuple[dict[str, Any], str]:
-    """(config dict, where it came from): the tiny config, `path`, the shared V4-Flash config.json,
-    or (when that file is absent) the copy above."""
+    """(config dict, where it came from): the tiny config, `path` (a config.json or a checkpoint
+    directory), or the real V4-Flash config.json kept in the repository."""
     if tiny:
         return tiny_config_dict(), "deepinfer_core.tools.tiny_config"
-    cands = [Path(path)] if path else list(FLASH_CONFIG_PATHS)
-    for p in cands:
-        p = p / "config.json" if p.is_dir() else p
-        if p.is_file():
-            return json.loads(p.read_text()), str(p)
-    if path:
-        raise FileNotFoundError(f"--config {path}: no config.json there")
-    return copy.deepcopy(V4_FLASH), "benchmarks/sweep_model.py V4_FLASH (copy of V4-Flash config.json)"
+    p = Path(path) if path else FLASH_CONFIG
+    p = p / "config.json" if p.is_dir() else p
+    if not p.is_file():
+        raise FileNotFoundError(f"--config {path}: no config.json there" if path else f"{p} is missing")
+    return json.loads(p.read_text()), str(p)
 
 
 def bench_config(base: dict[str, Any], layers: int, expert_dtype: str = "fp8") -> dict[str, Any]:

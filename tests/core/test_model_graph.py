@@ -2,30 +2,19 @@
 dtypes and shapes (spec deepseek_v4.md §6, §7), and the layer schedule comes from compress_ratios."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 from deepinfer_core.config import ConfigError, ModelConfig
 from deepinfer_core.model import build_model
 
-FLASH = Path(__file__).resolve().parents[2].parent / "shared/data/deepseek-v4-flash/config.json"
 F8, E8, I8, BF, F32, I64 = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.bfloat16,
                             torch.float32, torch.int64)
 
 
 @pytest.fixture(scope="module")
-def flash_cfg() -> dict:
-    if not FLASH.exists():
-        pytest.fail(f"missing the real V4-Flash config at {FLASH}")
-    return json.loads(FLASH.read_text())
-
-
-@pytest.fixture(scope="module")
-def flash(flash_cfg):
-    return build_model(ModelConfig.from_dict(flash_cfg), device="meta").state_dict()
+def flash(v4_flash_config):
+    return build_model(ModelConfig.from_dict(v4_flash_config), device="meta").state_dict()
 
 
 def test_flash_tensor_inventory(flash):
@@ -76,8 +65,8 @@ def test_flash_layer_kinds(flash):
     assert "layers.0.attn.compressor.ape" not in flash and "layers.42.attn.indexer.wq_b.weight" in flash
 
 
-def test_pro_config_builds_with_its_own_schedule(flash_cfg):
-    pro = dict(flash_cfg, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536,
+def test_pro_config_builds_with_its_own_schedule(v4_flash_config):
+    pro = dict(v4_flash_config, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536,
                o_groups=16, n_routed_experts=384, moe_intermediate_size=3072, index_topk=1024,
                routed_scaling_factor=2.5, compress_ratios=[128, 128] + [4, 128] * 29 + [4, 0])
     sd = build_model(ModelConfig.from_dict(pro), device="meta").state_dict()
@@ -94,12 +83,12 @@ def test_pro_config_builds_with_its_own_schedule(flash_cfg):
     ("scoring_func", "softmax", "scoring_func"),
     ("expert_dtype", "int3", "expert_dtype"),
 ])
-def test_bad_config_values_are_named(flash_cfg, key, value, words):
+def test_bad_config_values_are_named(v4_flash_config, key, value, words):
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
-        ModelConfig.from_dict(dict(flash_cfg, **{key: value}))
+        ModelConfig.from_dict(dict(v4_flash_config, **{key: value}))
 
 
-def test_missing_config_field_is_named(flash_cfg):
-    bad = {k: v for k, v in flash_cfg.items() if k != "head_dim"}
+def test_missing_config_field_is_named(v4_flash_config):
+    bad = {k: v for k, v in v4_flash_config.items() if k != "head_dim"}
     with pytest.raises(ConfigError, match="head_dim"):
         ModelConfig.from_dict(bad)

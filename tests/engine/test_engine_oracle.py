@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
@@ -15,7 +14,6 @@ from oracle_utils import load_hf, write_hf_copy  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 
-pytest.importorskip("transformers", minversion="5.17")
 
 LENGTHS = [3, 17, 40, 9, 140, 25, 64, 1, 200, 33, 130, 70, 5, 257, 12, 90]
 NEW_TOKENS = 6

@@ -2,8 +2,6 @@
 that read back exactly what a contiguous layout would hold."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from deepinfer_core.cache.state_cache import CacheLayout, StateCache
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
-FLASH = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "deepseek-v4-flash" / "config.json"
 
 
 def tiny_cfg() -> ModelConfig:
@@ -41,8 +38,8 @@ def test_tiny_layout_bytes_by_hand(dtype):
     assert L.block_bytes == n_csa * (32 * d + 32 * di) * e + n_hca * 1 * d * e
 
 
-def test_flash_layout_bytes_by_hand():
-    cfg = ModelConfig.from_dict(json.loads(FLASH.read_text()))
+def test_flash_layout_bytes_by_hand(v4_flash_config):
+    cfg = ModelConfig.from_dict(v4_flash_config)
     n_layers, n_csa, n_hca = counts(cfg)
     assert (n_layers, n_csa, n_hca) == (44, 21, 20)
     L = CacheLayout.from_config(cfg, torch.bfloat16, backtrack=6)
@@ -52,10 +49,10 @@ def test_flash_layout_bytes_by_hand():
     assert 6_800 < per_token < 6_900    # ~6.9 KB/token with bf16 rows (spec README §2.8: 6.9 GB per 1M)
 
 
-def test_flash_kv_fp8_layout_bytes_by_hand():
+def test_flash_kv_fp8_layout_bytes_by_hand(v4_flash_config):
     """kv_fp8: rings and main compressed rows packed in 584 B (448 e4m3 + 64 bf16 RoPE + 7 UE8M0 + 1 pad);
     indexer keys stay bf16, compressor tails fp32."""
-    cfg = ModelConfig.from_dict(json.loads(FLASH.read_text()))
+    cfg = ModelConfig.from_dict(v4_flash_config)
     bf16 = CacheLayout.from_config(cfg, torch.bfloat16, backtrack=6)
     L = CacheLayout.from_config(cfg, torch.bfloat16, backtrack=6, kv_fp8=True)
     assert (L.rope_dim, L.kv_row_bytes, bf16.kv_row_bytes) == (64, 584, 1024)

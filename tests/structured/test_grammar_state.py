@@ -8,8 +8,6 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("xgrammar")
-
 from deepinfer_core import SamplingParams
 from deepinfer_core.api.tokenizer import Tokenizer
 from deepinfer_core.tools.make_tiny_checkpoint import tokenizer_dir

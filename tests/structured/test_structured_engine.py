@@ -16,8 +16,6 @@ import time
 
 import pytest
 
-pytest.importorskip("xgrammar")
-
 from so_corpus import EBNF_GRAMMARS, JSON_SCHEMAS, REGEXES, check_ebnf, check_json, check_regex  # noqa: E402
 
 from deepinfer_core import InvalidRequestError, LLM, SamplingParams  # noqa: E402

@@ -11,8 +11,8 @@ from deepinfer_core.plugin_context import probe_platform
 NAME = "ascend"
 DEEPINFER_PLUGIN_INFO = {
     "status": "skeleton",
-    "note": "platform detection only; torch_npu fused operators land in a later issue "
-            "(see spec ascend.md), the core's portable ops run meanwhile",
+    "note": "platform detection only (no torch_npu operators yet); the core's portable ops run "
+            "meanwhile",
 }
 PROBE_PATHS = ("/dev/davinci0",)   # tests may replace this tuple
 

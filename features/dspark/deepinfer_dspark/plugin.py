@@ -6,7 +6,7 @@ from deepinfer_core.hookspecs import hookimpl
 NAME = "dspark"
 DEEPINFER_PLUGIN_INFO = {
     "status": "skeleton",
-    "note": "filled by the DSpark speculative-decoding issue (spec dspark.md): proposer, verifier, prefix scheduler",
+    "note": "not implemented yet (nothing drafts): DSpark drafter, confidence-scheduled verification",
 }
 
 

@@ -6,7 +6,7 @@ from deepinfer_core.hookspecs import hookimpl
 NAME = "swa_replay"
 DEEPINFER_PLUGIN_INFO = {
     "status": "skeleton",
-    "note": "filled by the V4.1 YOCO prefill-truncation issue (spec deepinfer_surface.md section 8)",
+    "note": "not implemented yet: V4.1 SWA bounded replay (YOCO prefill truncation)",
 }
 
 
