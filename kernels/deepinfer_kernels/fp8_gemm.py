@@ -53,14 +53,18 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, st
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, KG_PER_SPLIT):     # constexpr trip count: one compile per K and split
         kb = split * KG_PER_SPLIT + i
-        live = kb < N_KG
-        k_ok = (offs_k < K - kb * BLOCK_K) & live
+        # The last split may run past the last K group (kb >= N_KG = cdiv(K, BLOCK_K)): then k_ok is
+        # all false, a and w load as zeros and the slice adds +0.0, whatever scale it multiplies.
+        # So the scales load from a clamped group, masked by row only (no scalar-bool mask: Triton
+        # 3.9's interpreter splats one into an int32 mask and refuses the load).
+        k_ok = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + (kb * BLOCK_K + offs_k)[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (kb * BLOCK_K + offs_k)[:, None],
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        sa = tl.load(sa_ptrs + kb, mask=m_ok & live, other=0.0)
-        sw = tl.load(sw_ptrs + kb, mask=n_ok & live, other=0.0)
+        kb_scale = tl.minimum(kb, N_KG - 1)
+        sa = tl.load(sa_ptrs + kb_scale, mask=m_ok, other=0.0)
+        sw = tl.load(sw_ptrs + kb_scale, mask=n_ok, other=0.0)
         # fp32 promotion after every 32-deep FP8 MMA; what remains (~1e-4 relative) is the rounding
         # inside one Hopper FP8 MMA, a property of the hardware
         acc += tl.dot(a, w, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sw[None, :]
