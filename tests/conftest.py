@@ -27,3 +27,64 @@ def v4_flash_dir() -> Path:
 def v4_flash_config(v4_flash_dir) -> dict:
     """The real DeepSeek-V4-Flash config.json, as published."""
     return json.loads((v4_flash_dir / "config.json").read_text())
+
+
+# ---- no test reads outside the repository -------------------------------------------------------
+# A user's clone has no ../shared beside it and none of this machine's files: every file a test reads
+# must come from the repository, a temporary directory the tests made, the Python installation (the
+# packages under test and their data) or the operating system. An audit hook sees every Python-level
+# open() and directory listing; reads elsewhere fail the session, listed in its summary.
+import os  # noqa: E402
+import site  # noqa: E402
+import sys  # noqa: E402
+import sysconfig  # noqa: E402
+import tempfile  # noqa: E402
+
+REPO = V4_FLASH_DATA.parents[2]
+_SYSTEM = ("/proc", "/sys", "/dev", "/etc", "/usr", "/lib", "/lib64", "/bin", "/sbin", "/run")
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND
+
+
+def _allowed_roots() -> tuple[str, ...]:
+    roots = {str(REPO), tempfile.gettempdir(), sys.prefix, sys.base_prefix, sys.exec_prefix,
+             *site.getsitepackages(), site.getusersitepackages(), *_SYSTEM}
+    roots |= {p for p in sysconfig.get_paths().values() if p}
+    return tuple(sorted(os.path.realpath(r) for r in roots))
+
+
+_ROOTS = _allowed_roots()
+_OUTSIDE_READS: dict[str, str] = {}      # path -> the test that read it
+
+
+def _audit_reads(event: str, args: tuple) -> None:
+    if event == "open":
+        path, mode, flags = args
+        if (mode and any(c in mode for c in "wax+")) or (mode is None and flags & _WRITE_FLAGS):
+            return
+    elif event not in ("os.listdir", "os.scandir"):
+        return
+    else:
+        path = args[0]
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return                            # a file descriptor
+    real = os.path.realpath(os.fsdecode(path))
+    if not any(real == r or real.startswith(r + os.sep) for r in _ROOTS):
+        _OUTSIDE_READS.setdefault(real, os.environ.get("PYTEST_CURRENT_TEST", "(collection)"))
+
+
+def pytest_configure(config) -> None:
+    sys.addaudithook(_audit_reads)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _OUTSIDE_READS:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _OUTSIDE_READS:
+        terminalreporter.section("files read outside the repository", sep="=", red=True)
+        for path, test in sorted(_OUTSIDE_READS.items()):
+            terminalreporter.write_line(f"{path}  (by {test})")
+        terminalreporter.write_line("tests may read only the repository, their temporary directories, the "
+                                    "Python installation and the operating system (tests/conftest.py)")
