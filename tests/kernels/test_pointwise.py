@@ -300,13 +300,13 @@ def test_rms_norm(kdev, dtype, D, wdtype):
 
 
 @pytest.mark.parametrize("D", [100, 1024])
-def test_rms_norm_batch_invariant(kdev, D):
+def test_rms_norm_batch_invariant(kdev, rows_match, D):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(33, D, generator=g).to(torch.bfloat16).to(kdev)
     w = torch.randn(D, generator=g).to(kdev)
     full = rms_norm(x, w, EPS)
     for r in (0, 17, 32):
-        assert torch.equal(rms_norm(x[r:r + 1], w, EPS)[0], full[r])
+        rows_match(rms_norm(x[r:r + 1], w, EPS)[0], full[r])
 
 
 # ---- validation -----------------------------------------------------------------------------------
