@@ -348,7 +348,8 @@ def print_outputs(outputs: Sequence[Any], file: Any = None) -> None:
     file = file or sys.stdout
     for out in outputs:
         shown = repr(out.prompt) if out.prompt is not None else f"token ids {list(out.prompt_token_ids)}"
-        print(f"[request {out.request_id}] prompt: {shown} ({len(out.prompt_token_ids)} tokens)", file=file)
+        print(f"[request {out.request_id}] prompt: {shown} ({_count(len(out.prompt_token_ids), 'token')})",
+              file=file)
         for c in out.outputs:
             print(f"  completion {c.index}: {c.text!r}", file=file)
             print(f"    finish_reason={c.finish_reason} token_ids={list(c.token_ids)}", file=file)
@@ -370,6 +371,26 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 # ---- main ------------------------------------------------------------------------------------------
 def _one_line(exc: BaseException) -> str:
     return " ".join(part.strip() for part in str(exc).splitlines() if part.strip()) or type(exc).__name__
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 token', '2 tokens'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _refused_line(failure: InvalidRequestError, output_json: str | None) -> str:
+    """The CLI's one line for prompts `generate` refused, in CLI terms (prompts, not `.outputs`)."""
+    reasons = []
+    for i, exc in sorted(failure.errors.items()):
+        reason = _one_line(exc).removeprefix("generate: ")
+        reasons.append(reason if reason.startswith(f"prompt {i} ") else f"prompt {i}: {reason}")
+    total, done = len(failure.outputs), len(failure.outputs) - len(failure.errors)
+    line = f"{len(failure.errors)} of {_count(total, 'prompt')} refused ({'; '.join(reasons)})"
+    if not done:
+        return f"{line}; no prompt completed" + (f" ({output_json} lists the errors)" if output_json else "")
+    where = "printed" + (f" and written to {output_json}" if output_json else "")
+    others = "the other prompt's output was" if done == 1 else f"the other {done} prompts' outputs were"
+    return f"{line}; {others} {where}"
 
 
 def _fail(message: str) -> int:
@@ -411,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         except OSError as exc:
             return _fail(f"--output-json: cannot write {args.output_json}: {exc}")
-    return _fail(_one_line(failure)) if failure is not None else 0
+    return _fail(_refused_line(failure, args.output_json)) if failure is not None else 0
 
 
 if __name__ == "__main__":

@@ -7,21 +7,38 @@ With no checkpoint configured, a tiny DeepSeek-V4 (real tokenizer, official FP8/
 random weights, so the text is gibberish) is built once into the user cache
 (`$XDG_CACHE_HOME/deepinfer/tiny-v4` or `~/.cache/deepinfer/tiny-v4`) and reused.
 The same from the command line: `python -m deepinfer_core.generate --prompt "..." --max-tokens 8`.
+
+`model_path` and `run_example` are shared by the other examples.
 """
 from __future__ import annotations
 
-import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
-from deepinfer_core import LLM, SamplingParams
+from deepinfer_core import LLM, SamplingParams, envs
 
 
 def model_path() -> str:
-    if os.environ.get("DEEPINFER_HF_MODEL_DIR"):
-        return os.environ["DEEPINFER_HF_MODEL_DIR"]
+    """DEEPINFER_HF_MODEL_DIR, else the bundled tiny model (built on first use)."""
+    env_dir = envs.get("DEEPINFER_HF_MODEL_DIR")   # a ValueError naming the variable when invalid
+    if env_dir:
+        return str(env_dir)
     from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
     out = bundled_tiny_model_dir()   # built once into ~/.cache/deepinfer/tiny-v4, then reused
     print(f"DEEPINFER_HF_MODEL_DIR is not set: using the bundled tiny model at {out} (random weights)")
     return str(out)
+
+
+def run_example(main: Callable[[], None]) -> None:
+    """Run `main`; a bad model or input (a ValueError) prints one line naming the problem on stderr
+    and exits with status 2, as `python -m deepinfer_core.generate` does."""
+    try:
+        main()
+    except ValueError as exc:
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main() -> None:
@@ -37,4 +54,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_example(main)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from offline_inference import model_path
+from offline_inference import model_path, run_example
 
 from deepinfer_core import LLM, SamplingParams, StructuredOutputsParams
 
@@ -24,7 +24,9 @@ def main() -> None:
     llm = LLM(model=model_path())
     chat = llm.get_tokenizer().encode("<｜begin▁of▁sentence｜><｜User｜>Describe a user.<｜Assistant｜>")
     requests = {
-        "json": SamplingParams(max_tokens=80, so_args={"schema_type": "json", "schema": PERSON}),
+        # 320 tokens bound the longest JSON the schema allows (with the default of at most 16
+        # whitespace characters per gap, DEEPINFER_SO_JSON_MAX_WHITESPACE): the object always closes.
+        "json": SamplingParams(max_tokens=320, so_args={"schema_type": "json", "schema": PERSON}),
         "regex": SamplingParams(max_tokens=40, so_args={"schema_type": "regex",
                                                         "schema": r"[a-z]{3,8}@[a-z]{3,8}\.(com|org)"}),
         "ebnf": SamplingParams(max_tokens=40, so_args={"schema_type": "ebnf", "schema":
@@ -40,4 +42,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_example(main)

@@ -75,5 +75,8 @@ class InvalidRequestError(ValueError):
     def __init__(self, errors: dict[int, ValueError], outputs: list):
         self.errors, self.outputs = errors, outputs
         lines = "; ".join(f"request {i}: {e}" for i, e in sorted(errors.items()))
-        super().__init__(f"generate: {len(errors)} of {len(outputs)} requests invalid ({lines}); "
-                         f"the other {len(outputs) - len(errors)} completed, see .outputs")
+        done = len(outputs) - len(errors)
+        rest = (f"the other {done} completed: their RequestOutputs are in this error's .outputs (None at "
+                f"the invalid indices)" if done else "none completed")
+        noun = "request" if len(outputs) == 1 else "requests"
+        super().__init__(f"generate: {len(errors)} of {len(outputs)} {noun} invalid ({lines}); {rest}")

@@ -86,6 +86,14 @@ def test_stdout_shows_each_completion(capsys, tiny_ckpt_dir):
     assert "[request" in out and "completion 0" in out and "finish_reason=length" in out
 
 
+def test_prompt_token_counts_are_singular_or_plural(capsys):
+    from types import SimpleNamespace
+    generate.print_outputs([SimpleNamespace(request_id="0", prompt="Hi", prompt_token_ids=[7], outputs=[]),
+                            SimpleNamespace(request_id="1", prompt=None, prompt_token_ids=[5, 6], outputs=[])])
+    out = capsys.readouterr().out
+    assert "prompt: 'Hi' (1 token)\n" in out and "prompt: token ids [5, 6] (2 tokens)\n" in out
+
+
 @pytest.mark.parametrize("name, content, expected", [
     ("prompts.txt", "Hello\n\n  \nHi there\n", ["Hello", "Hi there"]),
     ("prompts.jsonl", '{"prompt": "Hello"}\n\n{"prompt_token_ids": [5, 6]}\n', ["Hello", [5, 6]]),
@@ -253,15 +261,17 @@ def test_a_bad_prompt_beside_good_ones_fails_but_keeps_their_outputs(capsys, tmp
     rc, out, err = run_cli(capsys, "--model", tiny_ckpt_dir, "--prompt-token-ids", "5,6",
                            "--prompt-token-ids", "999999999", "--max-tokens", "2", "--temperature", "0",
                            "--ignore-eos", "--output-json", path, *ENGINE)
-    assert rc == 2 and len(err.strip().splitlines()) == 1 and "request 1" in err and "vocab_size" in err
-    assert "token ids [5, 6]" in out
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "prompt 1 " in err and "vocab_size" in err
+    # CLI terms: where the other outputs went, not the Python exception's `.outputs`.
+    assert "1 of 2 prompts refused" in err and f"output was printed and written to {path}" in err
+    assert ".outputs" not in err and "request 1" not in err
+    assert "token ids [5, 6] (2 tokens)" in out
     good, bad = json.loads(path.read_text())
     assert len(good["outputs"][0]["token_ids"]) == 2 and "vocab_size" in bad["error"] and bad["index"] == 1
 
 
 def test_so_args_and_structured_outputs_flags(tiny_ckpt_dir, tmp_path, capsys):
     """--so-args and --structured-outputs reach the grammar; a bad grammar exits with status 2 naming it."""
-    pytest.importorskip("xgrammar")
     path = tmp_path / "out.json"
     rc, _, err = run_cli(capsys, "--model", tiny_ckpt_dir, "--prompt", "Hello", "--prompt", "Bye",
                          "--max-tokens", "30", "--temperature", "1", "--seed", "3",

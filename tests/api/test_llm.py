@@ -279,6 +279,7 @@ def test_bad_request_keeps_its_id_and_the_good_one_completes(make_llm, fake):
     with pytest.raises(InvalidRequestError, match="request 1: .*token id 99") as info:
         run(llm, ids=[[3], [99]])
     good, bad = info.value.outputs
+    assert "the other 1 completed" in str(info.value) and ".outputs" in str(info.value)   # Python terms
     assert bad is None and good.request_id == "0" and len(good.outputs[0].token_ids) > 0
     assert isinstance(info.value.errors[1], ValueError)
     assert run(llm, ids=[[3]])[0].request_id == "2"     # ids are never reused

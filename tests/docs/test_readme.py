@@ -1,0 +1,589 @@
+"""README.md's commands and Python snippets run as written, so a newcomer's clone works as it says.
+
+What is collected from README.md:
+- every line of a ```bash / ```sh / ```shell / ```console block, and of a ``` block without a
+  language when one of its lines looks like a command (see `COMMAND`; a directory tree does not);
+- every inline code span of the prose that looks like a command (`python ...`, `./build.sh ...`,
+  `VAR=value python ...`), also when it wraps a line;
+- every ```python block, whole.
+
+Each shell command must be in `TABLE`, keyed by its text as written (less a trailing `# comment`):
+`Run` (executed, must exit 0 unless the entry expects otherwise, and its check looks at what the
+README promises) or `Skip` with the reason it cannot run in CI. Each Python block must match exactly
+one key of `PYTHON` (a substring of the block). Anything unclassified fails
+`test_every_readme_command_is_classified`, naming the line to classify; an entry no longer in the
+README fails `test_the_table_has_no_stale_entries`.
+
+How they run: from the repository root, in a subprocess (`bash -c` for shell lines, the Python
+blocks on `python -` stdin), with a fresh temporary HOME and XDG_CACHE_HOME (so the bundled tiny
+model is built into an empty user cache, as on a newcomer's machine, and no Hugging Face cache of
+this machine is seen), no other DEEPINFER_* / HF_* variables and DEEPINFER_ACCELERATOR=cpu; `python`
+is this interpreter. One substitution: the README's checkpoint path /tmp/tiny-v4 (written by its
+`make_tiny_checkpoint` line, read by the Python blocks) is replaced, in every command and block
+alike, by a path in this run's temporary directory, so that parallel runs cannot collide. A command
+with optional arguments in brackets (`cmd [--off]`) runs the expansions its entry lists.
+The first command (which builds the bundled model) and the checkpoint maker run first, then the
+rest, two at a time. The checks never depend on the random model's text or on floating-point
+rounding: only on formats, grammars, exit codes and counts that hold on any machine.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+TINY = "/tmp/tiny-v4"  # the README's checkpoint path, replaced by a temporary one
+TIMEOUT_S = 600
+WORKERS = 2
+
+# A command: optional VAR=value assignments, then python/pip/pytest/bash/sh or a ./script.
+COMMAND = re.compile(
+    r"^(?:[A-Z][A-Z0-9_]*=\S*\s+)*(?:python3?|pip3?|pytest|bash|sh|\./\S+)(?:\s|$)"
+)
+SHELL_LANGS = {"bash", "sh", "shell", "console"}
+FENCE = re.compile(r"^\s*```\s*([\w+-]*)\s*$")  # opens a block (with its language, if any)
+CLOSE = re.compile(r"^\s*```\s*$")
+OPTIONAL = re.compile(r" \[([^\]]+)\]")  # `cmd [--off]`: an optional argument
+
+
+# ---- README parsing ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Snippet:
+    kind: str  # "shell" or "python"
+    text: str  # a shell command without its trailing comment, or a whole Python block
+    line: int  # where it starts in README.md
+
+
+def strip_comment(line: str) -> str:
+    """`cmd args  # comment` -> `cmd args` (a # inside quotes or a word is kept)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def normalize(command: str) -> str:
+    return " ".join(command.split())
+
+
+def readme_snippets(text: str) -> list[Snippet]:
+    lines = text.splitlines()
+    found: list[Snippet] = []
+    prose: list[tuple[int, str]] = []
+    i = 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if not fence:
+            prose.append((i + 1, lines[i]))
+            i += 1
+            continue
+        lang, start, body = fence.group(1).lower(), i + 1, []
+        i += 1
+        while i < len(lines) and not CLOSE.match(lines[i]):
+            body.append((i + 1, lines[i]))
+            i += 1
+        assert i < len(lines), f"README.md:{start}: code block never closed"
+        i += 1
+        if lang == "python":
+            found.append(Snippet("python", "\n".join(t for _, t in body) + "\n", start + 1))
+        elif lang in SHELL_LANGS or (not lang and any(COMMAND.match(t.strip()) for _, t in body)):
+            pending, first = "", 0
+            for n, t in body:
+                if not pending and (not t.strip() or t.strip().startswith("#")):
+                    continue
+                first = first or n
+                if t.rstrip().endswith("\\"):  # continued on the next line
+                    pending += t.rstrip()[:-1] + " "
+                    continue
+                found.append(Snippet("shell", normalize(strip_comment(pending + t)), first))
+                pending, first = "", 0
+    # Inline code spans, paragraph by paragraph (a span may wrap onto the next line).
+    paragraph: list[tuple[int, str]] = []
+    for n, t in prose + [(0, "")]:
+        if t.strip():
+            paragraph.append((n, t))
+            continue
+        joined, starts = "", []
+        for pn, pt in paragraph:
+            starts.append((len(joined), pn))
+            joined += pt + " "
+        for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", joined):
+            span = normalize(m.group(1))
+            if COMMAND.match(span):
+                line = max(pn for offset, pn in starts if offset <= m.start())
+                found.append(Snippet("shell", span, line))
+        paragraph = []
+    return sorted(found, key=lambda s: s.line)
+
+
+def expansions(command: str) -> set[str]:
+    """Every command `cmd [--a] [--b]` stands for: each bracketed part left out or kept."""
+    parts = OPTIONAL.split(command)  # text, optional, text, optional, ..., text
+    choices = [[p] if k % 2 == 0 else ["", " " + p] for k, p in enumerate(parts)]
+    return {normalize("".join(c)) for c in itertools.product(*choices)}
+
+
+# ---- what a run gives and the checks -------------------------------------------------------------
+@dataclass
+class Result:
+    command: str  # as run (after the /tmp/tiny-v4 substitution)
+    rc: int | None  # None: timed out
+    stdout: str
+    stderr: str
+    seconds: float
+    tiny: Path  # what /tmp/tiny-v4 became
+    cache: Path  # XDG_CACHE_HOME
+
+    def describe(self) -> str:
+        return (
+            f"$ {self.command}\nexit status {self.rc} after {self.seconds:.0f} s\n"
+            f"--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
+        )
+
+
+Check = Callable[[Result], None]
+
+
+@dataclass(frozen=True)
+class Run:
+    check: Check
+    variants: tuple[str, ...] = ()  # the expansions to run, for a command with [optional] parts
+    status: int = 0  # the exit status the README implies
+
+
+@dataclass(frozen=True)
+class Skip:
+    reason: str
+
+
+def completions(out: str) -> list[tuple[str, str, list[int]]]:
+    """The CLI's completions: (text, finish_reason, token ids)."""
+    found = re.findall(
+        r"^  completion \d+: (.*)\n    finish_reason=(\w+) token_ids=(\[[\d, ]*\])$",
+        out,
+        re.MULTILINE,
+    )
+    return [(ast.literal_eval(text), reason, json.loads(ids)) for text, reason, ids in found]
+
+
+def check_offline_inference(r: Result) -> None:
+    bundled = r.cache / "deepinfer" / "tiny-v4"
+    assert f"using the bundled tiny model at {bundled} (random weights)" in r.stdout
+    assert (bundled / "config.json").is_file()  # built into the (fresh) user cache
+    assert len(re.findall(r"^prompt .* \(\d+ tokens\) -> ['\"]", r.stdout, re.MULTILINE)) == 3
+    # the two greedy requests have ignore_eos: exactly max_tokens=8 tokens each
+    greedy = re.findall(r"ids \[(?:\d+, ){7}\d+\], finish_reason=length$", r.stdout, re.MULTILINE)
+    assert len(greedy) >= 2
+
+
+def check_structured_outputs(r: Result) -> None:
+    lines = re.findall(r"^(json|regex|ebnf|choice) +-> (.*) \((\w+)\)$", r.stdout, re.MULTILINE)
+    found = {name: (ast.literal_eval(text), reason) for name, text, reason in lines}
+    assert set(found) == {"json", "regex", "ebnf", "choice"}
+    assert all(reason == "stop" for _, reason in found.values()), found  # each grammar completed
+    person = json.loads(found["json"][0])
+    assert set(person) == {"name", "age", "role"} and person["role"] in ("admin", "user", "guest")
+    assert re.fullmatch(r"[a-z]{3,8}@[a-z]{3,8}\.(com|org)", found["regex"][0])
+    assert re.fullmatch(r"SELECT (id|name|age)(, (id|name|age)){0,2} FROM users;", found["ebnf"][0])
+    assert found["choice"][0] in ("yes", "no")
+    assert "json parses: {" in r.stdout
+
+
+def check_placeholder_model_dir(r: Result) -> None:
+    """A wrong DEEPINFER_HF_MODEL_DIR: one line naming it on stderr, exit status 2, no traceback."""
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("offline_inference.py: error: ")
+    assert "DEEPINFER_HF_MODEL_DIR" in lines[0] and "/path/to/DeepSeek-V4-Flash" in lines[0]
+
+
+def check_cli_hello(r: Result) -> None:
+    assert "[request 0] prompt: 'Hello' (1 token)\n" in r.stdout
+    ((_, reason, ids),) = completions(r.stdout)
+    assert 1 <= len(ids) <= 8 and reason in ("length", "stop")
+    assert "bundled tiny model" in r.stderr and "gibberish" in r.stderr  # no model configured
+
+
+def check_plugins(r: Result) -> None:
+    assert "\nactive backend: cpu " in r.stdout
+    assert re.search(r"^structured_outputs +feature .* loaded", r.stdout, re.MULTILINE)
+
+
+def check_make_tiny_checkpoint(r: Result) -> None:
+    assert f"to {r.tiny}" in r.stdout and (r.tiny / "config.json").is_file()
+    assert list(r.tiny.glob("*.safetensors")) and (r.tiny / "tokenizer.json").is_file()
+
+
+def check_so_args_cli(r: Result) -> None:
+    assert completions(r.stdout)[0][:2] in [("yes", "stop"), ("no", "stop")], r.stdout
+
+
+def check_batch_invariant_cli(r: Result) -> None:
+    ((_, _, ids),) = completions(r.stdout)
+    assert 1 <= len(ids) <= 8
+
+
+def check_deterministic_sampling(r: Result) -> None:
+    """The summary counts what the lines show; a digest equal to the lone run's means no difference.
+    (How many distinct outputs there are depends on the CPU's rounding; batch invariance itself is
+    tested in tests/engine/test_batch_invariance.py.)"""
+    runs = re.findall(
+        r"^batch of +(\d+) at position +\d+: tokens (\[[\d, ]+\])  logprobs #([0-9a-f]{12})"
+        r"  (.*)$",
+        r.stdout,
+        re.MULTILINE,
+    )
+    assert [int(b) for b, *_ in runs] == [1, 3, 17, 40], r.stdout
+    invariant = "--off" not in r.command
+    summary = re.search(
+        r"^batch_invariant=(True|False): (\d+) distinct token sequence\(s\) and (\d+) "
+        r"distinct logprob vector\(s\) \(bitwise\) over 4 batches$",
+        r.stdout,
+        re.MULTILINE,
+    )
+    assert summary and summary.group(1) == str(invariant), r.stdout
+    assert int(summary.group(2)) == len({tokens for _, tokens, _, _ in runs})
+    assert int(summary.group(3)) == len({digest for _, _, digest, _ in runs})
+    alone = runs[0]
+    for _, tokens, digest, versus in runs[1:]:
+        if digest == alone[2]:
+            assert versus == "max |logprob - alone| 0", versus
+        elif tokens != alone[1]:
+            assert versus == "tokens differ from the run alone", versus
+
+
+def check_envs_markdown(r: Result) -> None:
+    assert r.stdout.startswith("| variable | type | default |")
+    assert "| `DEEPINFER_HF_MODEL_DIR` |" in r.stdout
+    # "Generated from deepinfer_core/envs.py (`python -m deepinfer_core.envs --markdown`)"
+    assert r.stdout.strip() in README.read_text(encoding="utf-8")
+
+
+def check_generate_snippet(r: Result) -> None:
+    # 8 token ids, then the first position's logprobs (top-2)
+    assert re.match(r"\[(\d+, ){7}\d+\] \{\d+: Logprob\(logprob=", r.stdout), r.stdout
+
+
+def check_chat_snippet(r: Result) -> None:
+    prompt, *replies = r.stdout.splitlines()
+    assert prompt == (
+        "<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>What is the capital "
+        "of France?<｜Assistant｜></think>"
+    )
+    assert len(replies) == 2 and all(isinstance(ast.literal_eval(t), str) for t in replies), replies
+
+
+def exits_0(r: Result) -> None:
+    """Nothing printed to check: the block builds objects only (it must still run)."""
+
+
+GPU = "needs a CUDA GPU"
+SO_ARGS_CLI = (
+    'python -m deepinfer_core.generate --prompt "Hello" '
+    """--so-args '{"schema_type": "regex", "schema": "(yes|no)"}'"""
+)
+BI_CLI = (
+    "DEEPINFER_BATCH_INVARIANT=1 python -m deepinfer_core.generate "
+    '--prompt "Hello" --max-tokens 8 --seed 7 --temperature 0.8'
+)
+BI_CHECK = (
+    "python -m deepinfer_batch_invariant.check --model /tmp/tiny-v4 --dtype bfloat16 "
+    "[--off] [--repeat 1000] [--json F]"
+)
+SWEEP = (
+    "python benchmarks/sweep.py --layers 4 --batches 1,8,64,256 --contexts 4k,16k "
+    "--prefill 4k,16k --cuda-graph --no-hf"
+)
+DETERMINISTIC = "python examples/deterministic_sampling.py"
+TABLE: dict[str, Run | Skip] = {
+    # Quick start
+    "DEEPINFER_ACCELERATOR=cpu ./build.sh": Skip(
+        "installs packages; CI runs `./build.sh --test` before the tests"
+    ),
+    "python examples/offline_inference.py": Run(check_offline_inference),
+    "python examples/structured_outputs.py": Run(check_structured_outputs),
+    # the placeholder path: one line naming it, status 2
+    "DEEPINFER_HF_MODEL_DIR=/path/to/DeepSeek-V4-Flash python examples/offline_inference.py": Run(
+        check_placeholder_model_dir, status=2
+    ),
+    'python -m deepinfer_core.generate --prompt "Hello" --max-tokens 8 --temperature 0': Run(
+        check_cli_hello
+    ),
+    "python -m deepinfer_core.plugins": Run(check_plugins),
+    "python -m deepinfer_core.tools.make_tiny_checkpoint /tmp/tiny-v4": Run(
+        check_make_tiny_checkpoint
+    ),
+    # Structured outputs
+    SO_ARGS_CLI: Run(check_so_args_cli),
+    # Tests
+    'DEEPINFER_ACCELERATOR=cpu ./build.sh --test && python -m pytest -q tests -m "not gpu"': Skip(
+        "the CI command itself: installs packages, then runs this test among the others"
+    ),
+    "python -m pytest -q -s -m gpu tests/gpu": Skip(GPU),
+    "python -m pytest -q tests/kernels": Skip("part of the CI command (tests/kernels runs there)"),
+    "python benchmarks/tune_kernels.py": Skip(GPU),
+    "DEEPINFER_ACCELERATOR=nvidia ./build.sh --test": Skip("installs the nvidia backend; " + GPU),
+    "python tests/structured/so_corpus.py": Skip(
+        "a by-hand audit that every corpus grammar terminates under four token walks: 307 s on "
+        "this 2-core machine (under load), too long for CI; the grammars themselves run in CI "
+        "(tests/structured/test_structured_engine.py), the walks do not"
+    ),
+    # Batch invariance
+    BI_CLI: Run(check_batch_invariant_cli),
+    BI_CHECK: Skip(
+        "~3 min on the CPU; the same check (run_check) runs in CI in "
+        "tests/engine/test_batch_invariance.py"
+    ),
+    f"{DETERMINISTIC} [--off]": Run(
+        check_deterministic_sampling, variants=(DETERMINISTIC, f"{DETERMINISTIC} --off")
+    ),
+    "python benchmarks/tile_equivalence.py": Skip(GPU),
+    SWEEP: Skip(GPU + " (its CPU path runs in tests/benchmarks/test_sweep_tools.py)"),
+    "python benchmarks/batch_invariant_cost.py A.json B.json": Skip(
+        "A.json and B.json stand for the two GPU sweeps named before it"
+    ),
+    # Environment variables
+    "python -m deepinfer_core.envs --markdown": Run(check_envs_markdown),
+    # Status table
+    "python -m deepinfer_core.generate": Skip("names the CLI; its runnable lines are above"),
+    "python benchmarks/profile_step.py": Skip(GPU),
+    "python benchmarks/backend_agreement.py": Skip(GPU + " (it compares CUDA with the CPU)"),
+    "python benchmarks/structured_outputs_mask.py": Skip(
+        "a GPU benchmark (the mask cost per step; writes benchmarks/results/)"
+    ),
+    "python benchmarks/structured_outputs_step.py": Skip(
+        "a GPU benchmark (CUDA graphs; the step cost; writes benchmarks/results/)"
+    ),
+}
+
+# Python blocks: a substring that identifies the block -> its check. All of them run.
+PYTHON: dict[str, Check] = {
+    "llm.generate(prompt_token_ids=[[0, 100, 200]]": check_generate_snippet,
+    "llm.chat(messages": check_chat_snippet,
+    "StructuredOutputsParams(choice=": exits_0,
+}
+
+
+# ---- the runs ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    key: str  # TABLE or PYTHON key
+    kind: str
+    text: str  # the command or block as written (an expansion for [optional] parts)
+    line: int
+    check: Check
+    status: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"L{self.line}:{self.key if self.kind == 'python' else self.text}"[:90]
+
+
+def python_key(snippet: Snippet) -> list[str]:
+    return [k for k in PYTHON if k in snippet.text]
+
+
+def jobs(snippets: list[Snippet]) -> list[Job]:
+    out = []
+    for s in snippets:
+        if s.kind == "python":
+            keys = python_key(s)
+            if len(keys) == 1:
+                out.append(Job(keys[0], "python", s.text, s.line, PYTHON[keys[0]]))
+        elif isinstance(entry := TABLE.get(s.text), Run):
+            for text in entry.variants or (s.text,):
+                out.append(Job(s.text, "shell", text, s.line, entry.check, entry.status))
+    return out
+
+
+SNIPPETS = readme_snippets(README.read_text(encoding="utf-8"))
+JOBS = jobs(SNIPPETS)
+
+
+def clean_env(root: Path) -> dict[str, str]:
+    """A fresh HOME and cache under `root`; `python` on PATH is this interpreter (a wrapper script,
+    since a symlink would lose a virtual environment)."""
+    home, bin_dir = root / "home", root / "bin"
+    home.mkdir()
+    bin_dir.mkdir()
+    for name in ("python", "python3"):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    drop = ("DEEPINFER_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "XDG_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(
+        HOME=str(home),
+        XDG_CACHE_HOME=str(home / ".cache"),
+        DEEPINFER_ACCELERATOR="cpu",
+        PYTHONIOENCODING="utf-8",
+        PATH=os.pathsep.join([str(bin_dir), env.get("PATH", "")]),
+    )
+    return env
+
+
+def execute(job: Job, env: dict[str, str], tiny: Path) -> Result:
+    text = job.text.replace(TINY, str(tiny))
+    argv, stdin = (
+        (["bash", "-c", text], None) if job.kind == "shell" else ([sys.executable, "-"], text)
+    )
+    start = time.monotonic()
+    try:
+        p = subprocess.run(
+            argv,
+            check=False,
+            cwd=REPO,
+            env=env,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            timeout=TIMEOUT_S,
+        )
+        rc, out, err = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out, err = (
+            None,
+            str(exc.stdout or ""),
+            f"timed out after {TIMEOUT_S} s\n{exc.stderr or ''}",
+        )
+    return Result(
+        text if job.kind == "shell" else f"python - <<EOF\n{text}EOF",
+        rc,
+        out,
+        err,
+        time.monotonic() - start,
+        tiny,
+        Path(env["XDG_CACHE_HOME"]),
+    )
+
+
+@pytest.fixture(scope="module")
+def results(request, tmp_path_factory) -> dict[Job, Result]:
+    """The result of every selected Run job (and of the checkpoint maker when a selected job reads
+    its checkpoint): the first command (it builds the bundled model into the empty cache) beside
+    the maker, then the others, two at a time."""
+    selected = {
+        item.callspec.params["job"]
+        for item in request.session.items
+        if "job" in getattr(getattr(item, "callspec", None), "params", {})
+    }
+    maker = [j for j in JOBS if j.kind == "shell" and "make_tiny_checkpoint" in j.text]
+    needed = [
+        j for j in JOBS if j in selected or (j in maker and any(TINY in s.text for s in selected))
+    ]
+    first = [j for j in needed[:1] if j not in maker] + [j for j in maker if j in needed]
+    rest = [j for j in needed if j not in first]
+    root = tmp_path_factory.mktemp("readme")
+    env, tiny = clean_env(root), root / "tiny-v4"
+    with ThreadPoolExecutor(WORKERS) as pool:
+        done = dict(zip(first, pool.map(lambda j: execute(j, env, tiny), first)))
+        done.update(zip(rest, pool.map(lambda j: execute(j, env, tiny), rest)))
+    return done
+
+
+# ---- the tests -----------------------------------------------------------------------------------
+def test_every_readme_command_is_classified():
+    unclassified = []
+    for s in SNIPPETS:
+        if s.kind == "python":
+            keys = python_key(s)
+            if len(keys) != 1:
+                unclassified.append(
+                    f"README.md:{s.line}: Python block matches {len(keys)} keys of PYTHON "
+                    f"{keys}: add one substring that identifies it, with its check"
+                )
+        elif s.text not in TABLE:
+            unclassified.append(f"README.md:{s.line}: {s.text!r}")
+        elif isinstance(entry := TABLE[s.text], Run):
+            if OPTIONAL.search(s.text) and not entry.variants:
+                unclassified.append(
+                    f"README.md:{s.line}: {s.text!r} has [optional] parts: list the "
+                    f"expansions to run in its Run(variants=...)"
+                )
+            if bad := [v for v in entry.variants if v not in expansions(s.text)]:
+                unclassified.append(
+                    f"README.md:{s.line}: variants {bad} are not expansions of {s.text!r}"
+                )
+    assert not unclassified, (
+        "README commands not classified: add each to TABLE in tests/docs/test_readme.py as "
+        "Run(check) (run from the repository root; must exit 0) or Skip('why it cannot run in "
+        "CI'):\n  " + "\n  ".join(unclassified)
+    )
+
+
+def test_the_table_has_no_stale_entries():
+    commands = {s.text for s in SNIPPETS if s.kind == "shell"}
+    blocks = [s.text for s in SNIPPETS if s.kind == "python"]
+    stale = [k for k in TABLE if k not in commands] + [
+        k for k in PYTHON if not any(k in b for b in blocks)
+    ]
+    assert not stale, f"entries of tests/docs/test_readme.py no longer in README.md: {stale}"
+
+
+def test_the_parser_finds_each_kind_of_command():
+    """Fenced lines (comment stripped), blocks without a language, inline spans wrapping a line,
+    Python blocks; a directory tree in a plain block is not a command."""
+    text = (
+        "x\n```bash\nA=1 python a.py   # note\n\n./b.sh --x \\\n  --y\n```\n"
+        "See `python -m c\n--z` and `not a command`.\n"
+        "```\npkg/\n  mod.py   python files\n```\n"
+        "```\npython d.py [--e]\n```\n"
+        "```python\nprint(1)\n```\n"
+    )
+    assert [(s.kind, s.text, s.line) for s in readme_snippets(text)] == [
+        ("shell", "A=1 python a.py", 3),
+        ("shell", "./b.sh --x --y", 5),
+        ("shell", "python -m c --z", 8),
+        ("shell", "python d.py [--e]", 15),
+        ("python", "print(1)\n", 18),
+    ]
+    assert expansions("python d.py [--e] [--f 1]") == {
+        "python d.py",
+        "python d.py --e",
+        "python d.py --f 1",
+        "python d.py --e --f 1",
+    }
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[j.id for j in JOBS])
+def test_readme_command_runs_as_written(job: Job, results):
+    r = results[job]
+    assert r.rc == job.status, (
+        f"README.md:{job.line}: expected exit status {job.status}\n{r.describe()}"
+    )
+    try:
+        job.check(r)
+    except AssertionError as exc:
+        raise AssertionError(
+            f"README.md:{job.line}: the output is not what the README promises: {exc}\n"
+            f"{r.describe()}"
+        ) from None
+
+
+SKIPPED = [s for s in SNIPPETS if isinstance(TABLE.get(s.text), Skip)]
+
+
+@pytest.mark.parametrize("snippet", SKIPPED, ids=[f"L{s.line}:{s.text}"[:90] for s in SKIPPED])
+def test_readme_command_not_run_in_ci(snippet: Snippet):
+    """Listed so that `pytest -rs` shows each README command CI does not run, with the reason."""
+    pytest.skip(f"README.md:{snippet.line}: `{snippet.text}`: {TABLE[snippet.text].reason}")
