@@ -579,11 +579,3 @@ def test_readme_command_runs_as_written(job: Job, results):
             f"{r.describe()}"
         ) from None
 
-
-SKIPPED = [s for s in SNIPPETS if isinstance(TABLE.get(s.text), Skip)]
-
-
-@pytest.mark.parametrize("snippet", SKIPPED, ids=[f"L{s.line}:{s.text}"[:90] for s in SKIPPED])
-def test_readme_command_not_run_in_ci(snippet: Snippet):
-    """Listed so that `pytest -rs` shows each README command CI does not run, with the reason."""
-    pytest.skip(f"README.md:{snippet.line}: `{snippet.text}`: {TABLE[snippet.text].reason}")
