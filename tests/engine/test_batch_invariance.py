@@ -111,11 +111,12 @@ def test_cpu_primitives_do_not_depend_on_the_other_rows():
 
     from deepinfer_batch_invariant.portable_ops import fixed_tile_mm, sigmoid, silu, softplus
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(24, 1024, generator=g)
-    x = torch.randn(300, 1024, generator=g)
-    full = fixed_tile_mm(x, w)
-    for rows in (slice(7, 8), slice(0, 9), slice(100, 300)):
-        assert torch.equal(fixed_tile_mm(x[rows], w), full[rows])
+    for n, k in ((24, 1024), (512, 4096)):   # the wider one is where padding M alone was not enough
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(300, k, generator=g)
+        full = fixed_tile_mm(x, w)
+        for rows in (slice(7, 8), slice(0, 9), slice(100, 300)):
+            assert torch.equal(fixed_tile_mm(x[rows], w), full[rows]), (n, k, rows)
     z = torch.randn(4 * 63, generator=g) * 8
     for f, ref in ((sigmoid, torch.sigmoid), (silu, torch.nn.functional.silu), (softplus, torch.nn.functional.softplus)):
         whole = f(z)

@@ -7,9 +7,10 @@ sits in another SIMD lane under another chunking; reductions over a dimension of
 group their additions differently.
 
 What these do instead:
-* every GEMM (`fixed_tile_mm`) pads M and N up to a multiple of TILE rows, so the BLAS always runs
-  the same code path and a row's result depends on that row alone (checked by the tests on this
-  machine's BLAS, and by the end-to-end invariance check);
+* every GEMM (`fixed_tile_mm`) runs as products of exactly TILE rows by the whole (padded) weight,
+  one call per TILE rows: the BLAS sees one shape whatever the batch, so a row's result depends on
+  that row alone. Padding M instead (one call of a varying multiple of TILE rows) is not enough: MKL's
+  AVX2 kernels, and its AVX-512 ones for wider products, block a row differently as M grows;
 * attention lays out each query's keys canonically: the sink, then window slot j for position
   p - W + 1 + j, then the visible compressed rows in ascending order, padded at the end; masked
   slots are exact zeros in every sum;
@@ -29,7 +30,7 @@ from deepinfer_core.ops.portable_mhc import PortableMHC
 from deepinfer_core.ops.portable_moe import PortableMoE
 from deepinfer_core.ops.kv_fp8 import unpack_kv_fp8
 
-TILE = 16            # GEMM rows and columns are padded to a multiple of this
+TILE = 16            # rows per GEMM call; GEMM columns are padded to a multiple of this
 QUERY_CHUNK = 256    # bounds the gathered [queries, keys, dim] tensor on long prefills
 
 
@@ -54,11 +55,13 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
 
 
 def fixed_tile_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b[N, K]^T with M and N padded to multiples of TILE (see the module docstring)."""
+    """a [M, K] @ b[N, K]^T, TILE rows of a per BLAS call, N padded to a multiple of TILE (see the
+    module docstring)."""
     M, N = a.shape[0], b.shape[0]
     if M == 0:
         return a.new_zeros((0, N))
-    return F.linear(_pad_rows(a), _pad_rows(b))[:M, :N]
+    a, b = _pad_rows(a), _pad_rows(b)
+    return torch.cat([F.linear(a[i:i + TILE], b) for i in range(0, a.shape[0], TILE)])[:M, :N]
 
 
 class InvariantPortableLinear(PortableLinearMethod):
