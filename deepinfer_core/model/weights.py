@@ -5,6 +5,10 @@ the checkpoint dtypes and shapes (spec §6), so loading is a strict name-by-name
 are collected from the shard headers first and raised as one `CheckpointError` before any buffer
 is touched; then shards are opened one at a time (memory-mapped) so peak memory stays near one
 shard plus the model.
+
+Two leniencies, as in vLLM, for checkpoints users have: a plain float tensor (bf16/f16/f32/f64)
+stored in another float dtype than its buffer is cast (e.g. a model saved in float32 after
+fine-tuning), and a checkpoint without any `mtp.*` tensor loads with the MTP blocks dropped.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ _ST_DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
     "BOOL": torch.bool,
 }
-_PLAIN_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_PLAIN_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+MTP_PREFIX = "mtp."
 _QUANT_WEIGHTS = (torch.float8_e4m3fn, torch.int8)   # int8 = packed FP4 (two e2m1 per byte)
 
 
@@ -48,7 +53,20 @@ class LoadReport:
     shards_read: list[str] = field(default_factory=list)
     substituted: list[str] = field(default_factory=list)   # quantized linears given as plain weights
     ignored: list[str] = field(default_factory=list)
+    cast: list[str] = field(default_factory=list)   # plain floats stored in another float dtype
+    mtp_dropped: bool = False                       # no mtp.* tensors: model.mtp emptied
     seconds: float = 0.0
+
+
+@dataclass
+class _Plan:
+    """What loading will do, decided from the shard headers alone."""
+
+    problems: list[str]
+    ignored: list[str]                 # checkpoint tensors the model shares (IGNORED_PATTERN)
+    plain: set[str]                    # prefixes of quantized linears given as plain float weights
+    cast: dict[str, torch.dtype]       # name -> dtype a plain float tensor is converted to
+    mtp_dropped: bool
 
 
 @dataclass(frozen=True)
@@ -175,12 +193,34 @@ def _dt(d: torch.dtype | str) -> str:
     return str(d).replace("torch.", "")
 
 
-def _plan(expected: dict[str, torch.Tensor], entries: dict[str, _Entry]
-          ) -> tuple[list[str], list[str], set[str]]:
-    """(problems, ignored names, prefixes of quantized linears given as plain float weights)."""
+def _load_dtype(buf: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """dtype a plain float tensor stored in another float dtype than its buffer `buf` is loaded as.
+
+    What the model keeps, except for a 16-bit buffer in a float32 run: every buffer is used in
+    float32 there anyway, so the tensor becomes float32 (exact from f16/f32, one rounding from f64)
+    instead of being rounded through bf16 -- a user's fine-tuned float32 weights are used exactly.
+    """
+    if compute_dtype == torch.float32 and buf in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return buf
+
+
+def _plan(expected: dict[str, torch.Tensor], entries: dict[str, _Entry], *,
+          compute_dtype: torch.dtype | None = None, require_mtp: bool = False) -> _Plan:
+    """Match the checkpoint's headers against the model's buffers (see `_Plan`)."""
     problems: list[str] = []
     ignored: list[str] = []
     plain: set[str] = set()
+    cast: dict[str, torch.dtype] = {}
+    # No mtp.* tensor at all: a checkpoint saved without the MTP head (it only drafts tokens for
+    # speculative decoding), so the main model is complete. Some but not all: a damaged one.
+    mtp_absent = (any(n.startswith(MTP_PREFIX) for n in expected)
+                  and not any(n.startswith(MTP_PREFIX) for n in entries))
+    if mtp_absent and require_mtp:
+        problems.append(f"{MTP_PREFIX}*: the checkpoint has no MTP tensors; speculative "
+                        f"decoding (MTP drafting) needs them (listed as missing)")
+    elif mtp_absent:
+        expected = {n: b for n, b in expected.items() if not n.startswith(MTP_PREFIX)}
     for name, buf in expected.items():
         e = entries.get(name)
         if e is None:
@@ -200,8 +240,9 @@ def _plan(expected: dict[str, torch.Tensor], entries: dict[str, _Entry]
             continue
         if e.shape != tuple(buf.shape):
             problems.append(f"{name}: wrong shape: expected {list(buf.shape)}, got {list(e.shape)}")
-        ok_dtype = e.dtype == buf.dtype or (buf.dtype == torch.int8 and e.dtype == torch.uint8)
-        if not ok_dtype:
+        if e.dtype != buf.dtype and buf.dtype in _PLAIN_FLOATS and e.dtype in _PLAIN_FLOATS:
+            cast[name] = _load_dtype(buf.dtype, compute_dtype)
+        elif not (e.dtype == buf.dtype or (buf.dtype == torch.int8 and e.dtype == torch.uint8)):
             problems.append(f"{name}: wrong dtype: expected {_dt(buf.dtype)}, got {_dt(e.dtype)}")
     for name in sorted(expected):
         if name not in entries:
@@ -218,7 +259,22 @@ def _plan(expected: dict[str, torch.Tensor], entries: dict[str, _Entry]
             e = entries[name]
             problems.append(f"{name}: unexpected tensor ({list(e.shape)} {_dt(e.dtype)} "
                             f"in {e.shard.name})")
-    return sorted(problems), ignored, plain
+    return _Plan(sorted(problems), ignored, plain, cast, mtp_absent and not require_mtp)
+
+
+def _log_casts(cast: dict[str, torch.dtype], expected: dict[str, torch.Tensor],
+               entries: dict[str, _Entry]) -> None:
+    """One line: how many tensors, stored -> loaded dtype per group, the first few names."""
+    groups: dict[str, int] = {}
+    for name, to in cast.items():
+        buf = expected[name].dtype
+        label = f"{_dt(entries[name].dtype)}->{_dt(to)}" + (
+            f" (float32 run, not {_dt(buf)})" if to != buf else "")
+        groups[label] = groups.get(label, 0) + 1
+    names = sorted(cast)
+    msg = "loading %d float checkpoint tensors in another dtype than the model keeps, cast %s: %s"
+    log.info(msg, len(names), ", ".join(f"{label} x{n}" for label, n in sorted(groups.items())),
+             ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
 
 
 def _assign(model: nn.Module, name: str, value: torch.Tensor | None, current: torch.Tensor | None) -> None:
@@ -241,30 +297,46 @@ def _assign(model: nn.Module, name: str, value: torch.Tensor | None, current: to
         mod.register_buffer(attr, value, persistent=True)
 
 
-def check_checkpoint(model: nn.Module, path: str | Path) -> list[str]:
-    """Every mismatch between the model and the checkpoint at `path`, without loading anything."""
+def check_checkpoint(model: nn.Module, path: str | Path, *, require_mtp: bool = False) -> list[str]:
+    """Every mismatch between the model and the checkpoint at `path`, without loading anything
+    (float dtype differences and absent MTP tensors are not mismatches: loading handles them)."""
     weight_map, shards = _shard_files(Path(path))
     entries, problems = _scan(weight_map, shards)
-    more, _, _ = _plan(model.state_dict(keep_vars=True), entries)
-    return sorted(problems + more)
+    plan = _plan(model.state_dict(keep_vars=True), entries, require_mtp=require_mtp)
+    return sorted(problems + plan.problems)
 
 
 @torch.no_grad()
-def load_checkpoint(model: nn.Module, path: str | Path) -> LoadReport:
-    """Load every checkpoint tensor into the same-named buffer of `model` (strict, see module doc)."""
+def load_checkpoint(model: nn.Module, path: str | Path, *, compute_dtype: torch.dtype | None = None,
+                    require_mtp: bool = False) -> LoadReport:
+    """Load every checkpoint tensor into the same-named buffer of `model` (strict, see module doc).
+
+    `compute_dtype`: the run's dtype; float32 keeps float32-stored tensors exact (`_load_dtype`).
+    `require_mtp`: refuse a checkpoint without MTP tensors instead of dropping `model.mtp`; for
+    speculative decoding (MTP drafting), which nothing in the engine requests yet.
+    """
     t0 = time.perf_counter()
     weight_map, shards = _shard_files(Path(path))
     entries, problems = _scan(weight_map, shards)
     expected = model.state_dict(keep_vars=True)
-    more, ignored, plain = _plan(expected, entries)
-    problems = sorted(problems + more)
+    plan = _plan(expected, entries, compute_dtype=compute_dtype, require_mtp=require_mtp)
+    problems = sorted(problems + plan.problems)
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match the model ({len(problems)} problems):\n  "
                               + "\n  ".join(problems))
-    if ignored:
-        log.info("ignoring %d checkpoint tensors the model shares: %s", len(ignored), ignored)
+    if plan.ignored:
+        log.info("ignoring %d checkpoint tensors the model shares: %s", len(plan.ignored),
+                 plan.ignored)
+    if plan.mtp_dropped:
+        blocks = {n.split(".")[1] for n in expected if n.startswith(MTP_PREFIX)}
+        log.info("checkpoint has no %s* tensors: dropping the model's %d MTP block(s) (they only "
+                 "draft tokens for speculative decoding)", MTP_PREFIX, len(blocks))
+        model.mtp = nn.ModuleList()
+    if plan.cast:
+        _log_casts(plan.cast, expected, entries)
 
-    report = LoadReport(ignored=ignored, substituted=sorted(f"{p}.weight" for p in plain))
+    report = LoadReport(ignored=plan.ignored, substituted=sorted(f"{p}.weight" for p in plan.plain),
+                        cast=sorted(plan.cast), mtp_dropped=plan.mtp_dropped)
     by_shard: dict[Path, list[str]] = {}
     for name in expected:
         if name in entries:
@@ -278,14 +350,16 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> LoadReport:
                 except Exception as e:
                     raise CheckpointError(f"cannot read {name} from shard {shard}: "
                                           f"{type(e).__name__}: {e}") from None
+                report.tensors_loaded += 1
+                report.bytes_loaded += t.numel() * t.element_size()
                 cur = expected[name]
                 if t.dtype == torch.uint8 and cur.dtype == torch.int8:
                     t = t.view(torch.int8)       # FP4 packed bytes tagged U8 by some writers
+                elif name in plan.cast:
+                    t = t.to(plan.cast[name])
                 _assign(model, name, t, cur)
-                report.tensors_loaded += 1
-                report.bytes_loaded += t.numel() * t.element_size()
         report.shards_read.append(shard.name)
-    for prefix in sorted(plain):   # plain weight: later code must see no scale
+    for prefix in sorted(plan.plain):   # plain weight: later code must see no scale
         _assign(model, f"{prefix}.scale", None, None)
     report.seconds = time.perf_counter() - t0
     log.info("loaded %d tensors (%.1f MB) from %d shards in %.2fs", report.tensors_loaded,

@@ -100,7 +100,7 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
         check_batch_invariant(ops, sampler)
     logits_processors = pm.logits_processors(ctx)
     model = build_model(cfg, device="meta")
-    load_checkpoint(model, model_dir)
+    load_checkpoint(model, model_dir, compute_dtype=ctx.torch_dtype)   # may drop model.mtp
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))
     process_weights(model)
     model.to(device)
@@ -135,7 +135,9 @@ class ModelRunner:
 
     # ---- state cache ---------------------------------------------------------------------------
     def cache_layout(self) -> CacheLayout:
-        return CacheLayout.from_config(self.model_config, self.dtype, self.backtrack, kv_fp8=self.kv_fp8)
+        # no MTP layer states when the checkpoint came without MTP weights (the loader dropped them)
+        return CacheLayout.from_config(self.model_config, self.dtype, self.backtrack,
+                                       with_mtp=len(self.model.mtp) > 0, kv_fp8=self.kv_fp8)
 
     def allocate_cache(self, request: CacheRequest) -> StateCache:
         """Size and allocate the state cache once (again only when the request changed and nothing

@@ -1,7 +1,9 @@
-"""Checkpoint loader tests on small synthetic modules and checkpoints (independent of the model graph)."""
+"""Checkpoint loader tests on small synthetic modules and checkpoints (independent of the model
+graph). Variants of the tiny checkpoint that users may have: test_checkpoint_variants.py."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -165,7 +167,7 @@ def test_all_problems_reported_at_once(tmp_path):
     del ref["ffn.gate.tid2eid"]                                           # missing
     ref["layers.9.extra"] = torch.zeros(3)                                # unexpected
     ref["embed.weight"] = torch.zeros(17, 128, dtype=torch.bfloat16)      # wrong shape
-    ref["hc_head_base"] = torch.zeros(4, dtype=torch.bfloat16)            # wrong dtype
+    ref["hc_head_base"] = torch.zeros(4, dtype=torch.int32)               # wrong dtype
     m = Tiny()
     msg = problems_of(m, write_ckpt(tmp_path / "ck", ref, 2))
     assert "(5 problems)" in msg
@@ -173,7 +175,7 @@ def test_all_problems_reported_at_once(tmp_path):
                  "ffn.gate.tid2eid: missing (expected [16, 2] int64)",
                  "layers.9.extra: unexpected tensor ([3] float32",
                  "embed.weight: wrong shape: expected [16, 128], got [17, 128]",
-                 "hc_head_base: wrong dtype: expected float32, got bfloat16"]:
+                 "hc_head_base: wrong dtype: expected float32, got int32"]:
         assert line in msg, msg
     lines = msg.splitlines()[1:]
     assert lines == sorted(lines)
@@ -223,7 +225,88 @@ def test_truncated_shard(tmp_path):
     assert "cannot read shard" in problems_of(Tiny(), d)
 
 
-# ---- path resolution ---------------------------------------------------------------------------
+# ---- float dtypes other than the model's -------------------------------------------------------
+
+WEIGHTS_LOG = "deepinfer_core.model.weights"
+
+
+def cast_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == WEIGHTS_LOG and "in another dtype than the model keeps" in r.getMessage()]
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16, torch.float32])
+def test_other_float_dtypes_are_cast(tmp_path, caplog, compute_dtype):
+    """f16 for a bf16 buffer, f64 for an f32 one: cast, one log line; a float32 run keeps what
+    float32 holds instead of rounding it through bf16."""
+    ref = reference_tensors()
+    emb = torch.randn(16, 128, generator=torch.Generator().manual_seed(1)).half()
+    assert not torch.equal(emb.bfloat16().float(), emb.float())        # bf16 would round these
+    ref["embed.weight"], ref["hc_head_base"] = emb, ref["hc_head_base"].double() / 3
+    path = write_ckpt(tmp_path / "ck", ref, 2)
+    assert check_checkpoint(Tiny(), path) == []                         # not a problem
+    m = Tiny()
+    with caplog.at_level(logging.INFO, logger=WEIGHTS_LOG):
+        rep = load_checkpoint(m, path, compute_dtype=compute_dtype)
+    assert rep.cast == ["embed.weight", "hc_head_base"] and rep.tensors_loaded == len(ref)
+    if compute_dtype == torch.float32:
+        assert m.embed.weight.dtype == torch.float32 and torch.equal(m.embed.weight, emb.float())
+        label = "float16->float32 (float32 run, not bfloat16) x1"
+    else:
+        assert m.embed.weight.dtype == torch.bfloat16
+        assert torch.equal(m.embed.weight, emb.bfloat16())
+        label = "float16->bfloat16 x1"
+    assert m.hc_head_base.dtype == torch.float32
+    assert torch.equal(m.hc_head_base, ref["hc_head_base"].float())
+    assert cast_lines(caplog) == [
+        ("loading 2 float checkpoint tensors in another dtype than the model keeps, cast "
+         f"{label}, float64->float32 x1: embed.weight, hc_head_base")]
+
+
+def test_cast_log_names_a_few(tmp_path, caplog):
+    ref = reference_tensors()
+    ref["embed.weight"] = ref["embed.weight"].float()
+    ref["hc_head_base"] = ref["hc_head_base"].bfloat16()
+    ref["attn.wq_a.weight"] = torch.zeros(256, 128, dtype=torch.float16)     # substituted, not cast
+    del ref["attn.wq_a.scale"]
+    ref["extra"] = torch.zeros(3)
+    m = Tiny()
+    m.register_buffer("extra", torch.empty(3, dtype=torch.bfloat16, device="meta"))
+    m.register_buffer("more", torch.empty(3, dtype=torch.bfloat16, device="meta"))
+    ref["more"] = torch.ones(3)
+    with caplog.at_level(logging.INFO, logger=WEIGHTS_LOG):
+        rep = load_checkpoint(m, write_ckpt(tmp_path / "ck", ref), compute_dtype=torch.bfloat16)
+    assert rep.cast == ["embed.weight", "extra", "hc_head_base", "more"]
+    assert rep.substituted == ["attn.wq_a.weight"] and m.attn.wq_a.weight.dtype == torch.float16
+    assert cast_lines(caplog) == [
+        ("loading 4 float checkpoint tensors in another dtype than the model keeps, cast "
+         "bfloat16->float32 x1, float32->bfloat16 x3: embed.weight, extra, hc_head_base, ...")]
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.float32])
+def test_non_float_mismatches_stay_errors(tmp_path, compute_dtype):
+    ref = reference_tensors()
+    ref["attn.wq_a.weight"] = dequant_fp8_block(ref["attn.wq_a.weight"], ref["attn.wq_a.scale"])
+    ref["ffn.experts.0.w1.scale"] = ref["ffn.experts.0.w1.scale"].float()   # e8m0 as f32
+    ref["ffn.gate.tid2eid"] = ref["ffn.gate.tid2eid"].float()               # int as float
+    ref["embed.weight"] = ref["embed.weight"].to(FP8)                       # fp8 for a bf16 buffer
+    ref["hc_head_base"] = ref["hc_head_base"].to(torch.int32)
+    path = write_ckpt(tmp_path / "ck", ref)
+    m = Tiny()
+    with pytest.raises(CheckpointError) as ei:
+        load_checkpoint(m, path, compute_dtype=compute_dtype)
+    msg = str(ei.value)
+    assert "(5 problems)" in msg
+    for line in [("attn.wq_a.weight: wrong dtype: expected float8_e4m3fn, got bfloat16 "
+                  "(a plain float weight must come without attn.wq_a.scale)"),
+                 "ffn.experts.0.w1.scale: wrong dtype: expected float8_e8m0fnu, got float32",
+                 "ffn.gate.tid2eid: wrong dtype: expected int64, got float32",
+                 "embed.weight: wrong dtype: expected bfloat16, got float8_e4m3fn",
+                 "hc_head_base: wrong dtype: expected float32, got int32"]:
+        assert line in msg, msg
+    assert len(check_checkpoint(Tiny(), path)) == 5
+    assert all(b.is_meta for b in m.buffers())
+
 
 def test_resolve_local_dir_and_cache_layout(tmp_path, monkeypatch):
     d = tmp_path / "m"
