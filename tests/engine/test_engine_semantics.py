@@ -38,12 +38,21 @@ def assert_same_outputs(xs, ys) -> None:
     """Tokens, texts, finish and stop reasons exactly; logprobs within 1e-4 and ranks within 1.
     Not bitwise: a step that also carries a sequence which already stopped, or a prompt chunked at
     other boundaries after a preemption, changes GEMM shapes, and float32 GEMMs round per shape
-    (bitwise-equal logprobs across batches are the batch-invariance feature's job)."""
+    (bitwise-equal logprobs across batches are the batch-invariance feature's job). So tokens tied
+    within that rounding may trade places: at the top-k cut (a token listed on one side only must
+    lie within 1e-4 of the other side's lowest listed logprob), and deep in the tail, where a
+    prompt token of rank ~86,000 has neighbours closer than the rounding (ranks then agree within
+    1e-4 of the rank)."""
     def same_lp(e, f):
         if e is None or f is None:
             return e is f
-        return e.keys() == f.keys() and all(abs(e[t].logprob - f[t].logprob) <= 1e-4
-                                            and abs(e[t].rank - f[t].rank) <= 1 for t in e)
+
+        def only_at_the_cut(a, b) -> bool:
+            floor = min(lp.logprob for lp in b.values())
+            return all(abs(a[t].logprob - floor) <= 1e-4 for t in a.keys() - b.keys())
+        return (all(abs(e[t].logprob - f[t].logprob) <= 1e-4
+                    and abs(e[t].rank - f[t].rank) <= max(1, 1e-4 * e[t].rank) for t in e.keys() & f.keys())
+                and only_at_the_cut(e, f) and only_at_the_cut(f, e))
     assert len(xs) == len(ys)
     for x, y in zip(xs, ys):
         assert x.request_id == y.request_id and len(x.outputs) == len(y.outputs)
