@@ -49,6 +49,8 @@ def _allowed_roots() -> tuple[str, ...]:
     roots = {str(REPO), tempfile.gettempdir(), sys.prefix, sys.base_prefix, sys.exec_prefix,
              *site.getsitepackages(), site.getusersitepackages(), *_SYSTEM}
     roots |= {p for p in sysconfig.get_paths().values() if p}
+    # Triton's compile cache (GPU runs): kernels this code compiled, read back, no input of a test
+    roots.add(os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton"))
     return tuple(sorted(os.path.realpath(r) for r in roots))
 
 
