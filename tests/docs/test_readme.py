@@ -52,7 +52,7 @@ WORKERS = 2
 
 # A command: optional VAR=value assignments, then python/pip/pytest/bash/sh or a ./script.
 COMMAND = re.compile(
-    r"^(?:[A-Z][A-Z0-9_]*=\S*\s+)*(?:python3?|pip3?|pytest|bash|sh|\./\S+)(?:\s|$)"
+    r"^(?:[A-Z][A-Z0-9_]*=(?:\"[^\"]*\"|'[^']*'|\S*)\s+)*(?:python3?|pip3?|pytest|bash|sh|\./\S+)(?:\s|$)"
 )
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^\s*```\s*([\w+-]*)\s*$")  # opens a block (with its language, if any)
@@ -314,6 +314,10 @@ SWEEP = (
     "--prefill 4k,16k --cuda-graph --no-hf"
 )
 DETERMINISTIC = "python examples/deterministic_sampling.py"
+AVX2_SUITE = (
+    'MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 OPENBLAS_CORETYPE=Haswell '
+    'NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL" python -m pytest -q tests -m "not gpu"'
+)
 TABLE: dict[str, Run | Skip] = {
     # Quick start
     "DEEPINFER_ACCELERATOR=cpu ./build.sh": Skip(
@@ -338,6 +342,8 @@ TABLE: dict[str, Run | Skip] = {
     'DEEPINFER_ACCELERATOR=cpu ./build.sh --test && python -m pytest -q tests -m "not gpu"': Skip(
         "the CI command itself: installs packages, then runs this test among the others"
     ),
+    AVX2_SUITE: Skip("the whole CI suite a second time (held to AVX2 kernels), run by hand: CI's"
+                     " 30 minutes hold one run"),
     "python -m pytest -q -s -m gpu tests/gpu": Skip(GPU),
     "python -m pytest -q tests/kernels": Skip("part of the CI command (tests/kernels runs there)"),
     "python benchmarks/tune_kernels.py": Skip(GPU),
@@ -548,6 +554,7 @@ def test_the_parser_finds_each_kind_of_command():
         "See `python -m c\n--z` and `not a command`.\n"
         "```\npkg/\n  mod.py   python files\n```\n"
         "```\npython d.py [--e]\n```\n"
+        'Held: `X="a b" python f.py`.\n\n'
         "```python\nprint(1)\n```\n"
     )
     assert [(s.kind, s.text, s.line) for s in readme_snippets(text)] == [
@@ -555,7 +562,8 @@ def test_the_parser_finds_each_kind_of_command():
         ("shell", "./b.sh --x --y", 5),
         ("shell", "python -m c --z", 8),
         ("shell", "python d.py [--e]", 15),
-        ("python", "print(1)\n", 18),
+        ("shell", 'X="a b" python f.py', 17),
+        ("python", "print(1)\n", 20),
     ]
     assert expansions("python d.py [--e] [--f 1]") == {
         "python d.py",
