@@ -3,10 +3,9 @@ checkpoint on disk, plus fabricated decode state.
 
 The build mirrors `deepinfer_core.runner.model_runner.load_model` step for step (plugin manager ->
 BuildContext -> configure -> ModelOps -> graph -> weights -> bind_ops -> process_weights), except that
-the checkpoint-format buffers are filled in place on the target device with random values of the
-magnitudes `tools/make_tiny_checkpoint.py` uses (unit-variance outputs through every linear, O(1) mHC
-mixes). FP8 weights are drawn straight into e4m3 (bf16 chunks, no fp32 copy of the model) with one
-power-of-two UE8M0 scale per 128x128 block. A 4-layer V4-Flash model is ~27 GB of FP8.
+the checkpoint-format buffers are filled in place on the target device by the engine's dummy-weights
+loader (`deepinfer_core.model.dummy_weights`: unit-variance outputs through every linear, O(1) mHC
+mixes, FP8 drawn straight into e4m3). A 4-layer V4-Flash model is ~27 GB of FP8.
 
 Decode at context C needs no prefill: visibility is by position, so random pool contents, a block
 table covering C + 1 positions and `num_tokens = C` are a valid state for a one-token step at C.
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,25 +23,20 @@ from torch import nn
 
 from deepinfer_core.cache.sequence_state import SequenceState
 from deepinfer_core.cache.state_cache import CacheLayout, StateCache
-from deepinfer_core.ops.kv_fp8 import pack_kv_fp8
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model import ModelOps, bind_ops, build_model, process_weights
 from deepinfer_core.model.attention import Numerics
+from deepinfer_core.model.dummy_weights import fill_dummy_weights
+from deepinfer_core.ops.kv_fp8 import pack_kv_fp8
 from deepinfer_core.plugin_context import BuildContext, normalize_dtype
 from deepinfer_core.plugins import get_plugin_manager
 from deepinfer_core.runner.model_runner import WEIGHT_FORMATS, check_batch_invariant
-from deepinfer_core.tools.make_tiny_checkpoint import float_values
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
 REPO = Path(__file__).resolve().parents[1]
 # the real V4-Flash config.json, kept in the repository (see its README there)
 FLASH_CONFIG = REPO / "tests/data/deepseek-v4-flash/config.json"
 BENCH_PATTERN = (4, 128)           # the sweep model's layers: CSA, HCA, CSA, HCA, ...
-FP8 = torch.float8_e4m3fn
-E8M0 = torch.float8_e8m0fnu
-FP8_STD = 64.0                     # std of the e4m3 codes (amax ~ 4.5 sigma ~ 290 < 448)
-SMALL = 1 << 20                    # tensors up to this size take make_tiny_checkpoint's exact values
-CHUNK = 1 << 24                    # elements per bf16 temporary when drawing large tensors
 
 
 # ---- configs -----------------------------------------------------------------------------------
@@ -135,7 +128,7 @@ def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str 
     model.mtp = nn.ModuleList()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()                      # the dropped MTP block's memory
-    fill_random(model, cfg_dict, seed)
+    fill_dummy_weights(model, cfg, seed)
     plugins = [{"name": r.name, "status": r.status, **({"error": r.error} if r.error else {})} for r in pm.records]
     return Built(model.eval(), cfg, ctx, ops, plugins)
 
@@ -144,64 +137,6 @@ def finish_model(built: Built) -> None:
     """The rest of load_model: bind the op objects, let them convert the weights to runtime form."""
     bind_ops(built.model, built.ops, Numerics(dtype=built.ctx.torch_dtype, simulate_qat=built.ctx.simulate_qat))
     process_weights(built.model)
-
-
-def large_std(name: str, shape: tuple[int, ...], hidden: int) -> float:
-    """make_tiny_checkpoint.float_values' magnitude rule for the tensors too big to draw on the host."""
-    if name == "embed.weight":
-        return 1.0
-    if name == "head.weight":
-        return hidden ** -0.5
-    if name.endswith(".weight") and len(shape) == 2:
-        return shape[1] ** -0.5
-    return 0.02
-
-
-@torch.no_grad()
-def _normal_chunks(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
-    """t ~ N(0, std^2) (any float dtype incl. e4m3), through bf16 row chunks, clamped to e4m3's range."""
-    rows = t.shape[0]
-    per = max(1, CHUNK // max(1, t[0].numel()))
-    for a in range(0, rows, per):
-        part = t[a:a + per]
-        tmp = torch.empty(part.shape, dtype=torch.bfloat16, device=t.device).normal_(0.0, std, generator=gen)
-        if t.dtype == FP8:
-            tmp.clamp_(-448.0, 448.0)
-        part.copy_(tmp)
-
-
-@torch.no_grad()
-def fill_random(model: nn.Module, cfg_dict: dict[str, Any], seed: int = 0) -> None:
-    """Every checkpoint-format buffer gets random values of a trained model's magnitude, on its device."""
-    tensors = dict(model.state_dict(keep_vars=True))
-    dev = next(iter(tensors.values())).device
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    host = torch.Generator().manual_seed(seed)
-    hidden, n_exp = int(cfg_dict["hidden_size"]), int(cfg_dict["n_routed_experts"])
-    for name, t in tensors.items():
-        shape = tuple(t.shape)
-        if t.dtype == E8M0:
-            continue                                   # written with its weight
-        if t.dtype in (FP8, torch.int8):
-            scale = tensors[name[: -len("weight")] + "scale"]
-            std = large_std(name, shape, hidden)
-            if t.dtype == FP8:
-                _normal_chunks(t, FP8_STD, gen)
-                code_std = FP8_STD
-            else:                                      # packed FP4: uniform e2m1 codes, |v| <= 6
-                t.view(torch.uint8).copy_(torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen))
-                code_std = 3.0
-            # one power-of-two scale for every block: codes x scale has the wanted std (within sqrt 2)
-            scale.view(torch.uint8).fill_(127 + round(math.log2(std / code_std)))
-        elif t.dtype == torch.int64 and name.endswith("tid2eid"):
-            k = shape[1]                               # k distinct experts per token id
-            t.copy_(torch.rand(shape[0], n_exp, device=dev, generator=gen).argsort(dim=1)[:, :k])
-        elif t.is_floating_point() and t.numel() <= SMALL:
-            t.copy_(float_values(name, shape, cfg_dict, host))
-        elif t.is_floating_point():
-            _normal_chunks(t, large_std(name, shape, hidden), gen)
-        else:
-            raise ValueError(f"fill_random: no value rule for {name} {list(shape)} {t.dtype}")
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -4,8 +4,9 @@ The model is `--model` (a local directory or a repo id in the local Hugging Face
 DEEPINFER_HF_MODEL_DIR, else a DeepSeek-V4 checkpoint found in the local Hugging Face cache, else the
 bundled tiny model (random weights; one line on stderr says so). Nothing is downloaded.
 
-Every `SamplingParams` field is a flag generated from the dataclass itself (`--top-p`, `--ignore-eos`,
-...), so the CLI cannot drift from the API; a flag left out keeps the dataclass default.
+Every `SamplingParams` field and every `EngineConfig` option is a flag generated from the dataclasses
+themselves (`--top-p`, `--ignore-eos`, `--max-num-seqs`, ...; help from the fields' docs), so the CLI
+cannot drift from the API; a flag left out keeps the dataclass default.
 Errors in the input (flags, prompts, sampling values, model) print one line and exit with status 2.
 """
 from __future__ import annotations
@@ -20,10 +21,9 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import envs
-from .api.options import LLM_OPTION_DEFAULTS
 from .api.outputs import InvalidRequestError
 from .api.sampling_params import SamplingParams
+from .engine_config import EngineConfig, option_fields
 
 logger = logging.getLogger("deepinfer.generate")
 PROG = "python -m deepinfer_core.generate"
@@ -36,9 +36,13 @@ KNOWN_REPO_IDS = (
     "deepseek-ai/DeepSeek-V4-Pro-DSpark",
 )
 
-# LLM defaults, shown in --help only (absent flags leave LLM's own defaults in force). Written out
-# rather than read from LLM so that --help and input errors need not import torch; a test keeps them equal.
-ENGINE_DEFAULTS = {"dtype": "float32", "simulate_qat": True, **LLM_OPTION_DEFAULTS}
+# EngineConfig options without a generated engine flag, and why (a test holds every other one to a flag).
+NO_ENGINE_FLAG = {
+    "model": "--model, with the prompts: the CLI also falls back to a cached or the bundled model",
+    "seed": "--seed is SamplingParams.seed, every request's own seed (the LLM seed is then unused)",
+    "decode_sequence": "the CLI prints and writes whole RequestOutputs",
+}
+ENGINE_FLAGS = tuple(name for name, *_ in option_fields() if name not in NO_ENGINE_FLAG)
 
 # Help for every SamplingParams field (the flag's type and default come from the dataclass).
 SAMPLING_HELP = {
@@ -103,26 +107,6 @@ def _optional_int(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer or 'none'") from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
-    return value
-
-
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -168,6 +152,50 @@ def _add_sampling_flags(group: argparse._ArgumentGroup) -> None:
         group.add_argument(flag, help=f"{help_text} (default: {f.default!r})".replace("%", "%%"), **kw)
 
 
+def _config_value(name: str, hint: Any, rule: Any) -> Any:
+    """argparse type of an EngineConfig option: the text parsed by the field's type, then its rule
+    (so a bad value is refused before the model loads, in the config's own words)."""
+    base = _base_types(hint)
+
+    def parse(text: str) -> Any:
+        if text.strip().lower() == "none" and type(None) in typing.get_args(hint):
+            return None
+        try:
+            value = (int(text, 10) if int in base else float(text) if float in base
+                     else json.loads(text) if dict in {typing.get_origin(b) or b for b in base} else text)
+        except ValueError:
+            kinds = " or ".join(b.__name__ for b in base)
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kinds}") from None
+        try:
+            return rule(name, value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig option (a group per section); default SUPPRESS: an absent flag keeps
+    the config's default (or its environment variable's)."""
+    groups: dict[str, Any] = {}
+    for name, section, f, hint in option_fields():
+        if name in NO_ENGINE_FLAG:
+            continue
+        if section not in groups:
+            groups[section] = parser.add_argument_group(f"engine: {section} (EngineConfig.{section})")
+        env, rule = f.metadata["env"], f.metadata["rule"]
+        default = f"{env}, else {f.default!r}" if env else repr(f.default)
+        base = _base_types(hint)
+        allowed = "" if base == {bool} else f"; allowed: {rule.allowed}"
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
+                              "help": f"{f.metadata['doc']}{allowed} (default: {default})".replace("%", "%%")}
+        if base == {bool}:
+            kw.update(action=argparse.BooleanOptionalAction)
+        else:
+            metavar = "N" if int in base else "X" if float in base else "TEXT" if str in base else "JSON"
+            kw.update(type=_config_value(name, hint, rule), metavar=metavar)
+        groups[section].add_argument("--" + name.replace("_", "-"), **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,7 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="checkpoint directory or repo id in the local Hugging Face cache "
                      "(default: DEEPINFER_HF_MODEL_DIR, a cached DeepSeek-V4 checkpoint, else the "
                      "bundled tiny model)")
-    src.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     # All prompt sources share one list so that prompts keep their command-line order.
     src.add_argument("--prompt", dest="inputs", action="append", type=str, metavar="TEXT",
                      help="a text prompt (repeatable)")
@@ -186,32 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="IDS", help="a prompt as comma-separated token ids, e.g. '0,100,200' "
                                          "(repeatable; for checkpoints without a tokenizer)")
 
-    defaults = ENGINE_DEFAULTS
-    eng = parser.add_argument_group("engine")
-    eng.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default=argparse.SUPPRESS,
-                     help=f"compute dtype; auto = bfloat16 (default: {defaults['dtype']})")
-    eng.add_argument("--simulate-qat", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                     help="reproduce the reference's FP8/FP4 quantisation-aware numerics "
-                          f"(default: {defaults['simulate_qat']})")
-    eng.add_argument("--max-model-len", type=_positive_int, default=argparse.SUPPRESS,
-                     help="maximum prompt + output tokens (default: the model's max_position_embeddings)")
-    eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=argparse.SUPPRESS,
-                     help=f"prefill chunk size in tokens (default: {defaults['max_num_batched_tokens']})")
-    eng.add_argument("--max-num-seqs", type=_positive_int, default=argparse.SUPPRESS,
-                     help=f"sequences per step, = state-cache slots (default: {defaults['max_num_seqs']})")
-    eng.add_argument("--gpu-memory-utilization", type=_fraction, default=argparse.SUPPRESS,
-                     help=f"CUDA: fraction of device memory the engine may use "
-                          f"(default: {defaults['gpu_memory_utilization']})")
-    eng.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=argparse.SUPPRESS,
-                     help="state-cache budget in bytes (default: gpu_memory_utilization on CUDA, "
-                          "DEEPINFER_CPU_KV_CACHE_BYTES on CPU)")
-    eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                     help="CUDA: never capture decode CUDA graphs (default: DEEPINFER_ENFORCE_EAGER)")
-    eng.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "fp8"), default=argparse.SUPPRESS,
-                     help="storage of window and compressed KV rows: auto (default) = the model dtype; fp8 = "
-                          "e4m3 nope dims with a power-of-two scale per 64 + bf16 RoPE dims (35%% fewer cache "
-                          "bytes; lossless with the QAT simulation; needs --dtype bfloat16)")
-
+    _add_engine_flags(parser)
     _add_sampling_flags(parser.add_argument_group("sampling (SamplingParams fields)"))
 
     out = parser.add_argument_group("output")
@@ -279,12 +281,10 @@ def collect_prompts(inputs: Sequence[Any] | None) -> list[Any]:
 
 # ---- model -----------------------------------------------------------------------------------------
 def choose_model(model: str | None) -> str:
-    """--model, else DEEPINFER_HF_MODEL_DIR, else a cached DeepSeek-V4 checkpoint, else the bundled model."""
+    """`model` (--model, else DEEPINFER_HF_MODEL_DIR: the config's), else a cached DeepSeek-V4 checkpoint,
+    else the bundled model."""
     if model:
         return model
-    env_dir = envs.get("DEEPINFER_HF_MODEL_DIR")   # EnvError (a ValueError) when invalid
-    if env_dir:
-        return env_dir
     from .model.weights import CheckpointError, resolve_model_path   # never downloads
     for repo_id in KNOWN_REPO_IDS:
         try:
@@ -363,9 +363,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """LLM keyword arguments for the engine flags given."""
-    names = ("tokenizer", "dtype", "simulate_qat", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
-             "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager", "kv_cache_dtype")
-    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    return {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
 
 
 # ---- main ------------------------------------------------------------------------------------------
@@ -410,7 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = sampling_params_from_args(args)
         if args.output_json and not Path(args.output_json).expanduser().parent.is_dir():
             raise UsageError(f"--output-json: directory {Path(args.output_json).parent} does not exist")
-        llm = load_llm(choose_model(args.model), **engine_options_from_args(args))
+        engine_options = engine_options_from_args(args)
+        # the whole config (cross-field checks, the environment's values) before the slow load
+        config = EngineConfig.from_options(model=args.model, **engine_options)
+        llm = load_llm(choose_model(config.model.model), **engine_options)
         failure = None
         try:
             outputs = llm.generate(prompts, params, use_tqdm=args.progress)

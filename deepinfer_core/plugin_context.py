@@ -1,10 +1,12 @@
 """The public dataclasses that hooks receive and return (plugins see nothing else of the core)."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from .config import ModelConfig
+from .engine_config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -22,10 +24,10 @@ DTYPE_ALIASES = {"float32": "float32", "float": "float32", "fp32": "float32",
 
 
 def normalize_dtype(dtype: Any) -> str:
-    """Accept "float32"/"bfloat16"/"auto"/aliases/torch dtypes; anything else names the allowed values."""
-    import torch
-
-    if isinstance(dtype, torch.dtype):
+    """Accept "float32"/"bfloat16"/"auto"/aliases/torch dtypes; anything else names the allowed values.
+    Torch-free for strings (the CLI validates before importing torch): a torch dtype means torch is loaded."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype, str(dtype))
     if isinstance(dtype, str) and dtype.lower() in DTYPE_ALIASES:
         return DTYPE_ALIASES[dtype.lower()]
@@ -43,7 +45,7 @@ class BuildContext:
     dtype: str = "float32"            # compute dtype: "float32" | "bfloat16"
     simulate_qat: bool = True         # reference QAT numerics (FP8/FP4 fake-quant) on/off
     batch_invariant: bool = False
-    options: dict[str, Any] = field(default_factory=dict)   # remaining engine options
+    options: EngineConfig = field(default_factory=EngineConfig)   # every engine option, resolved
 
     @property
     def torch_dtype(self):

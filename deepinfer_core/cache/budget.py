@@ -1,5 +1,5 @@
 """How many paged blocks the state cache gets: from an explicit block count, an explicit byte budget,
-`gpu_memory_utilization` of a CUDA device, or the CPU byte budget of the env table."""
+`gpu_memory_utilization` of a CUDA device, or the CPU byte budget (`EngineConfig.cache`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 
+from ..engine_config import validate_utilization
+from ..envs import ENV_VARS
 from .state_cache import CacheLayout
 
 
@@ -19,12 +21,9 @@ class CacheRequest:
     memory_bytes: int | None = None             # LLM(kv_cache_memory_bytes=...)
     gpu_memory_utilization: float = 0.9         # fraction of the whole device the engine may use
     max_model_len: int | None = None            # caps the blocks at what max_num_seqs full sequences need
-
-
-def validate_utilization(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"gpu_memory_utilization={value!r}; allowed: a number in (0, 1]")
-    return float(value)
+    # the budget on the CPU when memory_bytes is unset: config.cache.cpu_kv_cache_bytes (this default is
+    # the env table's, for tools that size a cache without a config)
+    cpu_memory_bytes: int = ENV_VARS["DEEPINFER_CPU_KV_CACHE_BYTES"].default
 
 
 def resolve_num_blocks(layout: CacheLayout, req: CacheRequest, device: str,
@@ -51,8 +50,8 @@ def resolve_num_blocks(layout: CacheLayout, req: CacheRequest, device: str,
                              f"{act / 2**30:.2f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens")
         detail = f" ({used / 2**30:.2f} GiB in use, {act / 2**30:.2f} GiB activations)"
     else:
-        from ..envs import get
-        budget, name = get("DEEPINFER_CPU_KV_CACHE_BYTES"), "DEEPINFER_CPU_KV_CACHE_BYTES"
+        budget, name = req.cpu_memory_bytes, "cpu_kv_cache_bytes"
+        detail = " (DEEPINFER_CPU_KV_CACHE_BYTES)"
     n = layout.num_blocks_for_budget(budget, req.num_slots, name)
     note = f"{name}{detail}: {budget} bytes"
     if cap is not None and n > cap:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.kv_fp8 import kv_row_bytes as packed_row_bytes
+from ..ops.transfer import to_device
 from .block_allocator import BlockAllocator
 from .sequence_state import BlockTable, CompressorState, LayerPools, LayerState, SequenceState
 
@@ -159,6 +160,14 @@ class StateCache:
     def nbytes(self) -> int:
         """Bytes actually allocated by the pools (equals layout.cache_bytes; tested)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def reset_slots(self, slots: list[int]) -> None:
+        """Fresh tails (kv 0, z -inf) for new owners of these slots: one op per pool (spec §5.1)."""
+        idx = to_device(slots, torch.long, self.device)
+        for pools in self.comp + self.index:
+            if pools is not None:
+                pools["tail_kv"].index_fill_(0, idx, 0.0)
+                pools["tail_z"].index_fill_(0, idx, float("-inf"))
 
     def bind(self, slot: int, block_ids: list[int], fresh: bool = True) -> SequenceState:
         """A sequence's state over slot `slot` and the given blocks; `fresh` resets the tails (z = -inf)

@@ -1,190 +1,300 @@
-"""The step loop: schedule -> plan -> execute (forward + sample) -> post-process (tokens, logprobs,
-stop checks, freeing finished sequences). Policy lives in the scheduler, tensors in the executor
-and the runner; this file only moves plain data between them.
+"""The long-lived online engine: `add_request`, `abort_request`, `step`, `has_unfinished_requests`.
 
-Request constraints (structured outputs, `constraints.py`): a sequence whose grammar is still
-compiling waits without holding up the others; one whose grammar failed or timed out is refused
-(`refused`); a completed grammar finishes its sequence like a stop token.
+One step: schedule -> launch (forward + sampling, queued on the device) -> post-process the
+previous step (tokens, logprobs, stop checks, constraint advances, freeing finished sequences).
+Policy lives in the scheduler, tensors in the step executor and the runner; this file only moves
+plain data between them and keeps the per-request records.
 
-Zero-overhead scheduling (on by default): the executor runs step N on a worker thread while the
-host post-processes step N-1 and plans step N+1. A sequence that stops at step N has already been
-planned into step N+1; that extra token is dropped. Tokens come from the counter-based RNG keyed by
+Zero-overhead scheduling (async, on by default): step N+1 is launched before the host has read
+step N's tokens; their copy to the host completes on an event while the device computes N+1, and
+post-processing overlaps it. A sequence that stops at step N has already been planned into step
+N+1; that extra token is dropped. A sequence whose grammar needs its last token on the host skips
+one step instead of stalling the others. Tokens come from the counter-based RNG keyed by
 (seed, position), so the outputs are the same with the overlap on or off.
+
+Requests may be added and aborted between any two steps; an abort frees the request's slots and
+blocks at once (a token of it still in flight is dropped when it lands).
 """
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from .output_processor import check_stop, logprobs_entry
-from .scheduler import ScheduledChunk, Scheduler
-from .sequence import Sequence, SeqStatus
-from .step_executor import ChunkPlan, SampleSpec, StepExecutor, StepPlan, StepResult
+from ..api.outputs import RequestMetrics, RequestOutput
+from ..api.sampling_params import SamplingParams
+from ..ops.sampler import mix_seed
+from .constraints import attach_constraint
+from .output_processor import append_token, finalize_text, logprobs_entry, start_detokenizer
+from .scheduler import Scheduler, ScheduledChunk
+from .sequence import Request, Sequence, SeqStatus
+from .step_executor import HostLogprobs, InFlight, StepExecutor
 
 CONSTRAINT_POLL_SECONDS = 0.05     # nothing to run but grammars compiling: wait this long per step
 
 
+def completion_seed(base_seed: int, index: int) -> int:
+    """Seed of completion `index` of a request: the request seed itself for the first one, so n=1
+    and the first of n>1 completions agree."""
+    return base_seed if index == 0 else mix_seed(base_seed, index)
+
+
+@dataclass(eq=False)
+class _Tracked:
+    request: Request
+    seqs: list[Sequence]
+    unfinished: int
+
+
 class Engine:
-    def __init__(self, runner: Any, sampler: Any, scheduler: Scheduler, tokenizer: Any,
-                 eos_token_id: int | None, async_scheduling: bool = False):
-        self.scheduler, self.tokenizer, self.eos_token_id = scheduler, tokenizer, eos_token_id
-        self.executor = StepExecutor(runner, sampler, eos_token_id)
-        self.async_scheduling = async_scheduling
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if async_scheduling else None
-        self._in_flight: tuple[list[ScheduledChunk], Future] | None = None
-        self._released: list[int] = []
-        self._finished_ids: list[int] = []
+    def __init__(self, runner: Any, sampler: Any, scheduler: Scheduler, tokenizer: Any, *,
+                 max_model_len: int, async_scheduling: bool, seed: int = 0,
+                 logits_processors: list | None = None):
+        cfg = runner.model_config
+        self.scheduler, self.tokenizer = scheduler, tokenizer
+        self.eos_token_id, self.vocab_size = cfg.eos_token_id, int(cfg.vocab_size)
+        self.max_model_len, self.seed = max_model_len, seed
+        self.async_scheduling = bool(async_scheduling)
+        self.logits_processors = list(logits_processors or [])
+        self.executor = StepExecutor(runner, sampler, self.eos_token_id, self.vocab_size,
+                                     scheduler.blocks.allocator.num_slots)
+        self._requests: dict[str, _Tracked] = {}
+        self._in_flight: InFlight | None = None
+        self._touched: dict[str, _Tracked] = {}       # requests with news for the next step() result
+        self._next_seq_id = 0
+        self._counter = 0                             # requests added (default seeds)
         self.num_steps = 0
         self.num_dropped_tokens = 0        # sampled for a sequence that had already stopped (async)
-        self.refused: dict[int, str] = {}  # seq_id -> why its constraint never became ready
+        self.refused: dict[str, str] = {}  # request id -> why its constraint never became ready
 
-    def add(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+    # ---- the online interface ------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    prompt: str | None = None, seed: int | None = None, stream: bool = True,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request (a ValueError naming the problem leaves the engine as it
+        was). `stream`: step() reports its new tokens (and text) every step; else only when done.
+        `seed` overrides the default per-request seed (params.seed, else derived from the engine's
+        seed and a request counter)."""
+        arrival = time.time() if arrival_time is None else arrival_time
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"add_request: request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"add_request: request_id {request_id!r} is already in the engine")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"add_request: params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()      # again: a SamplingParams may have been changed after construction
+        ids = self._check_prompt(prompt_token_ids)
+        self._check_params(params)
+        # Last: a grammar starts compiling here, so only for a request that is otherwise valid.
+        constraint = attach_constraint(self.logits_processors, params, tokenizer=self.tokenizer,
+                                       vocab_size=self.vocab_size, eos_token_id=self.eos_token_id)
+        counter, self._counter = self._counter, self._counter + 1
+        if seed is None:
+            seed = params.seed if params.seed is not None else mix_seed(self.seed, counter)
+        req = Request(request_id, prompt, ids, params, seed, RequestMetrics(arrival_time=arrival),
+                      constraint, stream)
+        seqs = self._sequences(req)
+        for s in seqs:
+            self.scheduler.check_fits(s)         # refuse before anything runs
+        for s in seqs:
+            start_detokenizer(s, self.tokenizer)
+            self.scheduler.add(s)
+        self._requests[request_id] = _Tracked(req, seqs, len(seqs))
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now: its slots and blocks are free when this returns; no output follows."""
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            raise ValueError(f"abort_request: no request {request_id!r} in the engine")
+        self._touched.pop(request_id, None)
+        for s in tracked.seqs:
+            if not s.finished:
+                self.scheduler.finish(s)
+                s.finish_reason = "abort"
 
-    def step(self) -> list[Sequence]:
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self._in_flight is not None
+
+    def step(self) -> list[RequestOutput]:
         """Plan and launch one step, post-process the previous one (async) or this one (sync);
-        returns the sequences that finished."""
-        refused = self._refuse_failed_constraints()
+        returns one RequestOutput per request with news: streamed requests get their deltas,
+        the others their whole output once finished."""
+        self._refuse_failed_constraints()
         out = self.scheduler.schedule()
-        for seq in out.preempted:
-            self._released.append(seq.seq_id)
         if not out.chunks:
             if self._in_flight is not None:
-                return refused + self._process(*self._take_in_flight())
-            unready = self.scheduler.unready()
-            if unready:                    # only grammars still compiling: wait for the first one
-                unready[0].request.constraint.wait(CONSTRAINT_POLL_SECONDS)
-                return refused
-            if refused or not self.scheduler.has_unfinished():
-                return refused
-            raise RuntimeError("scheduler scheduled nothing while requests are pending "
-                               "(the state cache is too small for any waiting request)")
-        plan = self._plan(out.chunks)
+                step, self._in_flight = self._in_flight, None
+                self._process(step)
+            else:
+                self._idle()
+            return self._outputs()
+        self._mark_scheduled(out.admitted)
+        step = self.executor.launch(out.chunks, self.scheduler.blocks.updates.take(), self._in_flight)
         self.num_steps += 1
-        if self._pool is None:
-            return self._process(out.chunks, self.executor.execute(plan))
-        future = self._pool.submit(self.executor.execute, plan)
-        finished = self._process(*self._take_in_flight()) if self._in_flight is not None else []
-        self._in_flight = (out.chunks, future)
-        return refused + finished
-
-    def _refuse_failed_constraints(self) -> list[Sequence]:
-        """Finish the waiting sequences whose constraint can never be ready (a grammar that failed
-        to compile or timed out); `refused` says why. They never ran, so nothing else is owed."""
-        out = []
-        for seq in self.scheduler.unready():
-            reason = seq.request.constraint.error()
-            if reason is not None:
-                self.scheduler.finish(seq)
-                seq.completion.finish_reason = "abort"
-                self.refused[seq.seq_id] = reason
-                self._released.append(seq.seq_id)
-                self._finished_ids.append(seq.seq_id)
-                out.append(seq)
-        return out
-
-    def close(self) -> None:
-        """Drain the last step, let the executor drop every remaining state, stop the worker."""
-        try:
-            while self._in_flight is not None:
-                self._process(*self._take_in_flight())
-            self.executor.execute(StepPlan([], self._released, self._finished_ids))
-            self._released, self._finished_ids = [], []
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown()
+        if not self.async_scheduling:
+            self._process(step)
+        else:
+            previous, self._in_flight = self._in_flight, step
+            if previous is not None:
+                self._process(previous)
+        return self._outputs()
 
     def abort_all(self) -> None:
-        """After a failure: finish every sequence so the cache's slots and blocks return."""
+        """After a failure: drop every request so the cache's slots and blocks return."""
         self._in_flight = None
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self.scheduler.finish(seq)
-            self._released.append(seq.seq_id)
-            self._finished_ids.append(seq.seq_id)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self.executor.execute(StepPlan([], self._released, self._finished_ids))
-        self._released, self._finished_ids = [], []
+        for rid in list(self._requests):
+            self.abort_request(rid)
 
-    # ---- host side -----------------------------------------------------------------------------
-    def _take_in_flight(self) -> tuple[list[ScheduledChunk], StepResult]:
-        chunks, future = self._in_flight
-        self._in_flight = None
-        return chunks, future.result()
+    # ---- admission -----------------------------------------------------------------------------
+    def _check_prompt(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of int, "
+                             f"got {type(ids).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty; a prompt needs at least one token")
+        for pos, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t!r} at position {pos} of the prompt is outside "
+                                 f"[0, vocab_size={self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        return list(ids)
 
-    def _plan(self, chunks: list[ScheduledChunk]) -> StepPlan:
-        now = time.time()
-        plans = []
-        for c in chunks:
-            seq = c.seq
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
-            known_end = min(c.start + c.num_tokens, seq.num_tokens)
-            p = ChunkPlan(seq.seq_id, seq.slot, c.block_ids, c.start, seq.token_slice(c.start, known_end),
-                          pending=known_end < c.start + c.num_tokens, logit_mode=self._logit_mode(c))
-            if p.logit_mode == "all":
-                p.prompt_targets = seq.prompt_ids[c.start + 1:c.start + c.num_tokens + 1]
-                p.prompt_logprobs = seq.request.params.prompt_logprobs
-            if c.samples:
-                params = seq.request.params
-                p.sample = SampleSpec(params, seq.completion.seed, seq.prompt_ids,
-                                      params.all_stop_token_ids(self.eos_token_id),
-                                      seq.request.constraint)
-            plans.append(p)
-        plan = StepPlan(plans, self._released, self._finished_ids)
-        self._released, self._finished_ids = [], []
-        return plan
+    def _check_params(self, params: SamplingParams) -> None:
+        if params.stop and (self.tokenizer is None or not params.detokenize):
+            raise ValueError("SamplingParams: stop strings need a tokenizer; pass LLM(tokenizer=...) or "
+                             "use stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise ValueError(f"SamplingParams: {name}={getattr(params, name)} exceeds "
+                                 f"vocab_size={self.vocab_size}")
+
+    def _sequences(self, req: Request) -> list[Sequence]:
+        p = req.params
+        # vLLM: prompt + output stays within max_model_len (a full-length prompt still gets one).
+        max_tokens = max(1, self.max_model_len - len(req.prompt_token_ids))
+        max_tokens = min(max_tokens, p.max_tokens) if p.max_tokens is not None else max_tokens
+        stop_ids = frozenset(p.all_stop_token_ids(self.eos_token_id))
+        seqs = []
+        for j in range(p.n):
+            self._next_seq_id += 1
+            seqs.append(Sequence(self._next_seq_id, req, j, completion_seed(req.seed, j), max_tokens, stop_ids,
+                                 want_prompt_logprobs=j == 0 and p.prompt_logprobs is not None))
+        return seqs
+
+    def _refuse_failed_constraints(self) -> None:
+        """Finish the waiting sequences whose constraint can never be ready (a grammar that failed
+        to compile or timed out); `refused` says why. They never ran, so nothing else is owed."""
+        for seq in self.scheduler.unready():
+            reason = seq.request.constraint.error()
+            tracked = self._requests.get(seq.request.request_id)
+            if reason is None or tracked is None:
+                continue
+            self.refused[seq.request.request_id] = reason
+            for s in tracked.seqs:
+                if not s.finished:
+                    self.scheduler.finish(s)
+                    s.finish_reason = "abort"
+                    self._finished(tracked, s)
+
+    def _idle(self) -> None:
+        unready = self.scheduler.unready()
+        if unready:                        # only grammars still compiling: wait for the first one
+            unready[0].request.constraint.wait(CONSTRAINT_POLL_SECONDS)
+        elif self.scheduler.has_unfinished():
+            raise RuntimeError("scheduler scheduled nothing while requests are pending "
+                               "(the state cache is too small for any waiting request)")
 
     @staticmethod
-    def _logit_mode(c: ScheduledChunk) -> str:
-        if c.seq.want_prompt_logprobs and c.start < len(c.seq.prompt_ids):
-            return "all"
-        return "last" if c.samples else "none"
+    def _mark_scheduled(admitted: list[Sequence]) -> None:
+        now = time.time()
+        for seq in admitted:
+            m = seq.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
 
-    def _process(self, chunks: list[ScheduledChunk], result: StepResult) -> list[Sequence]:
-        for i, lp in result.prompt_logprobs.items():
-            self._add_prompt_logprobs(chunks[i], lp)
-        finished, now = [], time.time()
-        sampled = [c for c in chunks if c.samples]
-        for c, tok, lp, done in zip(sampled, result.tokens, result.logprobs, result.constraint_done):
+    # ---- post-processing -----------------------------------------------------------------------
+    def _process(self, step: InFlight) -> None:
+        tokens, lp = self.executor.collect(step)
+        for i, host in step.prompt_logprobs.items():
+            self._add_prompt_logprobs(step.chunks[i], host)
+        lp_at = {row: j for j, row in enumerate(lp.rows)} if lp is not None else None
+        now = time.time()
+        requests, touched = self._requests, self._touched
+        for row, (c, tok) in enumerate(zip(step.sampled, tokens)):
             seq = c.seq
             seq.num_pending -= 1
             if seq.status is SeqStatus.FINISHED:
                 self.num_dropped_tokens += 1       # planned before its stop was seen: dropped
                 continue
-            params, comp = seq.request.params, seq.completion
-            if lp is not None:
-                comp.logprobs = comp.logprobs if comp.logprobs is not None else []
-                comp.logprobs.append(logprobs_entry(lp, 0, tok, self.tokenizer if params.detokenize else None))
-                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + float(lp.sampled_logprobs[0])
-            comp.token_ids.append(tok)
-            m = seq.request.metrics
+            req = seq.request
+            if lp_at is not None and row in lp_at:
+                self._add_logprobs(seq, lp, lp_at[row], tok)
+            m = req.metrics
             m.token_times.append(now)
-            m.first_token_time = m.first_token_time or now
-            stopped = check_stop(comp, params, eos_token_id=self.eos_token_id, max_tokens=seq.max_tokens,
-                                 tokenizer=self.tokenizer)
-            if done and not stopped:       # the grammar is complete (its stop token, even with ignore_eos)
-                comp.finish_reason, comp.stop_reason, stopped = "stop", None, True
+            if m.first_token_time is None:
+                m.first_token_time = now
+            if tok not in seq.stop_ids and seq.detokenizer is None and len(seq.token_ids) + 1 < seq.max_tokens:
+                seq.token_ids.append(tok)          # the common case of append_token, inline
+                seq.num_tokens += 1
+                stopped = False
+            else:
+                stopped = append_token(seq, tok)
+            if seq.constraint_state is not None:
+                done = req.constraint.processor.advance([seq.constraint_state], [tok])[0]
+                if done and not stopped:   # the grammar is complete (its stop token, even with ignore_eos)
+                    seq.finish_reason, seq.stop_reason, stopped = "stop", None, True
             if stopped:
-                self.scheduler.finish(seq)
-                self._released.append(seq.seq_id)
-                self._finished_ids.append(seq.seq_id)
-                finished.append(seq)
-        return finished
+                tracked = requests.get(req.request_id)
+                if tracked is not None:
+                    self.scheduler.finish(seq)
+                    self._finished(tracked, seq)
+            elif req.stream and req.request_id in requests:
+                touched[req.request_id] = requests[req.request_id]
 
-    def _add_prompt_logprobs(self, c: ScheduledChunk, res) -> None:
+    def _finished(self, tracked: _Tracked, seq: Sequence) -> None:
+        finalize_text(seq, self.tokenizer)
+        seq.constraint_state = None
+        tracked.unfinished -= 1
+        self._touched[tracked.request.request_id] = tracked
+        if tracked.unfinished == 0:
+            tracked.request.metrics.finished_time = time.time()
+
+    def _outputs(self) -> list[RequestOutput]:
+        outs = []
+        for rid, tracked in self._touched.items():
+            req, seqs = tracked.request, tracked.seqs
+            done = tracked.unfinished == 0
+            if not (req.stream or done):
+                continue
+            outs.append(RequestOutput(rid, req.prompt, req.prompt_token_ids, seqs[0].prompt_logprobs,
+                                      [s.to_output(delta=req.stream) for s in seqs], done, req.metrics))
+            if done:
+                del self._requests[rid]
+        self._touched = {}
+        return outs
+
+    def _add_logprobs(self, seq: Sequence, lp: HostLogprobs, j: int, token: int) -> None:
+        k = seq.request.params.logprobs
+        tok = self.tokenizer if seq.request.params.detokenize else None
+        entry = logprobs_entry(lp.top_values[j][:k], lp.top_ids[j][:k], token, lp.token_logprobs[j],
+                               lp.token_ranks[j], tok)
+        if seq.logprobs is None:
+            seq.logprobs = []
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + lp.token_logprobs[j]
+
+    def _add_prompt_logprobs(self, c: ScheduledChunk, host: tuple) -> None:
         """Row r predicts prompt token start + r + 1 (the first prompt token gets None). Entries are
         written by position, so a chunk recomputed after a preemption simply overwrites its own."""
         seq = c.seq
+        vals, ids, slp, ranks = (t.tolist() for t in host)
         entries = seq.prompt_logprobs if seq.prompt_logprobs is not None else [None]
         targets = seq.prompt_ids[c.start + 1:c.start + c.num_tokens + 1]
         end = c.start + 1 + len(targets)
         entries.extend([None] * (end - len(entries)))
         tok = self.tokenizer if seq.request.params.detokenize else None
-        entries[c.start + 1:end] = [logprobs_entry(res, r, t, tok) for r, t in enumerate(targets)]
+        entries[c.start + 1:end] = [logprobs_entry(vals[r], ids[r], t, slp[r], ranks[r], tok)
+                                    for r, t in enumerate(targets)]
         seq.prompt_logprobs = entries

@@ -1,91 +1,77 @@
-"""Per-token output processing: the request record, one completion's growing state, stop checks
-and logprob entries. Host-side only; shared by the engine and the API."""
+"""Host-side processing of sampled tokens: append, stop checks, text, logprob entries.
+
+Text is only decoded during generation for a completion that needs it then (stop strings, or a
+streamed request whose deltas carry text): an `IncrementalDetokenizer` per such completion decodes a
+small window per token. Every other completion is decoded once, when it finishes.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence as Seq
 
-from ..api.outputs import CompletionOutput, Logprob, RequestMetrics
-from ..api.sampling_params import SamplingParams
+from ..api.outputs import Logprob
 from ..api.tokenizer import Tokenizer
-from ..ops.sampler import LogprobsResult
+from .detokenizer import IncrementalDetokenizer, find_stop
+from .sequence import Sequence
 
 
-def _find_stop_string(text: str, stops: Sequence[str], search_from: int) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, max(0, search_from - len(s) + 1))
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
+def wants_text(seq: Sequence, tokenizer: Tokenizer | None) -> bool:
+    return tokenizer is not None and seq.request.params.detokenize
 
 
-@dataclass
-class Request:
-    """One validated request: prompt, its own copy of the params, and its base seed."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int                          # completion j samples with completion_seed(seed, j)
-    metrics: RequestMetrics
-    constraint: Any = None             # a RequestConstraint (structured outputs) or None
+def start_detokenizer(seq: Sequence, tokenizer: Tokenizer | None) -> None:
+    """Give `seq` an incremental detokenizer when its text is needed while it grows."""
+    params = seq.request.params
+    if wants_text(seq, tokenizer) and (params.stop or seq.request.stream):
+        seq.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                                 prompt_ids=seq.prompt_ids)
 
 
-@dataclass
-class CompletionState:
-    """One completion being generated: tokens, text, logprobs and the finish state."""
-
-    index: int
-    seed: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def to_output(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, list(self.token_ids), self.cumulative_logprob,
-                                self.logprobs, self.finish_reason, self.stop_reason)
-
-
-def check_stop(state: CompletionState, params: SamplingParams, *, eos_token_id: int | None,
-               max_tokens: int, tokenizer: Tokenizer | None) -> bool:
-    """Update `state.text` for the newest token and set finish/stop reasons; True when finished.
+def append_token(seq: Sequence, token: int) -> bool:
+    """Record one sampled token; True when the completion is finished (reason set on `seq`).
 
     Stop tokens (EOS, stop_token_ids) and stop strings count only once min_tokens are out (the
-    sampler also masks stop tokens before that). Their text is cut unless include_stop_str_in_output.
-    """
-    ids, last = state.token_ids, state.token_ids[-1]
-    detok = tokenizer is not None and params.detokenize
-    prev_len = len(state.text.rstrip("\ufffd"))   # a partial UTF-8 char may still change
-    if detok:
-        state.text = tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-    if len(ids) >= params.min_tokens:
-        stop_token = last in params.all_stop_token_ids(eos_token_id)
-        if stop_token:
-            state.finish_reason = "stop"
-            # vLLM: EOS leaves stop_reason None; a stop_token_ids hit records the id.
-            state.stop_reason = last if last in params.stop_token_ids else None
-            if detok and not params.include_stop_str_in_output:
-                state.text = tokenizer.decode(ids[:-1], skip_special_tokens=params.skip_special_tokens)
-            return True
-        hit = _find_stop_string(state.text, params.stop, prev_len) if detok and params.stop else None
-        if hit is not None:
-            pos, s = hit
-            state.finish_reason, state.stop_reason = "stop", s
-            state.text = state.text[:pos + len(s)] if params.include_stop_str_in_output else state.text[:pos]
-            return True
-    if len(ids) >= max_tokens:
-        state.finish_reason = "length"
+    sampler also masks stop tokens before that)."""
+    params = seq.request.params
+    seq.token_ids.append(token)
+    seq.num_tokens += 1
+    n = len(seq.token_ids)
+    if n >= params.min_tokens and token in seq.stop_ids:
+        seq.finish_reason = "stop"
+        # vLLM: EOS leaves stop_reason None; a stop_token_ids hit records the id.
+        seq.stop_reason = token if token in params.stop_token_ids else None
+        return True
+    if seq.detokenizer is not None:
+        before = len(seq.text)
+        seq.text += seq.detokenizer.append([token])
+        if params.stop and n >= params.min_tokens:
+            hit = find_stop(seq.text, params.stop, before)
+            if hit is not None:
+                pos, s = hit
+                seq.finish_reason, seq.stop_reason = "stop", s
+                seq.text = seq.text[:pos + len(s)] if params.include_stop_str_in_output else seq.text[:pos]
+                seq.detokenizer = None
+                return True
+    if n >= seq.max_tokens:
+        seq.finish_reason = "length"
         return True
     return False
 
 
-def logprobs_entry(res: LogprobsResult, row: int, token_id: int | None,
-                   tokenizer: Tokenizer | None) -> dict[int, Logprob]:
+def finalize_text(seq: Sequence, tokenizer: Tokenizer | None) -> None:
+    """The finished completion's text: one decode of its tokens (a stop token's text is cut unless
+    include_stop_str_in_output; a stop string already cut the text)."""
+    params = seq.request.params
+    seq.detokenizer = None
+    if not wants_text(seq, tokenizer) or isinstance(seq.stop_reason, str):
+        return
+    ids = seq.token_ids
+    if seq.finish_reason == "stop" and ids and ids[-1] in seq.stop_ids and not params.include_stop_str_in_output:
+        ids = ids[:-1]
+    seq.text = tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+
+def logprobs_entry(top_values: Seq[float], top_ids: Seq[int], token_id: int | None, token_logprob: float,
+                   token_rank: int, tokenizer: Tokenizer | None) -> dict[int, Logprob]:
     """token id -> Logprob for one position: `token_id` (sampled or actual prompt token, with its true
     rank) first, then the top-K with ranks 1..K."""
     def decoded(t: int) -> str | None:
@@ -93,9 +79,8 @@ def logprobs_entry(res: LogprobsResult, row: int, token_id: int | None,
 
     out: dict[int, Logprob] = {}
     if token_id is not None:
-        out[token_id] = Logprob(float(res.sampled_logprobs[row]), int(res.sampled_ranks[row]),
-                                decoded(token_id))
-    for rank, (lp, t) in enumerate(zip(res.top_logprobs[row].tolist(), res.top_ids[row].tolist()), 1):
+        out[token_id] = Logprob(token_logprob, token_rank, decoded(token_id))
+    for rank, (lp, t) in enumerate(zip(top_values, top_ids), 1):
         if t not in out:
             out[t] = Logprob(lp, rank, decoded(t))
     return out

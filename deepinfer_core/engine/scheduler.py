@@ -1,17 +1,19 @@
 """Continuous batching: FCFS admission, chunked prefill under a token budget, prefill and decode
 mixed in one step, `max_num_seqs`, and preemption by recompute when the state cache is full.
 
-The scheduler only decides *which tokens of which sequences* run next and which slot and blocks of
-the state cache they own; it never touches tensors. Capacity is counted in the allocator's real
-slots and blocks (one logical block size for every layer kind: 128 positions).
+The scheduler decides *which tokens of which sequences* run next and which slot and blocks of the
+state cache they own; it never touches tensors. Capacity is counted in the allocator's real slots
+and blocks (one logical block size for every layer kind: 128 positions). What changed in the cache
+since the last step (newly bound slots, blocks appended to a sequence's table) is recorded in
+`CacheUpdates`, which the device side applies to its persistent per-slot tables in one go.
 
 Asynchronous scheduling: step N+1 may be planned before step N's tokens are known. A sequence then
-has `num_pending` tokens in flight; its next chunk feeds the pending token (the executor resolves it
-on the device side), and it is not scheduled past its max_tokens.
+has `num_pending` tokens in flight; its next chunk feeds the pending token (the device takes it
+from its own record of the last sampled token), and it is not scheduled past its max_tokens. A
+sequence whose next step needs host knowledge of its last token (a grammar's mask) waits for it.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,19 +28,32 @@ class SchedulerConfig:
     block_size: int = 128
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     seq: Sequence
     start: int                             # first position fed this step
     num_tokens: int
     samples: bool                          # reaches the last token, so its last row samples a new one
-    block_ids: tuple[int, ...] = ()        # snapshot of the sequence's block table for this step
+
+
+@dataclass
+class CacheUpdates:
+    """Changes to the slot/block bookkeeping since the last step, for the device-side tables."""
+
+    bound_slots: list[int] = field(default_factory=list)        # fresh owners: reset their state
+    table_writes: list[tuple[int, int, int]] = field(default_factory=list)   # (slot, column, block)
+
+    def take(self) -> "CacheUpdates":
+        out = CacheUpdates(self.bound_slots, self.table_writes)
+        self.bound_slots, self.table_writes = [], []
+        return out
 
 
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)      # moved from waiting to running
 
 
 class BlockManager:
@@ -47,33 +62,36 @@ class BlockManager:
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
         self.allocator, self.block_size = allocator, block_size
+        self.updates = CacheUpdates()
 
     def blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
+        return -(-num_tokens // self.block_size)
 
     @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 
-    @property
-    def num_used(self) -> int:
-        return self.allocator.num_used_blocks
-
     def can_hold(self, seq: Sequence, num_tokens: int) -> bool:
         if seq.slot < 0 and self.allocator.num_free_slots == 0:
             return False
-        return self.blocks_for(num_tokens) - len(seq.block_table) <= self.allocator.num_free_blocks
+        return self.blocks_for(num_tokens) - len(seq.block_ids) <= self.allocator.num_free_blocks
 
     def hold(self, seq: Sequence, num_tokens: int) -> None:
         if seq.slot < 0:
             seq.slot = self.allocator.allocate_slot()
-        extra = self.blocks_for(num_tokens) - len(seq.block_table)
+            self.updates.bound_slots.append(seq.slot)
+            if self.updates.table_writes:      # the slot's previous owner's writes of this interval
+                self.updates.table_writes = [w for w in self.updates.table_writes if w[0] != seq.slot]
+        extra = self.blocks_for(num_tokens) - len(seq.block_ids)
         if extra > 0:
-            seq.block_table.extend(self.allocator.allocate_blocks(extra))
+            first = len(seq.block_ids)
+            new = self.allocator.allocate_blocks(extra)
+            seq.block_ids.extend(new)
+            self.updates.table_writes.extend((seq.slot, first + i, b) for i, b in enumerate(new))
 
     def free(self, seq: Sequence) -> None:
-        self.allocator.free_blocks(seq.block_table)
-        seq.block_table = []
+        self.allocator.free_blocks(seq.block_ids)
+        seq.block_ids = []
         if seq.slot >= 0:
             self.allocator.free_slot(seq.slot)
             seq.slot = -1
@@ -83,15 +101,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
         self.config = config
         self.blocks = BlockManager(allocator, config.block_size)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()     # finished entries are skipped and dropped lazily
+        self.running: dict[int, Sequence] = {}      # seq_id -> sequence, in admission order
         self.num_preemptions = 0
 
     def check_fits(self, seq: Sequence) -> None:
         """A sequence that could never fit alone would wait forever: refuse it at submission."""
         need = self.blocks.blocks_for(seq.max_total_tokens)
         if need > self.blocks.num_blocks:
-            raise ValueError(f"request {seq.request.request_id}: prompt + max_tokens = {seq.max_total_tokens} "
+            raise ValueError(f"prompt + max_tokens = {seq.max_total_tokens} "
                              f"tokens need {need} cache blocks but the cache has {self.blocks.num_blocks}; "
                              f"lower max_tokens or raise the cache budget")
 
@@ -101,70 +119,103 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running) or any(not s.finished for s in self.waiting)
 
     def unready(self) -> list[Sequence]:
         """Waiting sequences whose constraint is still being prepared (or failed)."""
-        return [s for s in self.waiting if not s.ready]
+        return [s for s in self.waiting if not s.finished and not s.ready]
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        self._admit_waiting(out, budget)
+        return out
+
+    @staticmethod
+    def _plan(out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        start = seq.num_computed
+        samples = start + n == seq.num_tokens + seq.num_pending
+        out.chunks.append(ScheduledChunk(seq, start, n, samples))
+        seq.num_computed = start + n
+        if samples:
+            seq.num_pending += 1
 
     def _next_chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` can feed now: everything up to its newest (possibly pending) token; none
-        once its in-flight tokens already reach max_tokens."""
-        if seq.num_pending and seq.num_outputs_scheduled >= seq.max_tokens:
+        once its in-flight tokens reach max_tokens, nor while a grammar waits for its last token."""
+        if seq.num_pending and (seq.num_outputs_scheduled >= seq.max_tokens
+                                or seq.request.constraint is not None):
             return 0
         return min(seq.num_tokens + seq.num_pending - seq.num_computed, budget)
 
-    def schedule(self) -> SchedulerOutput:
-        out, budget = SchedulerOutput(), self.config.max_num_batched_tokens
-        planned: list[tuple[Sequence, int]] = []
-        for seq in list(self.running):            # running first, oldest first (FCFS)
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running sequences first, oldest first (FCFS); the newest make room when blocks run out
+        (a victim is always newer than the sequence being planned, so never planned already).
+        The common case, a decode inside the blocks it holds, is inline: this loop runs for every
+        sequence at every step."""
+        block_size, chunks = self.config.block_size, out.chunks
+        for seq in list(self.running.values()):
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue                           # preempted earlier in this loop
-            n = self._next_chunk(seq, budget)
+            pending = seq.num_pending
+            if pending and (len(seq.token_ids) + pending >= seq.max_tokens or seq.request.constraint is not None):
+                continue                           # at max_tokens, or a grammar waits for its token
+            start = seq.num_computed
+            n = min(seq.num_tokens + pending - start, budget)
             if n <= 0:
                 continue
-            while not self.blocks.can_hold(seq, seq.num_computed + n):
-                victim = self.running[-1]          # the newest running sequence makes room
-                self._preempt(victim, out)
-                planned = [(s, k) for s, k in planned if s is not victim]
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            self.blocks.hold(seq, seq.num_computed + n)
-            planned.append((seq, n))
+            if start + n > len(seq.block_ids) * block_size:
+                while not self.blocks.can_hold(seq, start + n):
+                    victim = next(reversed(self.running.values()))
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                if seq.status is not SeqStatus.RUNNING:
+                    continue
+                self.blocks.hold(seq, start + n)
+            samples = start + n == seq.num_tokens + pending
+            chunks.append(ScheduledChunk(seq, start, n, samples))
+            seq.num_computed = start + n
+            if samples:
+                seq.num_pending = pending + 1
             budget -= n
-        for seq in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                break
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Waiting sequences in order while the budget, the slots and the blocks allow; admission
+        never preempts. A sequence whose grammar is still compiling lets the others go first."""
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.finished:
+                self.waiting.popleft()
+                continue
             if not seq.ready:
-                continue                           # its grammar is still compiling: the others go first
+                skipped.append(self.waiting.popleft())
+                continue
             if seq.num_pending:
                 break                              # preempted while a token was in flight: wait for it
             n = self._next_chunk(seq, budget)
             if not self.blocks.can_hold(seq, seq.num_computed + n):
-                break                              # admission never preempts
-            self.waiting.remove(seq)
+                break
+            self.waiting.popleft()
+            out.admitted.append(seq)
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self.running[seq.seq_id] = seq
             self.blocks.hold(seq, seq.num_computed + n)
-            planned.append((seq, n))
+            self._plan(out, seq, n)
             budget -= n
-        for seq, n in planned:
-            samples = seq.num_computed + n == seq.num_tokens + seq.num_pending
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, samples, tuple(seq.block_table)))
-            seq.num_computed += n
-            seq.num_pending += int(samples)
-        return out
+        self.waiting.extendleft(reversed(skipped))
 
+    # ---- leaving -------------------------------------------------------------------------------
     def finish(self, seq: Sequence) -> None:
-        """Done (stop, length or abort): free its slot and blocks, whether running or waiting."""
+        """Done (stop, length or abort): free its slot and blocks at once, whether running or
+        waiting (a waiting entry is dropped from the queue lazily)."""
         if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
-            self.waiting.remove(seq)
+            del self.running[seq.seq_id]
         seq.status = SeqStatus.FINISHED
         self.blocks.free(seq)
 
@@ -172,7 +223,7 @@ class Scheduler:
         """Recompute later: drop the cached state; prompt + outputs so far are re-prefilled."""
         self.num_preemptions += 1
         self.blocks.free(seq)
-        self.running.remove(seq)
+        del self.running[seq.seq_id]
         seq.status, seq.num_computed = SeqStatus.WAITING, 0
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

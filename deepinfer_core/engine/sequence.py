@@ -1,11 +1,16 @@
-"""One completion being generated: its tokens, how many of them the state cache holds, and its
-status. Plain Python (the scheduler reads these; it never touches tensors)."""
+"""One completion being generated: the single host-side record of everything the engine knows about
+it: scheduling facts (status, one position counter, one slot, its blocks), the output so far, and
+its per-completion constraint state. Plain Python: the scheduler and the output processor read it,
+the device side never does (it keeps only tensors indexed by slot).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
-from .output_processor import CompletionState, Request
+from ..api.outputs import CompletionOutput, Logprob, RequestMetrics
+from ..api.sampling_params import SamplingParams
 
 
 class SeqStatus(Enum):
@@ -14,19 +19,61 @@ class SeqStatus(Enum):
     FINISHED = auto()
 
 
-@dataclass(eq=False)
+@dataclass
+class Request:
+    """One validated request: prompt, its own copy of the params, and its base seed."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                          # completion j samples with completion_seed(seed, j)
+    metrics: RequestMetrics
+    constraint: Any = None             # a RequestConstraint (structured outputs) or None
+    stream: bool = True                # step() reports deltas (text decoded as it grows); else final only
+
+
+@dataclass(eq=False, slots=True)
 class Sequence:
     seq_id: int
     request: Request
-    completion: CompletionState
+    index: int                            # completion index within its request
+    seed: int
     max_tokens: int                       # output tokens allowed (params and max_model_len)
+    stop_ids: frozenset[int] = frozenset()   # EOS (unless ignore_eos) + stop_token_ids, resolved once
     want_prompt_logprobs: bool = False
+    # ---- scheduling (the scheduler's) ----
     status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0                 # positions scheduled into the cache (next position)
+    num_tokens: int = 0                   # prompt + known outputs (set from the prompt at creation)
+    num_computed: int = 0                 # positions scheduled into the cache (= next position)
     num_pending: int = 0                  # tokens being sampled by steps not yet post-processed
     slot: int = -1                        # state slot while resident (-1: none)
-    block_table: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    # ---- output (the output processor's) ----
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
     prompt_logprobs: list | None = None
+    detokenizer: Any = None               # IncrementalDetokenizer while text is needed per step
+    constraint_state: Any = None          # this completion's matcher (structured outputs)
+    num_reported: int = 0                 # tokens already returned by Engine.step (deltas)
+    text_reported: int = 0                # characters of `text` already returned
+
+    # ---- facts of the params, resolved once (the step loop reads them for every row) ----
+    params: SamplingParams | None = None
+    penalised: bool = False               # repetition / presence / frequency penalty
+    min_tokens: int = 0
+    wants_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.request.prompt_token_ids) + len(self.token_ids)
+        p = self.params = self.request.params
+        self.penalised = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        self.min_tokens = p.min_tokens
+        self.wants_logprobs = p.logprobs is not None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -39,18 +86,33 @@ class Sequence:
         return c is None or c.ready()
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.request.prompt_token_ids) + len(self.completion.token_ids)
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
 
     @property
     def num_outputs_scheduled(self) -> int:
         """Output tokens known plus those still being sampled."""
-        return len(self.completion.token_ids) + self.num_pending
+        return len(self.token_ids) + self.num_pending
 
     @property
     def max_total_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + self.max_tokens
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        prompt, out = self.request.prompt_token_ids, self.completion.token_ids
-        return (prompt + out)[start:end] if end > len(prompt) else prompt[start:end]
+        prompt = self.request.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        p = len(prompt)
+        return prompt[start:] + self.token_ids[max(0, start - p):end - p]
+
+    def to_output(self, delta: bool = False) -> CompletionOutput:
+        """The completion so far, or (delta) what was not reported yet; marks it reported."""
+        if not delta:
+            return CompletionOutput(self.index, self.text, list(self.token_ids), self.cumulative_logprob,
+                                    None if self.logprobs is None else list(self.logprobs),
+                                    self.finish_reason, self.stop_reason)
+        n, t = self.num_reported, self.text_reported
+        self.num_reported, self.text_reported = len(self.token_ids), len(self.text)
+        return CompletionOutput(self.index, self.text[t:], self.token_ids[n:], self.cumulative_logprob,
+                                None if self.logprobs is None else self.logprobs[n:],
+                                self.finish_reason, self.stop_reason)

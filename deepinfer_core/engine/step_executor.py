@@ -1,11 +1,13 @@
-"""The device side of one engine step: bind states, resolve pending input tokens, run the batched
-forward, apply the request constraints (structured-output masks), compute logprobs, apply
-penalties and the min_tokens mask, sample, and advance the constraints with the sampled tokens.
+"""The device side of one engine step: inputs -> forward -> constraint masks -> penalties and the
+min_tokens mask -> one sampler call for every row -> one logprobs call at the largest k -> the
+sampled ids written into the runner's per-slot last-token record and copied to the host
+asynchronously.
 
-It runs steps strictly in submission order (inline, or on one worker thread when scheduling is
-asynchronous), so it can keep the facts a step needs from the previous one: each sequence's state
-and every token it sampled. The host plans step N+1 without waiting for step N's tokens; a chunk
-marked `pending` takes its last input token from this executor's record instead.
+Nothing here waits for the device. `launch` returns an `InFlight` step whose host copies complete
+on an event; `collect` waits for that event (by then the device is usually busy with the next
+step, launched in between). The next step's inputs never need the host to know this step's tokens:
+a sequence whose token is still in flight feeds it from the runner's last-token record on the
+device (its input id is encoded as -1 - slot).
 """
 from __future__ import annotations
 
@@ -14,152 +16,233 @@ from typing import Any
 
 import torch
 
-from ..ops.sampler import LogprobsResult, apply_penalties, compute_logprobs
+from ..ops.penalties import PenaltyState
+from ..ops.sampler import compute_logprobs
 from ..ops.transfer import to_device
+from .scheduler import CacheUpdates, ScheduledChunk
 
 
 @dataclass
-class SampleSpec:
-    params: Any                         # SamplingParams
-    seed: int
-    prompt_ids: list[int]
-    stop_ids: list[int]                 # masked while fewer than min_tokens outputs exist
-    constraint: Any = None              # RequestConstraint (engine/constraints.py) or None
+class StepBatch:
+    """What the runner needs for one forward: flat ids (pending rows hold -1 - slot), per-sequence
+    slots/starts/lens, the rows whose logits are wanted, and the cache bookkeeping changes."""
+
+    slots: list[int]
+    starts: list[int]
+    lens: list[int]
+    ids: list[int]
+    logit_rows: list[int]
+    updates: CacheUpdates
+    pending: bool = False                  # some ids are -1 - slot
 
 
 @dataclass
-class ChunkPlan:
-    seq_id: int
-    slot: int
-    block_ids: tuple[int, ...]
-    start: int                          # 0 = the sequence (re)starts: bind a fresh state
-    known_ids: list[int]                # input tokens the host knows
-    pending: bool                       # one more input: this sequence's newest sampled token
-    logit_mode: str                     # "all" (prompt logprobs) | "last" | "none"
-    sample: SampleSpec | None = None
-    prompt_targets: list[int] = field(default_factory=list)
-    prompt_logprobs: int | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.known_ids) + int(self.pending)
+class HostLogprobs:
+    rows: list[int]                        # sampled-row index of each entry
+    top_values: list[list[float]]
+    top_ids: list[list[int]]
+    token_logprobs: list[float]
+    token_ranks: list[int]
 
 
 @dataclass
-class StepPlan:
-    chunks: list[ChunkPlan]
-    released: list[int] = field(default_factory=list)    # sequences whose state is gone
-    finished: list[int] = field(default_factory=list)    # ... and whose token record can go too
+class InFlight:
+    chunks: list[ScheduledChunk]
+    sampled: list[ScheduledChunk]          # the chunks whose last row sampled, in row order
+    tokens: torch.Tensor | None            # host int64 [len(sampled)] (pinned, filled asynchronously)
+    logprobs: tuple | None                 # host tensors of the logprobs rows
+    logprob_rows: list[int] = field(default_factory=list)
+    prompt_logprobs: dict[int, tuple] = field(default_factory=dict)   # chunk index -> host tensors
+    event: Any = None                      # torch.cuda.Event after the copies, or None (CPU)
+    masked: bool = False                   # constraint masks were copied from the host this step
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
 
 
-@dataclass
-class StepResult:
-    tokens: list[int]                                     # one per sampling chunk, in order
-    logprobs: list[LogprobsResult | None]
-    prompt_logprobs: dict[int, LogprobsResult]            # chunk index -> result
-    constraint_done: list[bool] = field(default_factory=list)   # per sampled token: constraint complete
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def _has_penalties(p) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 class StepExecutor:
-    def __init__(self, runner: Any, sampler: Any, eos_token_id: int | None = None):
+    def __init__(self, runner: Any, sampler: Any, eos_token_id: int | None, vocab_size: int, num_slots: int):
         self.runner, self.sampler, self.eos_token_id = runner, sampler, eos_token_id
-        self.states: dict[int, Any] = {}
-        self.outputs: dict[int, list[int]] = {}           # every token each sequence sampled
-        # Per-completion constraint states. They survive a preemption (the recompute re-feeds
-        # exactly the tokens they have accepted) and go when the sequence finishes.
-        self.constraint_states: dict[int, Any] = {}
+        self.device = torch.device(runner.device)
+        self.penalties = PenaltyState(num_slots, vocab_size, self.device)
 
-    @property
-    def num_states(self) -> int:
-        return len(self.states)
-
+    # ---- launch --------------------------------------------------------------------------------
     @torch.no_grad()
-    def execute(self, plan: StepPlan) -> StepResult:
-        for sid in plan.released:
-            state = self.states.pop(sid, None)
-            if state is not None:
-                self.runner.release(state)
-        for sid in plan.finished:
-            self.outputs.pop(sid, None)
-            self.constraint_states.pop(sid, None)
-        if not plan.chunks:
-            return StepResult([], [], {})
-        states, inputs = [], []
-        for c in plan.chunks:
-            if c.start == 0:
-                if c.seq_id in self.states:
-                    self.runner.release(self.states.pop(c.seq_id))
-                self.states[c.seq_id] = self.runner.bind_sequence(c.slot, list(c.block_ids))
-            state = self.states[c.seq_id]
-            if hasattr(state, "table") and len(state.table) != len(c.block_ids):
-                state.table.set(list(c.block_ids))
-            states.append(state)
-            inputs.append(c.known_ids + [self.outputs[c.seq_id][-1]] if c.pending else c.known_ids)
-        logits = self.runner.forward_batch(inputs, states, logit_modes=[c.logit_mode for c in plan.chunks])
-        rows, sampling, prompt_lp, row = [], [], {}, 0
-        for i, c in enumerate(plan.chunks):
-            n_rows = {"none": 0, "last": 1, "all": c.num_tokens}[c.logit_mode]
-            if c.prompt_targets:
-                t = torch.tensor(c.prompt_targets, device=logits.device)
-                prompt_lp[i] = compute_logprobs(logits[row:row + len(t)], c.prompt_logprobs, t)
-            if c.sample is not None:
-                rows.append(row + n_rows - 1)
-                sampling.append(c)
-            row += n_rows
-        # index_select with a staged index: indexing by a list would wait for the forward on a GPU,
-        # and the host work of sampling (the structured-output masks) is meant to overlap it.
-        picked = logits.index_select(0, to_device(rows, torch.long, logits.device)) if rows else logits[:0]
-        tokens, logprobs, done = self._sample(picked, sampling)
-        return StepResult(tokens, logprobs, prompt_lp, done)
+    def launch(self, chunks: list[ScheduledChunk], updates: CacheUpdates,
+               previous: InFlight | None = None) -> InFlight:
+        batch, sampled, prompt_lp = self._inputs(chunks, updates)
+        fresh = [c.seq for c in chunks if c.start == 0 and _has_penalties(c.seq.request.params)]
+        if fresh:      # (re)started sequences: their counts from the outputs they already have
+            self.penalties.start([s.slot for s in fresh], [s.prompt_ids for s in fresh],
+                                 [s.token_ids for s in fresh])
+        logits = self.runner.execute(batch)
+        step = InFlight(chunks, sampled, None, None)
+        row = 0
+        sample_rows = []
+        for i, c in enumerate(chunks):
+            if i in prompt_lp:
+                n = c.num_tokens
+                targets = c.seq.prompt_ids[c.start + 1:c.start + n + 1]
+                k = c.seq.request.params.prompt_logprobs
+                t = to_device(targets, torch.long, logits.device)
+                res = compute_logprobs(logits[row:row + len(targets)], k, t)
+                step.prompt_logprobs[i] = tuple(_to_host(x) for x in (res.top_logprobs, res.top_ids,
+                                                                      res.sampled_logprobs, res.sampled_ranks))
+                row += n
+                if c.samples:
+                    sample_rows.append(row - 1)
+            elif c.samples:
+                sample_rows.append(row)
+                row += 1
+        if sampled:
+            if len(sample_rows) != logits.shape[0]:
+                logits = logits.index_select(0, to_device(sample_rows, torch.long, logits.device))
+            self._sample(logits, step, previous)
+        if self.device.type == "cuda":
+            step.event = torch.cuda.Event()
+            step.event.record()
+        return step
 
-    def _constrained(self, chunks: list[ChunkPlan]) -> dict[Any, tuple[list[int], list[Any]]]:
+    def _inputs(self, chunks: list[ScheduledChunk], updates: CacheUpdates):
+        """The flat step inputs; this runs for every sequence at every step."""
+        if all([c.num_tokens == 1 and c.samples and not c.seq.want_prompt_logprobs for c in chunks]):
+            return self._decode_inputs(chunks, updates), list(chunks), set()
+        slots, starts, lens, ids, rows, sampled, prompt_lp = [], [], [], [], [], [], set()
+        pending = False
+        for i, c in enumerate(chunks):
+            seq, start, n = c.seq, c.start, c.num_tokens
+            end, known = start + n, seq.num_tokens
+            if known >= end:
+                ids.extend(seq.token_slice(start, end))
+            else:                                  # its newest token is still on the device
+                if known > start:
+                    ids.extend(seq.token_slice(start, known))
+                ids.append(-1 - seq.slot)
+                pending = True
+            if c.samples:
+                sampled.append(c)
+                if seq.want_prompt_logprobs and start < len(seq.request.prompt_token_ids):
+                    prompt_lp.add(i)
+                    rows.extend(range(len(ids) - n, len(ids)))
+                else:
+                    rows.append(len(ids) - 1)
+            elif seq.want_prompt_logprobs and start < len(seq.request.prompt_token_ids):
+                prompt_lp.add(i)
+                rows.extend(range(len(ids) - n, len(ids)))
+            slots.append(seq.slot)
+            starts.append(start)
+            lens.append(n)
+        return StepBatch(slots, starts, lens, ids, rows, updates, pending), sampled, prompt_lp
+
+    @staticmethod
+    def _decode_inputs(chunks: list[ScheduledChunk], updates: CacheUpdates) -> StepBatch:
+        """A pure decode step (one token per sequence, each sampling): list comprehensions only.
+        A token the host does not know yet is -1 - slot (the device's last-token record)."""
+        seqs = [c.seq for c in chunks]
+        slots = [s.slot for s in seqs]
+        starts = [c.start for c in chunks]
+        ids = [-1 - s.slot if s.num_tokens == st else s.token_slice(st, st + 1)[0] for s, st in zip(seqs, starts)]
+        pending = any([i < 0 for i in ids])
+        return StepBatch(slots, starts, [1] * len(chunks), ids, list(range(len(chunks))), updates, pending)
+
+    def _sample(self, logits: torch.Tensor, step: InFlight, previous: InFlight | None) -> None:
+        sampled = step.sampled
+        # comprehensions, not one loop with appends: this runs for every row at every step
+        seqs = [c.seq for c in sampled]
+        params = [s.params for s in seqs]
+        slots = [s.slot for s in seqs]
+        positions = [c.start + c.num_tokens for c in sampled]
+        seeds = [s.seed for s in seqs]
+        penalised = any([s.penalised for s in seqs])
+        constrained_rows = any([s.request.constraint is not None for s in seqs])
+        held_rows = any([s.min_tokens > len(s.token_ids) + s.num_pending - 1 for s in seqs if s.min_tokens])
+        want_lp = any([s.wants_logprobs for s in seqs])
+        constrained = self._constrained(seqs) if constrained_rows else {}
+        if constrained:
+            if previous is not None and previous.masked:
+                previous.wait()                    # its mask copy reads the processors' host buffers
+            for processor, (rows, states) in constrained.items():
+                # In place on this step's own logits rows: the masked logits are the request's
+                # distribution, so logprobs see the mask too (as in vLLM).
+                processor.mask(logits, rows, states)
+            step.masked = True
+        slots_t = to_device(slots, torch.long, logits.device)
+        proc = self.penalties.apply(logits, slots_t, params) if penalised else logits
+        if held_rows:
+            proc = self._hold_stop_tokens(proc, seqs, constrained)
+        tokens = self.sampler.sample(proc, params, positions, seeds)
+        self.runner.last_token.index_copy_(0, slots_t, tokens)
+        self.penalties.add(slots_t, tokens)
+        step.tokens = _to_host(tokens)
+        if want_lp:
+            want = [i for i, p in enumerate(params) if p.logprobs is not None]
+            k = max(params[i].logprobs for i in want)
+            if len(want) == len(params):
+                lp_logits, lp_tokens = logits, tokens
+            else:
+                idx = to_device(want, torch.long, logits.device)
+                lp_logits, lp_tokens = logits.index_select(0, idx), tokens.index_select(0, idx)
+            res = compute_logprobs(lp_logits, k, lp_tokens)
+            step.logprobs = tuple(_to_host(x) for x in (res.top_logprobs, res.top_ids, res.sampled_logprobs,
+                                                        res.sampled_ranks))
+            step.logprob_rows = want
+
+    def _constrained(self, seqs) -> dict[Any, tuple[list[int], list[Any]]]:
         """processor -> (rows, states) of the sampled rows that carry a constraint."""
         groups: dict[Any, tuple[list[int], list[Any]]] = {}
-        for i, c in enumerate(chunks):
-            cons = c.sample.constraint
+        for i, seq in enumerate(seqs):
+            cons = seq.request.constraint
             if cons is None:
                 continue
-            state = self.constraint_states.get(c.seq_id)
-            if state is None:
-                state = self.constraint_states[c.seq_id] = cons.new_state(c.sample.params, self.eos_token_id)
+            if seq.constraint_state is None:
+                seq.constraint_state = cons.new_state(seq.request.params, self.eos_token_id)
             rows, states = groups.setdefault(cons.processor, ([], []))
             rows.append(i)
-            states.append(state)
+            states.append(seq.constraint_state)
         return groups
 
-    def _sample(self, logits: torch.Tensor, chunks: list[ChunkPlan]) -> tuple[list[int], list, list[bool]]:
-        if not chunks:
-            return [], [], []
-        specs = [c.sample for c in chunks]
-        params = [s.params for s in specs]
-        outs = [self.outputs.setdefault(c.seq_id, []) for c in chunks]
-        constrained = self._constrained(chunks)
-        for processor, (rows, states) in constrained.items():
-            # In place: `logits` is this step's own gathered copy. The masked logits are the request's
-            # distribution, so logprobs see the mask too (as in vLLM).
-            processor.mask(logits, rows, states)
-        proc = apply_penalties(logits, params, outs, [s.prompt_ids for s in specs])
-        held = {i: [t for t in s.stop_ids if t < proc.shape[-1]] for i, s in enumerate(specs)
-                if len(outs[i]) < s.params.min_tokens}        # min_tokens: no stop token yet
-        held = {i: stop for i, stop in held.items() if stop}
-        if held:
-            before, proc = proc, proc.clone()
-            for i, stop in held.items():
-                proc[i, stop] = float("-inf")
-            if any(specs[i].constraint is not None for i in held):
-                # A grammar that can only end now wins over min_tokens: a row left with nothing to
-                # sample keeps its stop tokens (decided on the device, no sync).
-                proc = torch.where(proc.isneginf().all(-1, keepdim=True), before, proc)
-        positions = [c.start + c.num_tokens for c in chunks]
-        tokens = self.sampler.sample(proc, params, positions, [s.seed for s in specs]).tolist()
-        logprobs = []
-        for i, (s, tok) in enumerate(zip(specs, tokens)):
-            outs[i].append(int(tok))
-            k = s.params.logprobs
-            logprobs.append(None if k is None else
-                            compute_logprobs(logits[i:i + 1], k, torch.tensor([tok], device=logits.device)))
-        done = [False] * len(chunks)
-        for processor, (rows, states) in constrained.items():
-            for r, d in zip(rows, processor.advance(states, [tokens[r] for r in rows])):
-                done[r] = d
-        return [int(t) for t in tokens], logprobs, done
+    @staticmethod
+    def _hold_stop_tokens(proc: torch.Tensor, seqs, constrained) -> torch.Tensor:
+        """min_tokens: no stop token while fewer outputs exist (decided on the host, per sequence)."""
+        held = {}
+        for i, s in enumerate(seqs):
+            if s.request.params.min_tokens > s.num_outputs_scheduled - 1:
+                stop = [t for t in s.stop_ids if t < proc.shape[-1]]
+                if stop:
+                    held[i] = stop
+        if not held:
+            return proc
+        before, proc = proc, proc.clone()
+        for i, stop in held.items():
+            proc[i, stop] = float("-inf")
+        if constrained and any(seqs[i].request.constraint is not None for i in held):
+            # A grammar that can only end now wins over min_tokens: a row left with nothing to
+            # sample keeps its stop tokens (decided on the device, no sync).
+            proc = torch.where(proc.isneginf().all(-1, keepdim=True), before, proc)
+        return proc
+
+    # ---- collect -------------------------------------------------------------------------------
+    @staticmethod
+    def collect(step: InFlight) -> tuple[list[int], HostLogprobs | None]:
+        """Wait for the step's copies; the sampled ids (one per sampled chunk) and logprobs."""
+        step.wait()
+        tokens = step.tokens.tolist() if step.tokens is not None else []
+        lp = None
+        if step.logprobs is not None:
+            vals, ids, slp, ranks = step.logprobs
+            lp = HostLogprobs(step.logprob_rows, vals.tolist(), ids.tolist(), slp.tolist(), ranks.tolist())
+        return tokens, lp

@@ -23,6 +23,10 @@ class ForwardBatch:
     lens: list[int]                   # number of new tokens of each sequence
     states: list[SequenceState]       # one per sequence, updated in place
     logits_rows: torch.Tensor         # [N] rows of the flat batch whose logits are wanted
+    # The engine's batches: each sequence's state slot and the per-slot device tables (block table
+    # rows, last tokens; runner/slot_tables.py), so backends gather block tables on the device.
+    slot_ids: list[int] | None = None
+    slot_tables: Any = None
     # Built once per forward by the attention backend on its first layer (device metadata that
     # every layer shares); opaque to the core.
     backend_meta: dict[str, Any] = field(default_factory=dict)

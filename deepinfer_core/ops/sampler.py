@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .penalties import apply_penalties  # noqa: F401  (re-exported: its home used to be here)
 from .transfer import to_device
 
 MASK64 = (1 << 64) - 1
@@ -59,6 +60,12 @@ def _signed64(x: int) -> int:
     return x - (1 << 64) if x >> 63 else x
 
 
+def seed_bits(seed: int) -> int:
+    """How a 64-bit seed is staged in an int64 tensor for `Sampler.sample` / `counter_uniform_tensor`:
+    the int64 with the same bits (seeds >= 2^63 come out negative)."""
+    return _signed64(seed)
+
+
 def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
     """Logical right shift of int64 bits (torch's >> is arithmetic)."""
     return (z >> k) & ((1 << (64 - k)) - 1)
@@ -72,13 +79,26 @@ def _splitmix64_t(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def counter_uniform_tensor(seeds: Sequence[int], positions: Sequence[int], device, case: int = CASE_SAMPLE,
+IntsOrTensor = Sequence[int] | torch.Tensor
+
+
+def counter_uniform_tensor(seeds: IntsOrTensor, positions: IntsOrTensor, device, case: int = CASE_SAMPLE,
                            namespace: str = "main") -> torch.Tensor:
     """`counter_uniform` for many rows at once, computed on `device` (float64, bit-identical): the
-    host only copies the seeds and positions, so sampling needs no per-row host work or sync."""
+    host only copies the seeds and positions, so sampling needs no per-row host work or sync.
+
+    `seeds` and `positions` are Python ints or int64 tensors already on `device` (a caller that
+    stages them itself, with `seed_bits` applied to the seeds): then the host does nothing per row.
+    """
     offset = DRAFT_OFFSET if namespace == "draft" else 0
-    key = to_device([_signed64(sd + offset) for sd in seeds], torch.int64, device)
-    pos = to_device(list(positions), torch.int64, device)
+    if isinstance(seeds, torch.Tensor):
+        key = seeds.to(device=device, dtype=torch.int64) + offset      # wraps mod 2^64 like the ints
+    else:
+        key = to_device([_signed64(sd + offset) for sd in seeds], torch.int64, device)
+    if isinstance(positions, torch.Tensor):
+        pos = positions.to(device=device, dtype=torch.int64)
+    else:
+        pos = to_device(list(positions), torch.int64, device)
     counter = (3 * pos + case) * _signed64(GOLDEN)
     x = _splitmix64_t(_splitmix64_t(key) ^ counter)
     return _shr(x, 11).to(torch.float64) * 2.0 ** -53
@@ -189,30 +209,54 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_max(probs.shape[-1] - 1)
 
 
+def _pick(values: IntsOrTensor, rows: list[int], index: torch.Tensor) -> IntsOrTensor:
+    """The entries of `rows` (host list) / `index` (the same rows, staged) of a list or a tensor."""
+    if isinstance(values, torch.Tensor):
+        return values.index_select(0, index.to(values.device))
+    return [values[i] for i in rows]
+
+
 class Sampler:
     """Turns processed logits into token ids. Stateless; one instance serves every request."""
 
-    def sample(self, logits: torch.Tensor, params: Sequence[Any], positions: Sequence[int],
-               seeds: Sequence[int]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, params: Sequence[Any], positions: IntsOrTensor,
+               seeds: IntsOrTensor) -> torch.Tensor:
         """logits [B, V]; per row its SamplingParams, the position of the token being sampled and
-        its 64-bit seed. Returns token ids [B] (int64, on logits.device)."""
+        its 64-bit seed (Python ints, or int64 tensors on logits.device with `seed_bits` seeds).
+        Returns token ids [B] (int64, on logits.device).
+
+        Every row is computed on its own, so an all-greedy or all-random batch is done in one go
+        over the whole tensor (no index tensors, no scatter) with the same bits per row as a mixed
+        batch, which splits the rows into the two groups.
+        """
         batch = logits.shape[0]
         if not len(params) == len(positions) == len(seeds) == batch:
             raise ValueError(f"sample: logits has {batch} rows but got {len(params)} params, "
                              f"{len(positions)} positions, {len(seeds)} seeds")
+        is_greedy = [p.temperature < GREEDY_EPS for p in params]
+        n_greedy = sum(is_greedy)
+        # torch.argmax returns the first maximal index: the lowest id wins ties.
+        if n_greedy == batch:
+            return logits.argmax(dim=-1)
+        if n_greedy == 0:
+            return self._draw(logits, params, positions, seeds)
+        greedy = [i for i, g in enumerate(is_greedy) if g]
+        rand = [i for i, g in enumerate(is_greedy) if not g]
+        idx = to_device(greedy + rand, torch.int64, logits.device)       # one copy for both groups
+        g, r = idx[:n_greedy], idx[n_greedy:]
         out = torch.empty(batch, dtype=torch.long, device=logits.device)
-        greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_EPS]
-        rand = [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS]
-        if greedy:
-            # torch.argmax returns the first maximal index: the lowest id wins ties.
-            g = to_device(greedy, torch.int64, logits.device)
-            out[g] = logits[g].argmax(dim=-1)
-        if rand:
-            r = to_device(rand, torch.int64, logits.device)
-            probs = processed_probs(logits[r], [params[i] for i in rand])
-            u = counter_uniform_tensor([seeds[i] for i in rand], [positions[i] for i in rand], logits.device)
-            out[r] = inverse_cdf(probs, u)
+        out.index_copy_(0, g, logits.index_select(0, g).argmax(dim=-1))
+        out.index_copy_(0, r, self._draw(logits.index_select(0, r), [params[i] for i in rand],
+                                         _pick(positions, rand, r), _pick(seeds, rand, r)))
         return out
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, params: Sequence[Any], positions: IntsOrTensor,
+              seeds: IntsOrTensor) -> torch.Tensor:
+        """Sampled (non-greedy) rows: processed distribution, counter uniform, inverse CDF."""
+        probs = processed_probs(logits, params)
+        u = counter_uniform_tensor(seeds, positions, logits.device)
+        return inverse_cdf(probs, u)
 
 
 # ---- logprobs -----------------------------------------------------------------------------------
@@ -226,7 +270,14 @@ class LogprobsResult:
 
 def compute_logprobs(logits: torch.Tensor, k: int, sampled_ids: torch.Tensor | None = None) -> LogprobsResult:
     """Top-k logprobs and the sampled tokens' logprob and rank, from log_softmax (float32) of the
-    raw logits (vLLM's default: before penalties, temperature and filtering)."""
+    raw logits (vLLM's default: before penalties, temperature and filtering).
+
+    The top-k of a row is the first k entries of its stable descending sort (value descending, then
+    id ascending): a prefix of one total order, so a batch can be computed once at the largest k any
+    row asks for and each row's entries cut to its own k afterwards, with the same ids, values and
+    tie order as asking for that k. Nothing here reads a value back on an accelerator (one batched
+    sort there; the per-row partial sort is the CPU path for large vocabularies).
+    """
     lp = torch.log_softmax(logits.float(), dim=-1)
     k = max(0, min(k, lp.shape[-1]))
     if k and batched_sort_pays(lp):
@@ -241,35 +292,3 @@ def compute_logprobs(logits: torch.Tensor, k: int, sampled_ids: torch.Tensor | N
         slp = lp.gather(-1, sampled_ids.view(-1, 1).to(lp.device)).squeeze(1)
         ranks = (lp > slp[:, None]).sum(-1) + 1   # rank = 1 + number of strictly better tokens
     return LogprobsResult(vals, ids, slp, ranks)
-
-
-# ---- penalties ----------------------------------------------------------------------------------
-def apply_penalties(logits: torch.Tensor, params: Sequence[Any], output_token_ids: Sequence[Sequence[int]],
-                    prompt_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-    """Repetition, presence and frequency penalties; returns a new tensor (the raw logits stay intact
-    for logprobs).
-
-    Presence/frequency count the output tokens so far. Repetition penalises tokens seen in the output
-    and, when `prompt_token_ids` is given, in the prompt too (vLLM semantics): positive logits are
-    divided by the penalty, negative ones multiplied.
-    """
-    active = [i for i, p in enumerate(params)
-              if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
-    if not active:
-        return logits
-    logits = logits.clone()
-    vocab = logits.shape[-1]
-    for i in active:
-        p = params[i]
-        out_ids = torch.tensor(list(output_token_ids[i]), dtype=torch.long, device=logits.device)
-        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
-        row = logits[i]
-        if p.repetition_penalty != 1.0:
-            seen = counts > 0
-            if prompt_token_ids is not None and len(prompt_token_ids[i]):
-                seen[torch.tensor(list(prompt_token_ids[i]), dtype=torch.long, device=logits.device)] = True
-            r = p.repetition_penalty
-            row = torch.where(seen, torch.where(row > 0, row / r, row * r), row)
-        row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
-        logits[i] = row
-    return logits

@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode and speculative-verification forwards, captured on first use.
+"""CUDA graphs of the decode and speculative-verification forwards, captured at start-up (decode:
+`runner/warmup.py`) or on first use.
 
 A decode step (one new token per sequence, the last row's logits) and a verification step (q = k+1
 tokens per sequence: the last accepted token and k drafts, the logits of every row) run the same
@@ -25,6 +26,7 @@ import torch
 
 from ..model import ForwardBatch
 from ..ops.transfer import copy_into
+from .slot_tables import SlotTables
 
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -34,9 +36,9 @@ MAX_QUERY_LEN = 8        # the default cap on q: every (bucket, q) graph keeps i
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None     # None: run the static batch eagerly (capture=False)
-    batch: ForwardBatch          # static inputs (input_ids, positions: views of ids_pos) read by the graph
-    ids_pos: torch.Tensor        # [2 * size * q] int64, refilled with one host->device copy per step
-    meta: Any                    # the backend's static metadata, refilled before each replay
+    batch: ForwardBatch          # static inputs read by the graph (input_ids, positions, ...)
+    inputs: torch.Tensor         # [size*q ids (-1 - slot: its last token) | size*q positions | size slots | extras]
+    meta: Any                    # the backend's static metadata, derived on the device from `inputs`
     logits: torch.Tensor | None  # static output, overwritten by the next replay
 
 
@@ -46,11 +48,13 @@ def buckets_for(max_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, cache, backend, max_seqs: int, max_blocks: int, capture: bool = True,
-                 max_query_len: int | None = None):
+                 max_query_len: int | None = None, tables: SlotTables | None = None):
         """`capture=False` runs the same padded, fixed-shape batches eagerly instead of replaying a
         graph: the padding and static-metadata logic, testable without a GPU. `max_query_len` bounds
         q; by default q = k+1 <= the cache's backtrack room (a verify step of k drafts may roll back
-        k tokens, k <= backtrack - 1: see envs.effective_max_backtracking_tokens), at most 8."""
+        k tokens, k <= backtrack - 1: see envs.effective_max_backtracking_tokens), at most 8.
+        `tables`: the engine's per-slot device tables (block table rows, last tokens); by default
+        a private set over the cache's slots."""
         self.model, self.backend, self.max_blocks, self.capture = model, backend, max_blocks, capture
         self.buckets = buckets_for(max_seqs)
         self.device = cache.device
@@ -63,6 +67,10 @@ class DecodeGraphs:
                              "(padding sequences live in one spare block)")
         self.max_query_len = max_query_len
         self.pad_slot, self.pad_block = cache.spare_slot, cache.spare_block   # never handed to sequences
+        self.tables = tables if tables is not None else SlotTables(cache.num_slots, max_blocks, cache.device)
+        if self.tables.max_blocks != max_blocks:
+            raise ValueError(f"slot tables are {self.tables.max_blocks} blocks wide, the graphs {max_blocks}")
+        self.tables.set_rows([self.pad_slot], [[self.pad_block]])
         self.pad_state = cache.bind(self.pad_slot, [self.pad_block])
         self.graphs: dict[tuple[int, int], _Captured] = {}     # (batch bucket, q) -> graph
         self.pool = None
@@ -88,41 +96,71 @@ class DecodeGraphs:
             return False
         return all(len(st.table) <= self.max_blocks for st in seqs)
 
+    def fits_step(self, num_seqs: int, num_tokens: int, num_logit_rows: int) -> bool:
+        """An engine step fits when every sequence feeds one token and wants its logits (decode)."""
+        return (self.failed is None and 0 < num_seqs <= self.buckets[-1] and num_tokens == num_seqs
+                and num_logit_rows == num_seqs)
+
     def run(self, token_ids: list[list[int]], seqs) -> torch.Tensor | None:
+        """Logits of one step over self-managed states (tests, tools): their block tables are copied
+        into the slot tables first. The caller advances `num_tokens` by q."""
+        self.tables.set_rows([st.slot for st in seqs], [st.table.ids for st in seqs])
+        q = len(token_ids[0])
+        return self.run_step([t for toks in token_ids for t in toks],
+                             [st.num_tokens + i for st in seqs for i in range(q)], [st.slot for st in seqs], q)
+
+    def run_step(self, ids: list[int], positions: list[int], slots: list[int], q: int = 1) -> torch.Tensor | None:
         """Logits of one step, [B, vocab] for q = 1 or [B*q, vocab] (sequence s owns rows s*q ..
-        s*q+q-1) for q > 1: a view of the graph's output, valid until the next forward. None when
-        capturing failed (the caller runs eagerly). The caller advances `num_tokens` by q."""
-        n, q = len(seqs), len(token_ids[0])
+        s*q+q-1) for q > 1: a view of the graph's output, valid until the next forward. `ids` may hold
+        -1 - slot for a token still on the device (SlotTables.last_token). None when capturing
+        failed (the caller runs eagerly)."""
+        n = len(slots)
         size = next(b for b in self.buckets if b >= n)
         cap = self.graphs.get((size, q)) or self._capture(size, q)
         if cap is None:
             return None
-        self._load(cap, q, token_ids, seqs)
+        self._load(cap, q, ids, positions, slots)
         if cap.graph is None:
-            return self.model(cap.batch).logits[:n * q]
+            return self._body(cap).logits[:n * q]
         cap.graph.replay()
         return cap.logits[:n * q]
 
-    def _load(self, cap: _Captured, q: int, token_ids: list[list[int]], seqs) -> None:
-        """Refill the static inputs: the real sequences first, then padding sequences (token 0 at
-        positions 0..q-1 in the spare slot and block); padding rows come last, so dropped by [:n*q]."""
-        pad = cap.batch.num_seqs - len(seqs)
-        starts = [st.num_tokens for st in seqs] + [0] * pad
-        ids = [t for toks in token_ids for t in toks] + [0] * (pad * q)
-        copy_into(cap.ids_pos, ids + [s + i for s in starts for i in range(q)])
-        cap.meta.fill(starts, [st.slot for st in seqs] + [self.pad_slot] * pad,
-                      [st.table.ids for st in seqs] + [[self.pad_block]] * pad)
+    def _load(self, cap: _Captured, q: int, ids: list[int], positions: list[int], slots: list[int]) -> None:
+        """One host->device copy of the step's inputs; padding sequences (token 0 at positions
+        0..q-1 in the spare slot and block) come last, so their rows are dropped by [:n*q]."""
+        pad = cap.batch.num_seqs - len(slots)
+        starts = positions[::q] + [0] * pad
+        copy_into(cap.inputs, ids + [0] * (pad * q) + positions + list(range(q)) * pad
+                  + slots + [self.pad_slot] * pad + cap.meta.extra_inputs(starts))
+
+    def _body(self, cap: _Captured):
+        """What the graph records: resolve pending ids, derive the metadata, run the model."""
+        t, n = cap.batch.input_ids.numel(), cap.batch.num_seqs
+        cap.batch.input_ids.copy_(self.tables.resolve_ids(cap.inputs[:t]))
+        cap.meta.derive(cap.inputs[2 * t:2 * t + n], self.tables.block_table, cap.inputs[2 * t + n:])
+        return self.model(cap.batch)
+
+    def capture_bucket(self, size: int, q: int = 1) -> None:
+        """Capture the graph of (bucket `size`, q) now (the start-up warm-up), unless present."""
+        if self.failed is None and (size, q) not in self.graphs:
+            self._capture(size, q)
 
     def _capture(self, size: int, q: int) -> _Captured | None:
         dev, t = self.device, size * q
-        ids_pos = torch.zeros(2 * t, dtype=torch.int64, device=dev)
-        # logits_rows = every row: for q = 1 that is each sequence's last (only) row
-        batch = ForwardBatch(input_ids=ids_pos[:t], positions=ids_pos[t:],
-                             starts=[0] * size, lens=[q] * size, states=[self.pad_state] * size,
-                             logits_rows=torch.arange(t, device=dev))
+
+        def static_batch(inputs: torch.Tensor) -> ForwardBatch:
+            # logits_rows = every row: for q = 1 that is each sequence's last (only) row
+            return ForwardBatch(input_ids=torch.zeros(t, dtype=torch.int64, device=dev), positions=inputs[t:2 * t],
+                                starts=[0] * size, lens=[q] * size, states=[self.pad_state] * size,
+                                logits_rows=torch.arange(t, device=dev))
+        # the backend says how many host-computed extras its metadata takes; then the real buffers
+        extra = self.backend.graph_meta(static_batch(torch.zeros(2 * t, dtype=torch.int64, device=dev)),
+                                        self.max_blocks).num_extra
+        inputs = torch.zeros(2 * t + size + extra, dtype=torch.int64, device=dev)
+        batch = static_batch(inputs)
         meta = self.backend.graph_meta(batch, self.max_blocks)
-        cap = _Captured(None, batch, ids_pos, meta, None)
-        self._load(cap, q, [], [])                    # an all-padding batch for the warm-up and capture
+        cap = _Captured(None, batch, inputs, meta, None)
+        self._load(cap, q, [], [], [])                # an all-padding batch for the warm-up and capture
         if not self.capture:
             self.graphs[(size, q)] = cap
             return cap
@@ -131,11 +169,11 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.model(batch)
+                    self._body(cap)
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self.model(batch)
+                out = self._body(cap)
         except Exception as exc:                      # a host sync or an uncapturable op somewhere
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graph capture failed, running eagerly from now on: %s", self.failed)

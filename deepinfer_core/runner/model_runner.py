@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,16 +15,22 @@ from ..cache.budget import CacheRequest, resolve_num_blocks
 from ..cache.sequence_state import SequenceState
 from ..cache.state_cache import CacheLayout, StateCache
 from ..config import ModelConfig
+from ..engine_config import KV_CACHE_DTYPES, EngineConfig
 from ..model import ForwardBatch, ModelOps, bind_ops, build_model, process_weights
 from ..model.attention import Numerics
 from ..model.deepseek_v4 import DeepseekV4Model
-from ..plugin_context import BuildContext, normalize_dtype
+from ..plugin_context import BuildContext
 from ..plugins import get_plugin_manager
+from ..ops.transfer import to_device
 from .cuda_graphs import DecodeGraphs
+from .slot_tables import SlotTables
+from .warmup import warm_up
+
+if TYPE_CHECKING:
+    from ..engine.step_executor import StepBatch
 
 log = logging.getLogger(__name__)
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 
 
 def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool) -> bool:
@@ -39,18 +46,6 @@ def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool) 
     if kv_cache_dtype == "fp8" and dtype != torch.bfloat16:
         raise ValueError(f"kv_cache_dtype='fp8' needs dtype='bfloat16' (the RoPE dims stay bf16), got {dtype}")
     return kv_cache_dtype == "fp8"
-
-
-def resolve_batch_invariant(options: dict) -> bool:
-    """`batch_invariant=` (LLM / runner option) if given, else DEEPINFER_BATCH_INVARIANT; taken out of
-    `options` so the BuildContext holds it in one place."""
-    value = options.pop("batch_invariant", None)
-    if value is None:
-        from ..envs import read_settings
-        return read_settings().batch_invariant
-    if not isinstance(value, bool):
-        raise ValueError(f"batch_invariant={value!r}; allowed: True, False, None (= DEEPINFER_BATCH_INVARIANT)")
-    return value
 
 
 def check_batch_invariant(ops: ModelOps, sampler) -> None:
@@ -77,20 +72,26 @@ class LoadedModel:
     logits_processors: list = field(default_factory=list)   # deepinfer_logits_processors, once
 
 
-def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True, device: str | None = None,
-               options: dict | None = None) -> LoadedModel:
-    """Config -> hooks -> graph on the meta device -> checkpoint (one shard at a time) -> runtime weights."""
-    from ..model.weights import load_checkpoint   # local: the loader pulls in safetensors
+def _config(config: EngineConfig | None, options: dict) -> EngineConfig:
+    """The config given, or one built from `options` (LLM's keyword arguments; tests and tools)."""
+    if config is not None and options:
+        raise TypeError(f"pass an EngineConfig or options, not both (got options {sorted(options)})")
+    return config if config is not None else EngineConfig.from_options(**options)
 
+
+def load_model(model_dir: str | Path, config: EngineConfig | None = None, **options) -> LoadedModel:
+    """Config -> hooks -> graph on the meta device -> checkpoint (one shard at a time) -> runtime weights.
+    `load_format="dummy"`: the graph on the device, filled with random weights in the checkpoint's format
+    (only config.json is read), then the same runtime conversion."""
+    config = _config(config, options)
     t0 = time.perf_counter()
     cfg = ModelConfig.from_file(model_dir)
     pm = get_plugin_manager()
     platform = pm.detect_platform()
-    device = device or platform.device_type        # None: the detected platform's device
-    options = dict(options or {})
-    ctx = BuildContext(model_config=cfg, platform=platform, device=device, dtype=normalize_dtype(dtype),
-                       simulate_qat=bool(simulate_qat), batch_invariant=resolve_batch_invariant(options),
-                       options=options)
+    device = config.model.device or platform.device_type        # None: the detected platform's device
+    ctx = BuildContext(model_config=cfg, platform=platform, device=device, dtype=config.model.dtype,
+                       simulate_qat=config.model.simulate_qat, batch_invariant=config.model.batch_invariant,
+                       options=config)
     pm.configure(ctx)
     ops = ModelOps(linear={f: pm.linear_method(ctx, f) for f in WEIGHT_FORMATS},
                    attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx),
@@ -99,8 +100,14 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
     if ctx.batch_invariant:
         check_batch_invariant(ops, sampler)
     logits_processors = pm.logits_processors(ctx)
-    model = build_model(cfg, device="meta")
-    load_checkpoint(model, model_dir, compute_dtype=ctx.torch_dtype)   # may drop model.mtp
+    if config.model.load_format == "dummy":
+        from ..model.dummy_weights import fill_dummy_weights
+        model = build_model(cfg, device=device)       # real buffers on the device, filled in place
+        fill_dummy_weights(model, cfg, seed=config.model.seed)
+    else:
+        from ..model.weights import load_checkpoint   # local: the loader pulls in safetensors
+        model = build_model(cfg, device="meta")
+        load_checkpoint(model, model_dir, compute_dtype=ctx.torch_dtype)   # may drop model.mtp
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))
     process_weights(model)
     model.to(device)
@@ -109,28 +116,25 @@ def load_model(model_dir: str | Path, *, dtype="float32", simulate_qat: bool = T
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, *, dtype="float32", simulate_qat: bool = True,
-                 device: str | None = None, max_backtracking_tokens: int | None = None,
-                 enforce_eager: bool | None = None, kv_cache_dtype: str = "auto", **options):
-        self.loaded = load_model(model_dir, dtype=dtype, simulate_qat=simulate_qat, device=device, options=options)
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **options):
+        """`config`: the resolved engine options (`LLM` passes its own); or `options` by name, as for
+        `LLM(...)` (tests, tools)."""
+        self.config = config = _config(config, options)
+        self.loaded = load_model(model_dir, config)
         self.model = self.loaded.model
         self.sampler = self.loaded.sampler      # chosen through deepinfer_sampler, once
         self.logits_processors = self.loaded.logits_processors
         self.model_config: ModelConfig = self.model.cfg
         self.device = self.loaded.ctx.device
         self.dtype = self.loaded.ctx.torch_dtype
-        from ..envs import read_settings        # the env table is the one source of the defaults
-        settings = read_settings()
-        if max_backtracking_tokens is None:
-            max_backtracking_tokens = settings.effective_max_backtracking_tokens
-        self.backtrack = max_backtracking_tokens
-        self.enforce_eager = settings.enforce_eager if enforce_eager is None else bool(enforce_eager)
-        self.kv_fp8 = resolve_kv_fp8(kv_cache_dtype, self.dtype, self.loaded.ctx.simulate_qat)
+        self.backtrack = config.cache.max_backtracking_tokens
+        self.enforce_eager = config.model.enforce_eager
+        self.kv_fp8 = resolve_kv_fp8(config.cache.kv_cache_dtype, self.dtype, config.model.simulate_qat)
         self.graphs: DecodeGraphs | None = None
         self.cache: StateCache | None = None
         self._cache_request: CacheRequest | None = None
         self.cache_note = ""                     # where the cache's size came from (logged, tests)
-        self.profile_tokens = 8192              # the engine sets its max_num_batched_tokens
+        self.profile_tokens = config.scheduler.max_num_batched_tokens   # the LLM sets it again
         log.info("model loaded in %.1f s", self.loaded.load_seconds)
 
     # ---- state cache ---------------------------------------------------------------------------
@@ -149,18 +153,23 @@ class ModelRunner:
         self.graphs = None                      # they point into the old cache's pools
         self.cache = None                       # free the old pools before sizing the new ones
         layout = self.cache_layout()
-        num_blocks, note = resolve_num_blocks(layout, request, self.device, self._profile_activation_bytes)
         use_graphs = self._graphs_wanted()
+        graph_bytes = self._graph_output_bytes(request.num_slots) if use_graphs else 0
+        num_blocks, note = resolve_num_blocks(layout, request, self.device,
+                                              lambda: self._profile_activation_bytes() + graph_bytes)
         # decode graphs pad batches into one extra slot and block of their own
         self.cache = StateCache(layout, request.num_slots, num_blocks, self.device, spare=use_graphs)
+        max_blocks = -(-(request.max_model_len or self.model_config.max_position_embeddings) // layout.block_size)
+        self.slot_tables = SlotTables(self.cache.num_slots, max_blocks, self.device)
+        self.slot_states = [None] * self.cache.num_slots
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.cache, self.loaded.ops.attention, request.num_slots,
-                                       -(-(request.max_model_len or self.model_config.max_position_embeddings)
-                                         // layout.block_size))
+                                       max_blocks, tables=self.slot_tables)
             note += "; +1 slot and block for CUDA-graph padding"
         self._cache_request, self.cache_note = request, note
         log.info("state cache: %d slots x %d B + %d blocks x %d B = %.1f MiB (%s)", request.num_slots,
                  layout.slot_bytes, num_blocks, layout.block_bytes, self.cache.nbytes() / 2**20, note)
+        self.warmup_seconds = warm_up(self, self.profile_tokens)
         return self.cache
 
     def _graphs_wanted(self) -> bool:
@@ -168,15 +177,12 @@ class ModelRunner:
         return (torch.device(self.device).type == "cuda" and not self.enforce_eager and ops is not None
                 and DecodeGraphs.supported(ops.attention))
 
-    def bind_sequence(self, slot: int, block_ids: list[int]) -> SequenceState:
-        """A fresh engine-managed state (the scheduler owns its slot and blocks)."""
-        return self.cache.bind(slot, block_ids)
-
     def new_sequence(self) -> SequenceState:
         """A self-managed state: its slot and blocks come from the cache's allocator and go back on
         `release` (tests and tools that drive the runner without the engine)."""
         if self.cache is None:
-            self.allocate_cache(CacheRequest(num_slots=8, max_model_len=self.model_config.max_position_embeddings))
+            self.allocate_cache(CacheRequest(num_slots=8, max_model_len=self.model_config.max_position_embeddings,
+                                             cpu_memory_bytes=self.config.cache.cpu_kv_cache_bytes))
         alloc = self.cache.allocator
         state = self.cache.bind(alloc.allocate_slot(), [])
 
@@ -191,6 +197,12 @@ class ModelRunner:
             self.cache.allocator.free_slot(state.slot)
         state.table.set([])
         state.slot = -1
+
+    def _graph_output_bytes(self, max_seqs: int) -> int:
+        """Device memory the decode graphs keep besides the shared activations: each bucket's static
+        fp32 logits (the warm-up captures every bucket before the first request)."""
+        from .cuda_graphs import buckets_for
+        return sum(buckets_for(max_seqs)) * int(self.model_config.vocab_size) * 4
 
     def _profile_activation_bytes(self) -> int:
         """Peak extra device memory of one forward over a full token budget (CUDA only)."""
@@ -230,3 +242,44 @@ class ModelRunner:
 
     def forward(self, seq: SequenceState, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         return self.forward_batch([token_ids], [seq], all_logits)
+
+    # ---- the engine's steps ---------------------------------------------------------------------
+    @property
+    def last_token(self) -> torch.Tensor:
+        """[slots] the newest token sampled per slot (the sampler writes it on the device)."""
+        return self.slot_tables.last_token
+
+    @torch.no_grad()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """One engine step (engine/step_executor.py): fp32 logits of `batch.logit_rows`. A decode
+        batch replays a CUDA graph when there are graphs; everything else runs eagerly."""
+        self._apply_updates(batch.updates)
+        n = len(batch.slots)
+        if self.graphs is not None and self.graphs.fits_step(n, len(batch.ids), len(batch.logit_rows)):
+            logits = self.graphs.run_step(batch.ids, batch.starts, batch.slots)
+            if logits is not None:
+                return logits
+        t = len(batch.ids)
+        positions = batch.starts if t == n else [p for s, k in zip(batch.starts, batch.lens) for p in range(s, s + k)]
+        staged = to_device(batch.ids + positions + batch.logit_rows, torch.int64, self.device)  # one copy
+        ids = self.slot_tables.resolve_ids(staged[:t]) if batch.pending else staged[:t]
+        fb = ForwardBatch(ids, staged[t:2 * t], batch.starts, batch.lens, [self.slot_states[s] for s in batch.slots],
+                          staged[2 * t:], slot_ids=batch.slots, slot_tables=self.slot_tables)
+        return self.model(fb).logits
+
+    def _apply_updates(self, updates) -> None:
+        """Newly bound slots get fresh states (tails reset in one op per pool); new blocks go into
+        the device table in one op and into the host tables the portable attention reads."""
+        if updates.bound_slots:
+            self.cache.reset_slots(updates.bound_slots)
+            for slot in updates.bound_slots:
+                self.slot_states[slot] = self.cache.bind(slot, [], fresh=False)
+        if updates.table_writes:
+            self.slot_tables.write(updates.table_writes)
+            grown: dict[int, list[int]] = {}
+            for slot, col, blk in updates.table_writes:
+                ids = grown.setdefault(slot, list(self.slot_states[slot].table.ids))
+                ids.extend([0] * (col + 1 - len(ids)))
+                ids[col] = blk
+            for slot, ids in grown.items():
+                self.slot_states[slot].table.set(ids)

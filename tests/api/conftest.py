@@ -40,51 +40,41 @@ class FakeSeq:
 
 
 class FakeRunner:
-    """Implements the ModelRunner interface: logits[i] = fn(all tokens fed up to position i)."""
+    """Implements the runner contract the engine uses (`execute` a StepBatch, `last_token`):
+    logits[i] = fn(all tokens fed to the sequence up to position i)."""
+
+    device = "cpu"
 
     def __init__(self, fn: Callable[[list[int]], torch.Tensor] = random_logits, vocab: int = VOCAB,
-                 max_pos: int = 4096, eos: int = EOS):
+                 max_pos: int = 4096, eos: int = EOS, max_slots: int = 1024):
         self.fn = fn
         self.model_config = SimpleNamespace(vocab_size=vocab, eos_token_id=eos, bos_token_id=BOS,
                                             max_position_embeddings=max_pos)
-        self.calls: list[tuple[int, bool]] = []   # (number of tokens, all_logits) per forward
-        self.seqs: list[FakeSeq] = []
+        self.calls: list[tuple[int, bool]] = []   # (tokens fed, all rows' logits) per sequence chunk
+        self.seqs: list[FakeSeq] = []             # one per binding of a slot, in order
+        self.last_token = torch.zeros(max_slots, dtype=torch.long)
+        self._in_slot: dict[int, FakeSeq] = {}
 
-    def new_sequence(self) -> FakeSeq:
-        seq = FakeSeq()
-        self.seqs.append(seq)
-        return seq
-
-    def bind_sequence(self, slot: int, block_ids: list[int]) -> FakeSeq:
-        return self.new_sequence()
-
-    def forward(self, seq: FakeSeq, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        assert not seq.released and token_ids
-        assert len(seq.tokens) + len(token_ids) <= self.model_config.max_position_embeddings
-        self.calls.append((len(token_ids), all_logits))
-        rows = []
-        for t in token_ids:
-            seq.tokens.append(t)
-            rows.append(self.fn(list(seq.tokens)).float())
-        out = torch.stack(rows)
-        return out if all_logits else out[-1:]
-
-    def forward_batch(self, token_ids: list[list[int]], seqs: list[FakeSeq], all_logits: bool = False,
-                      logit_modes: list[str] | None = None) -> torch.Tensor:
-        """The batched interface the engine uses: rows per sequence by mode ("all"/"last"/"none")."""
-        modes = logit_modes or ["all" if all_logits else "last"] * len(seqs)
-        outs = []
-        for toks, seq, mode in zip(token_ids, seqs, modes):
-            out = self.forward(seq, toks, all_logits=mode == "all")
-            outs.append(out[:0] if mode == "none" else out)
-        return torch.cat(outs)
-
-    def release(self, seq: FakeSeq) -> None:
-        seq.released = True
-
-    @property
-    def live(self) -> int:
-        return sum(not s.released for s in self.seqs)
+    def execute(self, batch) -> torch.Tensor:
+        for slot in batch.updates.bound_slots:
+            self._in_slot[slot] = FakeSeq()
+            self.seqs.append(self._in_slot[slot])
+        wanted, rows, off = set(batch.logit_rows), [], 0
+        for slot, start, n in zip(batch.slots, batch.starts, batch.lens):
+            seq = self._in_slot[slot]
+            assert len(seq.tokens) == start and n > 0
+            assert start + n <= self.model_config.max_position_embeddings
+            all_rows = all(off + i in wanted for i in range(n))
+            self.calls.append((n, all_rows and n > 1))
+            for i in range(n):
+                t = batch.ids[off + i]
+                seq.tokens.append(int(self.last_token[-1 - t]) if t < 0 else t)
+                if off + i in wanted:
+                    rows.append(self.fn(list(seq.tokens)).float())
+            off += n
+        if not rows:
+            return torch.empty(0, self.model_config.vocab_size)
+        return torch.stack(rows)
 
 
 def write_tokenizer(directory, add_bos: bool = False) -> None:

@@ -6,7 +6,6 @@ Loading the tiny model takes seconds, so the CLI's `load_llm` is wrapped to keep
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 from pathlib import Path
@@ -158,6 +157,10 @@ def test_invalid_model_env_and_llm_type_error_exit_2(capsys, monkeypatch, tmp_pa
     rc, _, err = run_cli(capsys, "--prompt", "a")
     assert rc == 2 and "DEEPINFER_HF_MODEL_DIR" in err and len(err.strip().splitlines()) == 1
 
+    rc, _, err = run_cli(capsys, "--prompt", "a", "--model", tmp_path)   # read even with --model: invalid
+    assert rc == 2 and "DEEPINFER_HF_MODEL_DIR" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.delenv("DEEPINFER_HF_MODEL_DIR")
+
     def raise_type_error(model, **options):
         raise TypeError("LLM: unexpected keyword argument(s) ['bogus']")
     monkeypatch.setattr(generate, "load_llm", raise_type_error)
@@ -195,12 +198,17 @@ def test_flags_map_to_sampling_params_and_absent_flags_keep_defaults():
     assert eng == {"dtype": "bfloat16", "simulate_qat": False, "enforce_eager": True}
 
 
-def test_engine_help_defaults_match_llm():
-    from deepinfer_core.api import llm
-    sig = inspect.signature(llm.LLM.__init__).parameters
-    assert generate.ENGINE_DEFAULTS == {"dtype": sig["dtype"].default,
-                                        "simulate_qat": sig["simulate_qat"].default,
-                                        **llm._LLM_OPTIONS}
+def test_engine_flags_are_generated_from_the_config_with_its_docs_and_defaults(capsys):
+    from deepinfer_core.engine_config import option_fields
+    rc, out, _ = run_cli(capsys, "--help")
+    assert rc == 0
+    help_text = "".join(out.split())                  # argparse wraps lines (also after hyphens)
+    for name, _, f, _ in option_fields():
+        if name not in generate.NO_ENGINE_FLAG:
+            assert f"--{name.replace('_', '-')}" in out
+            assert "".join(f.metadata["doc"].split()) in help_text, name
+    assert "(default:8192)" in help_text
+    assert "(default:DEEPINFER_ZERO_OVERHEAD_SCHEDULING,elseTrue)" in help_text
 
 
 # ---- the bundled tiny model -----------------------------------------------------------------------

@@ -24,7 +24,7 @@ def test_greedy_follows_fake_logits(make_llm, fake):
     assert c.token_ids == [4, 5, 6, 7, 8] and c.finish_reason == "length" and c.stop_reason is None
     assert c.text == "w2 w3 w4 w5 w6" and out.prompt_token_ids == [2, 3] and out.prompt is None
     assert c.logprobs is None and c.cumulative_logprob is None
-    assert runner.live == 0
+    assert llm.engine.scheduler.blocks.allocator.empty
     assert runner.calls == [(2, False)] + [(1, False)] * 4   # no forward after the last token
 
 
@@ -178,7 +178,7 @@ def test_n_completions(make_llm, fake):
     out = run(llm, ids=[[3, 4]], params=S(n=4, max_tokens=8, ignore_eos=True, seed=1))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 4
-    assert runner.live == 0 and len(runner.seqs) == 4
+    assert llm.engine.scheduler.blocks.allocator.empty and len(runner.seqs) == 4
     single = run(llm, ids=[[3, 4]], params=S(n=1, max_tokens=8, ignore_eos=True, seed=1))[0]
     assert single.outputs[0].token_ids == out.outputs[0].token_ids
     assert len(out.metrics.token_times) == 32
@@ -242,8 +242,8 @@ def test_use_tqdm(make_llm, fake, capsys):
     (dict(prompts=["w1"], prompt_token_ids=[[1], [2]]), ValueError, "prompt_token_ids"),
     (dict(prompt_token_ids=5), TypeError, "prompt_token_ids"),
     (dict(prompt_token_ids=[[3], 4]), ValueError, "prompt_token_ids"),
-    (dict(prompts=[""]), ValueError, "prompt 0 is empty"),
-    (dict(prompt_token_ids=[[3], []]), ValueError, "prompt 1 is empty"),
+    (dict(prompts=[""]), ValueError, "prompt 0 is invalid: the prompt is empty"),
+    (dict(prompt_token_ids=[[3], []]), ValueError, "prompt 1 is invalid: the prompt is empty"),
     (dict(prompt_token_ids=[[3, 32]]), ValueError, "token id 32"),
     (dict(prompt_token_ids=[[-1]]), ValueError, "token id -1"),
     (dict(prompt_token_ids=[[2.0]]), ValueError, "token id 2.0"),
@@ -291,8 +291,8 @@ def patched(monkeypatch, fake, tok_dir):
     """LLM.__init__ with model resolution and the runner replaced by the fake."""
     seen = {}
 
-    def make_runner(model_dir, **kw):
-        seen.update(kw, model_dir=model_dir)
+    def make_runner(model_dir, config):
+        seen.update(config=config, model_dir=model_dir)
         return fake.FakeRunner(fake.next_word_logits)
 
     monkeypatch.setattr(llm_mod, "_resolve_model", lambda m: tok_dir)
@@ -306,7 +306,10 @@ def patched(monkeypatch, fake, tok_dir):
 ])
 def test_dtype_accepted(patched, dtype, expected):
     llm = LLM("some/model", dtype=dtype, simulate_qat=False, device="cpu")
-    assert patched["dtype"] == expected and patched["simulate_qat"] is False and llm.dtype == expected
+    model = patched["config"].model
+    assert model.dtype == expected and model.simulate_qat is False and llm.dtype == expected
+    assert model.device == "cpu" and model.max_model_len is None      # the LLM resolves it from the model
+    assert llm.config.model.max_model_len == 4096 and llm.config.model.dtype == expected
     assert llm.get_tokenizer() is not None                   # tokenizer.json found in the model dir
 
 
@@ -316,13 +319,18 @@ def test_dtype_rejected(patched, dtype):
         LLM("some/model", dtype=dtype)
 
 
-def test_ds_and_vllm_kwargs_ignored(patched):
-    llm = LLM("m", gpu_memory_utilization=0.5, expert_parallel_size=8, trust_remote_code=True,
-              enforce_eager=True, tensor_parallel_size=1, revision="main", load_format="dummy",
-              max_num_batched_tokens=128)
-    assert llm.max_num_batched_tokens == 128
-    assert patched["load_format"] == "dummy" and "gpu_memory_utilization" not in patched
-    assert patched["enforce_eager"] is True          # honoured: the runner's CUDA graphs switch
+def test_ds_and_vllm_kwargs_the_engine_implements_are_accepted(patched):
+    llm = LLM("m", gpu_memory_utilization=0.5, trust_remote_code=True, enforce_eager=True,
+              tensor_parallel_size=1, revision="main", load_format="dummy", max_num_batched_tokens=128,
+              enable_chunked_prefill=True, enable_prefix_caching=False)
+    config = patched["config"]
+    assert llm.config is not config and llm.config.model.max_model_len == 4096    # resolved by the LLM
+    assert config.scheduler.max_num_batched_tokens == 128 and config.cache.gpu_memory_utilization == 0.5
+    assert config.model.load_format == "dummy" and config.model.enforce_eager is True
+    for refused in ({"tensor_parallel_size": 8}, {"enable_prefix_caching": True},
+                    {"enable_chunked_prefill": False}, {"expert_parallel_size": 8}):
+        with pytest.raises(ValueError, match=next(iter(refused))):
+            LLM("m", **refused)
 
 
 def test_unknown_kwarg_is_type_error(patched):
@@ -333,12 +341,12 @@ def test_unknown_kwarg_is_type_error(patched):
 
 
 def test_max_model_len_validated(patched):
-    assert LLM("m").max_model_len == 4096
-    assert LLM("m", max_model_len=100).max_model_len == 100
+    assert LLM("m").config.model.max_model_len == 4096
+    assert LLM("m", max_model_len=100).config.model.max_model_len == 100
     for bad in (0, 5000, "10"):
         with pytest.raises(ValueError, match="max_model_len"):
             LLM("m", max_model_len=bad)
-    with pytest.raises(TypeError, match="seed"):
+    with pytest.raises(ValueError, match="seed='x'; allowed: an int"):
         LLM("m", seed="x")
 
 

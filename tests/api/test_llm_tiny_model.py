@@ -19,11 +19,10 @@ def test_text_prompt_greedy_chunked_prefill_and_logprobs(tiny_llm):
     # Greedy picks the rank-1 token of the raw logits at every step.
     assert all(entry[t].rank == 1 for entry, t in zip(c.logprobs, c.token_ids))
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
-    tiny_llm.max_num_batched_tokens = 2          # prefill in chunks: same tokens
-    try:
-        again = tiny_llm.generate("Hello world, this is", params, use_tqdm=False)[0]
-    finally:
-        tiny_llm.max_num_batched_tokens = 8192
+    # prefill in chunks of 2 (an LLM over the same runner): same tokens
+    chunked = LLM.from_runner(tiny_llm.runner, tokenizer=tiny_llm.tokenizer, max_model_len=64,
+                              max_num_batched_tokens=2)
+    again = chunked.generate("Hello world, this is", params, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == c.token_ids
 
 

@@ -1,12 +1,13 @@
 import math
+import random
 
 import pytest
 import torch
 
 from deepinfer_core import SamplingParams
 from deepinfer_core.ops.sampler import (
-    MASK64, Sampler, apply_penalties, compute_logprobs, counter_uniform, filter_probs, inverse_cdf,
-    mix_seed, processed_probs, sorted_prefix, splitmix64)
+    MASK64, Sampler, apply_penalties, compute_logprobs, counter_uniform, counter_uniform_tensor, filter_probs,
+    inverse_cdf, mix_seed, processed_probs, seed_bits, sorted_prefix, splitmix64)
 
 S = SamplingParams
 
@@ -255,3 +256,82 @@ def test_device_counter_uniform_is_bit_identical_to_the_host_one():
     for case, ns in [(0, "main"), (1, "main"), (2, "draft")]:
         got = counter_uniform_tensor(seeds, positions, "cpu", case=case, namespace=ns).tolist()
         assert got == [counter_uniform(s, p, case, ns) for s, p in zip(seeds, positions)]
+
+
+# ---- fast paths: whole-batch greedy / random, tensor positions and seeds -------------------------
+def _mixed_batch(rows, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[:, 5] = logits[:, 9] = logits.max() + 1          # greedy ties: the lower id must win
+    kinds = [S(temperature=0), S(temperature=1.0), S(temperature=0.7, top_k=5), S(top_p=0.9),
+             S(temperature=1.3, min_p=0.05), S(temperature=0.8, top_k=20, top_p=0.95, min_p=0.01)]
+    params = [kinds[(i * 5) % len(kinds)] for i in range(rows)]
+    positions = [7 + 3 * i for i in range(rows)]
+    seeds = [MASK64 - i if i % 3 == 0 else 1000 + 13 * i for i in range(rows)]   # some >= 2^63
+    return logits, params, positions, seeds
+
+
+def _one_by_one(logits, params, positions, seeds):
+    return torch.cat([Sampler().sample(logits[i:i + 1], [params[i]], [positions[i]], [seeds[i]])
+                      for i in range(len(params))])
+
+
+@pytest.mark.parametrize("vocab", [300, 5000])
+def test_batch_paths_equal_row_by_row(vocab):
+    logits, params, positions, seeds = _mixed_batch(18, vocab)
+    alone = _one_by_one(logits, params, positions, seeds)
+    s = Sampler()
+    assert torch.equal(s.sample(logits, params, positions, seeds), alone)          # mixed
+    pos_t = torch.tensor(positions)
+    seed_t = torch.tensor([seed_bits(x) for x in seeds])
+    assert torch.equal(s.sample(logits, params, pos_t, seed_t), alone)              # tensors
+    assert torch.equal(s.sample(logits, params, tuple(positions), seed_t), alone)   # one of each
+    rand = [i for i, p in enumerate(params) if p.temperature > 0]
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+
+    def sub(xs, rows):
+        return [xs[i] for i in rows]
+    got = s.sample(logits[rand], sub(params, rand), sub(positions, rand), sub(seeds, rand))  # all random
+    assert torch.equal(got, alone[rand])
+    got = s.sample(logits[rand], sub(params, rand), pos_t[rand], seed_t[rand])
+    assert torch.equal(got, alone[rand])
+    got = s.sample(logits[greedy], sub(params, greedy), pos_t[greedy], seed_t[greedy])   # all greedy
+    assert torch.equal(got, alone[greedy]) and got.dtype == torch.long
+    assert set(got.tolist()) == {5}
+
+
+def test_counter_uniform_tensor_accepts_tensors():
+    rng = random.Random(1)
+    seeds = [0, MASK64, (1 << 63), (1 << 63) - 1, MASK64 - 5] + [rng.getrandbits(64) for _ in range(100)]
+    positions = [0, 2**40, 1, 3, 9] + [rng.randrange(1 << 20) for _ in range(100)]
+    st, pt = torch.tensor([seed_bits(s) for s in seeds]), torch.tensor(positions)
+    for case, ns in [(0, "main"), (1, "main"), (2, "draft")]:
+        want = counter_uniform_tensor(seeds, positions, "cpu", case=case, namespace=ns)
+        got = counter_uniform_tensor(st, pt, "cpu", case=case, namespace=ns)
+        assert torch.equal(got, want)
+        assert got.tolist() == [counter_uniform(s, p, case, ns) for s, p in zip(seeds, positions)]
+        assert torch.equal(counter_uniform_tensor(st, positions, "cpu", case=case, namespace=ns), want)
+
+
+@pytest.mark.parametrize("vocab", [300, 5000])     # batched full-sort path / per-row partial-sort path
+def test_logprobs_at_max_k_truncate_to_each_rows_k(vocab):
+    # The engine computes one call at the largest k of the batch and cuts each row to its own k.
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randint(0, 5, (6, vocab), generator=g).float()       # masses of exact ties
+    logits[1] = torch.randn(vocab, generator=g)
+    logits[2, 100:] = float("-inf")                                       # fewer finite than k
+    sampled = torch.randint(0, vocab, (6,), generator=g)
+    kmax = 64
+    big = compute_logprobs(logits, kmax, sampled)
+    for k in (1, 2, 7, 20, 63, kmax):
+        small = compute_logprobs(logits, k, sampled)
+        assert torch.equal(big.top_ids[:, :k], small.top_ids)
+        assert torch.equal(big.top_logprobs[:, :k], small.top_logprobs)
+        assert torch.equal(big.sampled_ranks, small.sampled_ranks)
+        assert torch.equal(big.sampled_logprobs, small.sampled_logprobs)
+    ref = torch.log_softmax(logits, -1).sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(big.top_ids, ref.indices[:, :kmax])
+    assert torch.equal(big.top_logprobs, ref.values[:, :kmax])
+    for r in range(6):                     # ties in id order
+        vals, ids = big.top_logprobs[r].tolist(), big.top_ids[r].tolist()
+        assert all(vals[j] > vals[j + 1] or ids[j] < ids[j + 1] for j in range(kmax - 1))

@@ -278,6 +278,13 @@ def check_envs_markdown(r: Result) -> None:
     assert r.stdout.strip() in README.read_text(encoding="utf-8")
 
 
+def check_options_markdown(r: Result) -> None:
+    assert r.stdout.startswith("| option | config | default | allowed values | meaning |")
+    assert "| `max_num_seqs` | `scheduler.max_num_seqs` |" in r.stdout
+    # "generated from the fields (`python -m deepinfer_core.engine_config --markdown`)"
+    assert r.stdout.strip() in README.read_text(encoding="utf-8")
+
+
 def check_generate_snippet(r: Result) -> None:
     # 8 token ids, then the first position's logprobs (top-2)
     assert re.match(r"\[(\d+, ){7}\d+\] \{\d+: Logprob\(logprob=", r.stdout), r.stdout
@@ -338,6 +345,8 @@ TABLE: dict[str, Run | Skip] = {
     ),
     # Structured outputs
     SO_ARGS_CLI: Run(check_so_args_cli),
+    # Engine options
+    "python -m deepinfer_core.engine_config --markdown": Run(check_options_markdown),
     # Tests
     'DEEPINFER_ACCELERATOR=cpu ./build.sh --test && python -m pytest -q tests -m "not gpu"': Skip(
         "the CI command itself: installs packages, then runs this test among the others"

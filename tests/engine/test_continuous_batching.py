@@ -22,16 +22,13 @@ def llm(tiny_ckpt_dir):
 
 
 def run(llm, ps, params=GREEDY, **opts) -> list[list[int]]:
-    saved = {k: getattr(llm, k) for k in opts}
-    for k, v in opts.items():
-        setattr(llm, k, v)
-    try:
-        out = llm.generate(prompt_token_ids=ps, sampling_params=params, use_tqdm=False)
-    finally:
-        for k, v in saved.items():
-            setattr(llm, k, v)
-    eng = llm.last_engine
-    assert eng.scheduler.blocks.allocator.empty and eng.executor.num_states == 0 and not eng.has_unfinished()
+    """Generate through `llm`, or through another LLM front end over its runner with `opts`."""
+    if opts:
+        llm = LLM.from_runner(llm.runner, tokenizer=llm.tokenizer, **opts)
+    out = llm.generate(prompt_token_ids=ps, sampling_params=params, use_tqdm=False)
+    eng = llm.engine
+    assert eng.scheduler.blocks.allocator.empty and not eng.has_unfinished_requests()
+    run.last = llm
     return [o.outputs[0].token_ids for o in out]
 
 
@@ -54,7 +51,7 @@ def test_preemption_under_a_small_cache(llm):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     free = run(llm, ps, params)
     tight = run(llm, ps, params, num_cache_blocks=3, max_num_batched_tokens=256)   # 384 positions
-    assert llm.last_engine.scheduler.num_preemptions > 0
+    assert run.last.engine.scheduler.num_preemptions > 0
     assert tight == free
 
 

@@ -29,9 +29,9 @@ def llm_over(base: LLM, **opts) -> LLM:
 
 
 def assert_clean(llm: LLM) -> None:
-    eng = llm.last_engine
+    eng = llm.engine
     assert eng.scheduler.blocks.allocator.empty, "slots or blocks leaked"
-    assert eng.executor.num_states == 0 and not eng.executor.outputs and not eng.has_unfinished()
+    assert not eng.has_unfinished_requests() and not eng.scheduler.running and not eng._requests
 
 
 def assert_same_outputs(xs, ys) -> None:
@@ -102,12 +102,12 @@ def test_async_and_sync_scheduling_give_identical_outputs(base, lengths, cache):
     for on in (False, True):
         llm = llm_over(base, async_scheduling=on, seed=7, **cache)
         runs[on] = llm.generate(prompt_token_ids=ps, sampling_params=params, use_tqdm=False)
-        assert llm.last_engine.async_scheduling is on
+        assert llm.engine.async_scheduling is on
         assert_clean(llm)
         if cache:
-            assert llm.last_engine.scheduler.num_preemptions > 0
+            assert llm.engine.scheduler.num_preemptions > 0
         if on:
-            assert llm.last_engine.num_dropped_tokens > 0      # the overlap really ran ahead of a stop
+            assert llm.engine.num_dropped_tokens > 0      # the overlap really ran ahead of a stop
     assert_same_outputs(runs[True], runs[False])
     assert runs[True][0].outputs[0].finish_reason == "stop"
 
@@ -167,7 +167,7 @@ def test_bad_request_is_refused_while_the_others_complete(base, case):
     clean = llm_over(base).generate(prompt_token_ids=good, sampling_params=params, use_tqdm=False)
     bad_prompt, bad_params, field = prompts(1, [5], seed=32)[0], params[0], None
     if case == "empty prompt":
-        bad_prompt, field = [], "prompt 1 is empty"
+        bad_prompt, field = [], "prompt 1 is invalid: the prompt is empty"
     elif case == "prompt too long":
         bad_prompt, field = [7] * 1025, "max_model_len"
     elif case == "prompt of the wrong type":

@@ -164,3 +164,35 @@ def test_padded_static_verify_batches_equal_eager_verify(ours, kdev):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (step, (got - want).abs().max().item())
         assert [st.num_tokens for st in static] == [st.num_tokens for st in eager] == [n + 3 * step for n in starts]
     assert sorted(graphs.graphs) == [(4, 3)]
+
+
+@pytest.mark.parametrize("q", [1, 3, 5])
+def test_static_meta_derived_on_the_device_equals_the_host_fill(q):
+    """What a decode/verify graph records (`derive`: block table gathered by slot from the engine's
+    per-slot table, closed blocks from host extras or from the positions) describes the same batch
+    as the host `fill`: same starts, block tables, token arrays and closed (sequence, block) pairs."""
+    from deepinfer_nvidia.batch_meta import StaticMeta
+
+    starts, slots, tables = [3, 126, 9], [1, 0, 2], [[3, 4, 5], [0, 1, 2], [6, 7, 8]]
+    positions = torch.tensor([s + i for s in starts for i in range(q)])
+    per_slot = torch.zeros(4, 3, dtype=torch.int32)
+    for s, t in zip(slots, tables):
+        per_slot[s] = torch.tensor(t, dtype=torch.int32)
+
+    def static() -> StaticMeta:
+        m = StaticMeta((4, 128), 3, 3, torch.zeros(3 * q, dtype=torch.int64), query_len=q)
+        m.meta.positions.copy_(positions)
+        return m
+
+    def closed(m: StaticMeta) -> dict:
+        nb = m.meta.new_blocks
+        return {r: sorted((int(s), int(i)) for s, i in zip(nb[r].seq, nb[r].idx) if i >= 0) for r in (4, 128)}
+
+    host, with_extras, derived = static(), static(), static()
+    host.fill(starts, slots, tables)
+    with_extras.derive(torch.tensor(slots), per_slot, torch.tensor(with_extras.extra_inputs(starts)))
+    derived.derive(torch.tensor(slots), per_slot)
+    for m in (with_extras, derived):
+        assert closed(m) == closed(host)
+        for name in ("seq_start", "slots", "block_table", "cu_seqlens", "token_seq"):
+            assert getattr(m.meta, name).tolist() == getattr(host.meta, name).tolist(), name

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from deepinfer_core.cache.state_cache import BLOCK_SIZE
 from deepinfer_core.ops.transfer import copy_into, to_device
 from deepinfer_kernels.compressor import new_blocks
 
@@ -40,13 +41,15 @@ class AttentionMeta:
 
 
 def _host_parts(starts, lens, slots, tables, ratios, max_blocks: int, blocks_len: dict[int, int] | None):
-    """The int32 lists of the metadata, in a fixed order; closed-block lists padded to `blocks_len[r]`."""
+    """The int32 lists of the metadata, in a fixed order; closed-block lists padded to `blocks_len[r]`.
+    `tables` None: the block table comes from the device (no host part)."""
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
     token_seq = [s for s, n in enumerate(lens) for _ in range(n)]
-    flat_table = [b for t in tables for b in list(t) + [0] * (max_blocks - len(t))]
-    parts = [cu, list(starts), token_seq, list(slots), flat_table]
+    parts = [cu, list(starts), token_seq, list(slots)]
+    if tables is not None:
+        parts.append([b for t in tables for b in list(t) + [0] * (max_blocks - len(t))])
     counts = []
     for r in ratios:
         seq, idx = new_blocks(starts, lens, r)
@@ -61,25 +64,38 @@ def _host_parts(starts, lens, slots, tables, ratios, max_blocks: int, blocks_len
 
 
 def _views(flat: torch.Tensor, parts_sizes: list[int], ratios, num_seqs: int, max_blocks: int, positions,
-           counts, max_rows) -> AttentionMeta:
+           counts, max_rows, block_table: torch.Tensor | None = None) -> AttentionMeta:
     views = list(torch.split(flat, parts_sizes))
-    cu_t, start_t, seq_t, slot_t, table_t = views[:5]
+    cu_t, start_t, seq_t, slot_t = views[:4]
+    if block_table is None:
+        block_table = views.pop(4).view(num_seqs, max_blocks)
     new_blocks = {}
     for i, r in enumerate(ratios):
-        seq_v, idx_v = views[5 + 2 * i], views[6 + 2 * i]
+        seq_v, idx_v = views[4 + 2 * i], views[5 + 2 * i]
         new_blocks[r] = NewBlocks(seq_v, idx_v, counts[i])
-    return AttentionMeta(cu_t, start_t, seq_t, positions, slot_t, table_t.view(num_seqs, max_blocks),
-                         new_blocks, max_rows)
+    return AttentionMeta(cu_t, start_t, seq_t, positions, slot_t, block_table, new_blocks, max_rows)
 
 
 def build_meta(batch, ratios: tuple[int, ...]) -> AttentionMeta:
+    """From host lists; the block table from the engine's per-slot device table when the batch
+    carries one (a gather by slot), else from each state's host list."""
     starts, lens, states = batch.starts, batch.lens, batch.states
-    tables = [st.table.ids for st in states]
-    max_blocks = max(1, max(len(t) for t in tables))
-    parts, counts = _host_parts(starts, lens, [st.slot for st in states], tables, ratios, max_blocks, None)
+    tables = device_table = None
+    if batch.slot_tables is not None:
+        slots = batch.slot_ids
+        max_blocks = max(1, max(-(-(s + n) // BLOCK_SIZE) for s, n in zip(starts, lens)))
+    else:
+        slots = [st.slot for st in states]
+        tables = [st.table.ids for st in states]
+        max_blocks = max(1, max(len(t) for t in tables))
+    parts, counts = _host_parts(starts, lens, slots, tables, ratios, max_blocks, None)
     flat = to_device([v for p in parts for v in p], torch.int32, batch.positions.device)
+    if batch.slot_tables is not None:
+        slot_t = flat[len(parts[0]) + len(parts[1]) + len(parts[2]):][:len(slots)]
+        device_table = batch.slot_tables.block_table.index_select(0, slot_t)[:, :max_blocks]
     max_rows = {r: max((st + n) // r for st, n in zip(starts, lens)) for r in ratios}
-    return _views(flat, [len(p) for p in parts], ratios, len(lens), max_blocks, batch.positions, counts, max_rows)
+    return _views(flat, [len(p) for p in parts], ratios, len(lens), max_blocks, batch.positions, counts,
+                  max_rows, device_table)
 
 
 class StaticMeta:
@@ -102,6 +118,55 @@ class StaticMeta:
         rows = {r: max_blocks * 128 // r for r in ratios}      # the most rows a block table can hold
         self.meta = _views(self.flat, self.sizes, ratios, n, max_blocks, positions,
                            [self.blocks_len[r] for r in ratios], rows)
+        self._static_done = False
+
+    @property
+    def num_extra(self) -> int:
+        """Host-computed ints `derive` takes besides positions and slots: the closed-block indices."""
+        return sum(self.blocks_len.values())
+
+    def extra_inputs(self, starts: list[int]) -> list[int]:
+        """The closed-block index of every (sequence, j < ceil(q/r)), ratio by ratio (-1: none):
+        cheap on the host, and a dozen fewer tiny kernels in every replay than deriving them."""
+        q, out = self.query_len, []
+        for r in self.ratios:
+            per = -(-q // r)
+            for s in starts:
+                first, end = s // r, (s + q) // r
+                out.extend(first + j if first + j < end else -1 for j in range(per))
+        return out
+
+    def derive(self, slots: torch.Tensor, block_table: torch.Tensor, extra: torch.Tensor | None = None) -> None:
+        """Refill the metadata on the device from the static positions (already in place), the
+        batch's slots [num_seqs], the engine's per-slot block table [slots, max_blocks] and the
+        `extra_inputs` (else derived here): no host work, so a CUDA graph records it. Closed-block
+        lists are laid out ceil(q/r) entries per sequence (idx -1 where fewer close), which the
+        kernels treat as padding wherever it sits."""
+        m, n, q = self.meta, self.num_seqs, self.query_len
+        if block_table.shape[1] != self.max_blocks:
+            raise ValueError(f"block table is {block_table.shape[1]} blocks wide, the static metadata "
+                             f"{self.max_blocks}")
+        start = m.positions.view(n, q)[:, 0]
+        m.seq_start.copy_(start)
+        m.slots.copy_(slots)
+        torch.index_select(block_table, 0, slots, out=m.block_table)
+        off = 0
+        for r in self.ratios:
+            per = -(-q // r)
+            if extra is not None:
+                m.new_blocks[r].idx.copy_(extra[off:off + n * per])
+                off += n * per
+                continue
+            blk = (start // r)[:, None] + torch.arange(per, device=start.device)[None, :]
+            blk = torch.where(blk < ((start + q) // r)[:, None], blk, -1)
+            m.new_blocks[r].idx.copy_(blk.view(-1))
+        if not self._static_done:             # the parts that never change for this shape
+            dev = start.device
+            m.cu_seqlens.copy_(torch.arange(n + 1, device=dev) * q)
+            m.token_seq.copy_(torch.arange(n, device=dev).repeat_interleave(q))
+            for r in self.ratios:
+                m.new_blocks[r].seq.copy_(torch.arange(n, device=dev).repeat_interleave(-(-q // r)))
+            self._static_done = True
 
     def fill(self, starts: list[int], slots: list[int], tables: list[list[int]]) -> None:
         """Copy one step's values in place (one host->device transfer); sequence s feeds positions
@@ -111,3 +176,4 @@ class StaticMeta:
         parts, _ = _host_parts(starts, [self.query_len] * self.num_seqs, slots, tables, self.ratios,
                                self.max_blocks, self.blocks_len)
         copy_into(self.flat, [v for p in parts for v in p])
+        self._static_done = False              # fill's closed-block layout differs from derive's

@@ -111,7 +111,6 @@ def run_check(llm, targets: list[list[int]], *, batch_sizes=(2, 3, 8, 64, 256), 
     rng = random.Random(seed)
     vocab = int(llm.vocab_size)
     params = target_params(len(targets), max_tokens, logprobs)
-    saved = llm.max_num_batched_tokens
     scenarios: list[Scenario] = []
 
     def record(name: str, got: dict[int, Signature], t0: float) -> None:
@@ -122,33 +121,32 @@ def run_check(llm, targets: list[list[int]], *, batch_sizes=(2, 3, 8, 64, 256), 
     t0 = time.perf_counter()
     reference = run_alone(llm, targets, params)
     scenarios.append(Scenario("alone (reference)", len(targets), [], time.perf_counter() - t0))
-    try:
-        for n in batch_sizes:
-            t0 = time.perf_counter()
-            per_batch = max(1, min(len(targets), n // 2))
-            got: dict[int, Signature] = {}
-            for g in range(0, len(targets), per_batch):
-                group = list(range(g, min(g + per_batch, len(targets))))
-                placement: list[int | None] = group + [None] * (n - len(group))
-                rng.shuffle(placement)
-                fillers = random_prompts(n - len(group), rng, *filler_len, vocab)
-                got.update(run_batch(llm, targets, params, placement, fillers,
-                                     [filler_params(rng, max_tokens) for _ in fillers]))
-            record(f"batch of {n}, shuffled", got, t0)
-        for c in chunk_sizes:
-            t0 = time.perf_counter()
-            llm.max_num_batched_tokens = c
-            if c < 16:            # tiny chunks: one target at a time keeps the step count bounded
-                got = run_alone(llm, targets, params)
-            else:
-                placement = list(range(len(targets))) + [None] * 4
-                rng.shuffle(placement)
-                fillers = random_prompts(4, rng, *filler_len, vocab)
-                got = run_batch(llm, targets, params, placement, fillers,
-                                [filler_params(rng, max_tokens) for _ in fillers])
-            record(f"chunked prefill {c}", got, t0)
-    finally:
-        llm.max_num_batched_tokens = saved
+    for n in batch_sizes:
+        t0 = time.perf_counter()
+        per_batch = max(1, min(len(targets), n // 2))
+        got: dict[int, Signature] = {}
+        for g in range(0, len(targets), per_batch):
+            group = list(range(g, min(g + per_batch, len(targets))))
+            placement: list[int | None] = group + [None] * (n - len(group))
+            rng.shuffle(placement)
+            fillers = random_prompts(n - len(group), rng, *filler_len, vocab)
+            got.update(run_batch(llm, targets, params, placement, fillers,
+                                 [filler_params(rng, max_tokens) for _ in fillers]))
+        record(f"batch of {n}, shuffled", got, t0)
+    for c in chunk_sizes:
+        t0 = time.perf_counter()
+        # the same runner, prefill chunked at c tokens
+        chunked = type(llm).from_runner(llm.runner, llm.tokenizer,
+                                        config=llm.config.replace(max_num_batched_tokens=c))
+        if c < 16:            # tiny chunks: one target at a time keeps the step count bounded
+            got = run_alone(chunked, targets, params)
+        else:
+            placement = list(range(len(targets))) + [None] * 4
+            rng.shuffle(placement)
+            fillers = random_prompts(4, rng, *filler_len, vocab)
+            got = run_batch(chunked, targets, params, placement, fillers,
+                            [filler_params(rng, max_tokens) for _ in fillers])
+        record(f"chunked prefill {c}", got, t0)
     ctx = getattr(getattr(llm.runner, "loaded", None), "ctx", None)
     return Report(bool(ctx and ctx.batch_invariant), str(llm.dtype), str(llm.device), len(targets), scenarios)
 

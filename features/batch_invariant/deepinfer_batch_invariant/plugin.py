@@ -6,7 +6,9 @@ the position).
 
 It wraps (pluggy `wrapper=True`) every op hook: whatever op object the backend chose is replaced by its
 batch-invariant version (`variants.invariant_op`). Ops that have none are an error at start-up, never
-a silent fallback. Incompatible settings are refused in `deepinfer_configure`.
+a silent fallback. Incompatible settings are refused in `deepinfer_configure`. (DEEPINFER_ENABLE_MTP_VARLEN=1
+would be one, since variable-length verification picks each step's draft length from the load; the
+engine config refuses it for now: nothing drafts yet.)
 """
 from __future__ import annotations
 
@@ -31,13 +33,6 @@ def deepinfer_configure(ctx):
             f"{ctx.platform.name!r} (plugin {ctx.platform.plugin!r}); supported platforms: "
             f"{', '.join(SUPPORTED_PLATFORMS)}. Unset DEEPINFER_BATCH_INVARIANT or pick another "
             f"DEEPINFER_ACCELERATOR")
-    from deepinfer_core.envs import read_settings
-    if read_settings().enable_mtp_varlen:
-        raise ValueError(
-            "DEEPINFER_BATCH_INVARIANT=1 and DEEPINFER_ENABLE_MTP_VARLEN=1 cannot be combined: variable-length "
-            "verification picks each step's draft length from the load, so the realised tokens depend on "
-            "the batch; set DEEPINFER_ENABLE_MTP_VARLEN=0 (deterministic sampling) or turn batch "
-            "invariance off")
 
 
 def _wrap(kind: str, ctx, result):

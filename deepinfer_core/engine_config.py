@@ -1,0 +1,385 @@
+"""One engine configuration, resolved once: `EngineConfig.from_options(**LLM kwargs)`.
+
+Every engine option is a field of one of the frozen sections below (model, cache, scheduler,
+parallel, speculative, observability), declared once with its default, its allowed values and a
+one-line doc. `from_options` validates each value (a ValueError naming the field and the allowed
+values), fills the defaults that come from the environment (`envs.read_settings()`, read here once)
+and refuses what the engine does not implement; the result is passed down to the runner and the
+plugins (`BuildContext.options`), so nothing below reads the environment. The CLI's engine flags and
+the README's option table are generated from these fields
+(`python -m deepinfer_core.engine_config --markdown`).
+
+Kept free of torch at module level: `python -m deepinfer_core.generate --help` imports it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from .envs import Settings, field_name, read_settings
+
+README_BEGIN = "<!-- options:begin -->"
+README_END = "<!-- options:end -->"
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
+LOAD_FORMATS = ("auto", "dummy")
+_TABLE_DEFAULTS = Settings()        # the env table's defaults (no environment read)
+
+
+# ---- validation rules -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rule:
+    """What a field accepts: `allowed` is shown in errors, --help and the README table."""
+
+    allowed: str
+    ok: Callable[[Any], bool] = lambda v: True
+    convert: Callable[[Any], Any] = lambda v: v
+    why: str = ""                   # appended to the error: why only these values
+
+    def __call__(self, name: str, value: Any) -> Any:
+        if not self.ok(value):
+            why = f" ({self.why})" if self.why else ""
+            raise ValueError(f"{name}={value!r}; allowed: {self.allowed}{why}")
+        return self.convert(value)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive(none: str | None = None) -> Rule:
+    """An int >= 1; with `none`, also None meaning `none`."""
+    if none is None:
+        return Rule("an int >= 1", lambda v: _is_int(v) and v >= 1)
+    return Rule(f"an int >= 1, or None ({none})", lambda v: v is None or (_is_int(v) and v >= 1))
+
+
+def _path_or_none(none: str) -> Rule:
+    return Rule(f"a path or repo id (str or os.PathLike), or None ({none})",
+                lambda v: v is None or isinstance(v, (str, os.PathLike)), lambda v: v if v is None else str(v))
+
+
+def _str_or_none(none: str) -> Rule:
+    return Rule(f"a str, or None ({none})", lambda v: v is None or (isinstance(v, str) and v != ""))
+
+
+def _choice(*values: str) -> Rule:
+    return Rule(", ".join(map(repr, values)), lambda v: isinstance(v, str) and v in values)
+
+
+def _env_bool(env: str) -> Rule:
+    return Rule(f"True, False, None (= {env})", lambda v: isinstance(v, bool))
+
+
+def _only(value: Any, why: str) -> Rule:
+    """Options whose other values the engine does not implement yet."""
+    return Rule(repr(value), lambda v: type(v) is type(value) and v == value, why=why)
+
+
+def _dtype(value: Any) -> str:
+    from .plugin_context import normalize_dtype      # lazy: plugin_context imports this module
+    return normalize_dtype(value)
+
+
+BOOL = Rule("True, False", lambda v: isinstance(v, bool))
+UTILIZATION = Rule("a number in (0, 1]", lambda v: not isinstance(v, bool) and isinstance(v, (int, float))
+                   and 0 < v <= 1, float)
+SINGLE_GPU = "multi-GPU is not implemented yet"
+NO_SPECULATIVE = "speculative decoding is not implemented yet"
+
+
+def validate_utilization(value: Any) -> float:
+    """`gpu_memory_utilization` as a float in (0, 1], else a ValueError naming it."""
+    return UTILIZATION("gpu_memory_utilization", value)
+
+
+def _opt(default: Any, doc: str, rule: Rule) -> Any:
+    return field(default=default, metadata={"doc": doc, "rule": rule, "env": None, "setting": None})
+
+
+def _env(env: str, doc: str, rule: Rule | None = None, setting: str | None = None) -> Any:
+    """A field filled from the DEEPINFER_* variable `env` when the option is unset or None (`setting`:
+    the `Settings` attribute, when not the variable's own); its default is the env table's."""
+    setting = setting or field_name(env)
+    return field(default=getattr(_TABLE_DEFAULTS, setting),
+                 metadata={"doc": doc, "rule": rule or _env_bool(env), "env": env, "setting": setting})
+
+
+class _Section:
+    """Validates (and normalises) every field with its rule, on construction and on `replace`."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            rule = f.metadata.get("rule")
+            if rule is not None:
+                object.__setattr__(self, f.name, rule(f.name, getattr(self, f.name)))
+
+
+# ---- the sections -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelOptions(_Section):
+    """The checkpoint, its numerics and where it runs."""
+
+    model: str | None = _env("DEEPINFER_HF_MODEL_DIR", "checkpoint directory, Hugging Face cache snapshot, "
+                             "or repo id in the local HF cache", _path_or_none("= DEEPINFER_HF_MODEL_DIR"))
+    tokenizer: str | None = _opt(None, "tokenizer directory",
+                                 _path_or_none("the model's"))
+    dtype: str = _opt("float32", "compute dtype; 'auto' = bfloat16",
+                      Rule("'float32', 'bfloat16', 'auto' (= bfloat16), torch.float32, torch.bfloat16",
+                           convert=_dtype))
+    simulate_qat: bool = _opt(True, "reproduce the reference's FP8/FP4 quantisation-aware numerics", BOOL)
+    seed: int = _opt(0, "seeds the requests that set no seed of their own (with a request counter)",
+                     Rule("an int", _is_int))
+    max_model_len: int | None = _opt(None, "maximum prompt + output tokens per request",
+                                     _positive("= the model's max_position_embeddings"))
+    device: str | None = _opt(None, "torch device of the weights and the state cache",
+                              _str_or_none("the detected platform's device"))
+    load_format: str = _opt("auto", "'auto' loads the checkpoint's safetensors; 'dummy' fills random "
+                            "weights of config.json's shape on the device (benchmarks; no weights on disk)",
+                            _choice(*LOAD_FORMATS))
+    batch_invariant: bool = _env("DEEPINFER_BATCH_INVARIANT", "batch-invariant kernels: a request's logits "
+                                 "and tokens do not depend on its batch or its prefill chunking")
+    enforce_eager: bool = _env("DEEPINFER_ENFORCE_EAGER",
+                               "CUDA: never capture decode/verification CUDA graphs")
+
+
+@dataclass(frozen=True)
+class CacheOptions(_Section):
+    """The paged state cache: its size (the first of these set wins) and its storage."""
+
+    num_cache_blocks: int | None = _opt(None, "an exact number of 128-position blocks (tests, tools)",
+                                        _positive("sized from the byte budget"))
+    kv_cache_memory_bytes: int | None = _opt(
+        None, "an explicit state-cache budget in bytes (any device)",
+        _positive("gpu_memory_utilization on CUDA, cpu_kv_cache_bytes on CPU"))
+    gpu_memory_utilization: float = _opt(0.9, "CUDA: the fraction of device memory the engine may use; the "
+                                         "cache gets what is left after the weights, other users and one "
+                                         "profiled step's activations", UTILIZATION)
+    cpu_kv_cache_bytes: int = _env("DEEPINFER_CPU_KV_CACHE_BYTES", "the state-cache budget in bytes on the "
+                                   "CPU when kv_cache_memory_bytes is unset",
+                                   Rule("an int >= 1, or None (= DEEPINFER_CPU_KV_CACHE_BYTES)",
+                                        lambda v: _is_int(v) and v >= 1))
+    kv_cache_dtype: str = _opt("auto", "storage of window and compressed KV rows: 'auto'/'bfloat16' = the "
+                               "model dtype; 'fp8' = e4m3 no-RoPE dims with a power-of-two scale per 64 + "
+                               "bf16 RoPE dims (35% fewer cache bytes; lossless with the QAT simulation; "
+                               "needs dtype bfloat16)", _choice(*KV_CACHE_DTYPES))
+    max_backtracking_tokens: int = _env(
+        "DEEPINFER_MAX_BACKTRACKING_TOKENS", "rollback room in the sliding-window rings (tokens a "
+        "verification step may reject)",
+        Rule("an int >= 0, or None (= max(DEEPINFER_MAX_BACKTRACKING_TOKENS, DEEPINFER_USE_NEXTN_DECODE + 1))",
+             lambda v: _is_int(v) and v >= 0),
+        setting="effective_max_backtracking_tokens")
+
+
+@dataclass(frozen=True)
+class SchedulerOptions(_Section):
+    """Continuous batching: what one step may hold."""
+
+    max_num_seqs: int = _opt(256, "sequences per step; also the number of state slots (rings, compressor "
+                             "tails)", _positive())
+    max_num_batched_tokens: int = _opt(8192, "tokens per step: decodes plus prefill chunks (longer prompts "
+                                       "are chunked)", _positive())
+    async_scheduling: bool = _env("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "overlap the host work of step N "
+                                  "with the device forward of step N+1")
+
+
+@dataclass(frozen=True)
+class ParallelOptions(_Section):
+    """One device per engine: every size is 1 until multi-GPU lands."""
+
+    tensor_parallel_size: int = _opt(1, "devices the weights are split over", _only(1, SINGLE_GPU))
+    pipeline_parallel_size: int = _opt(1, "pipeline stages", _only(1, SINGLE_GPU))
+    data_parallel_size: int = _opt(1, "engine replicas", _only(1, SINGLE_GPU))
+    expert_parallel_size: int = _opt(1, "devices the routed experts are split over", _only(1, SINGLE_GPU))
+    context_parallel_size: int = _opt(1, "devices a long prompt is split over", _only(1, SINGLE_GPU))
+    engram_parallel_size: int = _opt(1, "DS-DeepInfer's engram parallelism", _only(1, SINGLE_GPU))
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions(_Section):
+    """Speculative decoding is not implemented yet (nothing drafts): only the off values. When it lands,
+    batch invariance must refuse enable_mtp_varlen (the draft length would follow the load)."""
+
+    speculative_config: dict[str, Any] | None = _opt(None, "vLLM's speculative-decoding settings",
+                                                     _only(None, NO_SPECULATIVE))
+    enable_mtp_varlen: bool = _env("DEEPINFER_ENABLE_MTP_VARLEN", "confidence-scheduled variable-length "
+                                   "verification of draft tokens",
+                                   _only(False, NO_SPECULATIVE + "; unset DEEPINFER_ENABLE_MTP_VARLEN"))
+
+
+@dataclass(frozen=True)
+class ObservabilityOptions(_Section):
+    """No option yet: the engine logs no periodic stats (vLLM's disable_log_stats=False is refused)."""
+
+
+SECTIONS: dict[str, type] = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions,
+                             "parallel": ParallelOptions, "speculative": SpeculativeOptions,
+                             "observability": ObservabilityOptions}
+
+# vLLM / DS-DeepInfer spellings that are no field: name -> (the values accepted because they are what
+# the engine does anyway, what it does). Any other value is a ValueError saying so; never ignored.
+COMPAT_OPTIONS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "enable_chunked_prefill": ((True, None), "prefill is always chunked under max_num_batched_tokens"),
+    "chunked_prefill": ((True, None), "prefill is always chunked under max_num_batched_tokens"),
+    "enable_prefix_caching": ((False, None), "prefix caching is not implemented yet"),
+    "trust_remote_code": ((True, False, None), "the model code is built in; no checkpoint code ever runs"),
+    "revision": ((None, "main"), "a repo id resolves to the local cache snapshot refs/main points at"),
+    "tokenizer_revision": ((None, "main"), "the tokenizer is read from a local directory"),
+    "tokenizer_mode": (("auto", None), "the checkpoint's tokenizer.json (a fast tokenizer) is used"),
+    "swap_space": ((0, None), "a preempted sequence is recomputed; nothing is swapped to the host"),
+    "cpu_offload_gb": ((0, None), "weights are never offloaded to the host"),
+    "disable_log_stats": ((True, None), "the engine logs no periodic stats (not implemented yet)"),
+    "served_model_name": ((None,), "there is no server yet"),
+    "stop_preempted_request": ((False, None), "a preempted request is recomputed, never stopped"),
+    "offline_inference": ((True, None), "LLM is offline inference; online serving is not implemented yet"),
+    "disable_custom_all_reduce": ((True, False, None), "one device: there is no all-reduce to customise"),
+    "ignore_len": ((False, None), "prompt + output lengths are always held to max_model_len"),
+    "tokens_per_block": ((128, None), "state-cache blocks hold 128 positions"),
+    "lookahead_tokens": ((0, None), "no lookahead slots (speculative decoding is not implemented yet)"),
+    "compilation_config": ((None,), "CUDA graphs are the engine's own; enforce_eager turns them off"),
+    "quantization": ((None,), "weights run in the checkpoint's own FP8/FP4 format"),
+    "engine_type": ((None,), "there is one engine type"),
+    "engine_rank": ((0, None), "one engine in one process: rank 0"),
+    "engine_group_rank": ((0, None), "one engine in one process: rank 0"),
+}
+
+
+def _accepts(accepted: tuple[Any, ...], value: Any) -> bool:
+    return any(type(value) is type(a) and value == a for a in accepted)   # True is not 1
+
+
+def option_fields() -> Iterator[tuple[str, str | None, dataclasses.Field, Any]]:
+    """(option name, section or None for EngineConfig's own, the field, its type) of every option."""
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            yield f.name, section, f, hints[f.name]
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        if f.name not in SECTIONS:
+            yield f.name, None, f, hints[f.name]
+
+
+# ---- the config -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineConfig(_Section):
+    """Every engine option, resolved. Build it with `from_options`; `replace` for a changed copy."""
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+    observability: ObservabilityOptions = field(default_factory=ObservabilityOptions)
+    decode_sequence: bool = _opt(False, "DS-DeepInfer compat: generate returns one string per prompt", BOOL)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cache.kv_cache_dtype == "fp8" and self.model.dtype != "bfloat16":
+            raise ValueError(f"kv_cache_dtype='fp8' needs dtype='bfloat16' (the RoPE dims stay bf16), "
+                             f"got dtype={self.model.dtype!r}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """Validate the options, fill the unset env-backed ones from the env table (read once here)."""
+        options = dict(options)
+        for name in [n for n in options if n in COMPAT_OPTIONS]:
+            accepted, what = COMPAT_OPTIONS[name]
+            value = options.pop(name)
+            if not _accepts(accepted, value):
+                raise ValueError(f"{name}={value!r} is not supported: {what}; allowed: "
+                                 f"{', '.join(map(repr, accepted))}")
+        known = {name: (section, f) for name, section, f, _ in option_fields()}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted: {sorted(known)} (and, with "
+                            f"the values this engine implements: {sorted(COMPAT_OPTIONS)})")
+        settings = read_settings()
+        parts: dict[str | None, dict[str, Any]] = {}
+        for name, (section, f) in known.items():
+            value = options.get(name)
+            if f.metadata["env"] is not None and value is None:
+                value = getattr(settings, f.metadata["setting"])
+            elif name not in options:
+                continue
+            parts.setdefault(section, {})[name] = value
+        top = parts.pop(None, {})
+        return cls(**{s: cls_(**parts.get(s, {})) for s, cls_ in SECTIONS.items()}, **top)
+
+    def as_options(self) -> dict[str, Any]:
+        """The flat `LLM(**options)` form of this config."""
+        return {name: getattr(getattr(self, section) if section else self, name)
+                for name, section, _, _ in option_fields()}
+
+    def replace(self, **options: Any) -> "EngineConfig":
+        """A copy with some options changed (flat names, validated as in `from_options`)."""
+        return EngineConfig.from_options(**{**self.as_options(), **options})
+
+    def with_model_limit(self, max_position_embeddings: int) -> "EngineConfig":
+        """`max_model_len` resolved against the checkpoint: None -> its max_position_embeddings."""
+        limit, value = int(max_position_embeddings), self.model.max_model_len
+        if value is None:
+            value = limit
+        elif value > limit:
+            raise ValueError(f"max_model_len={value!r}; allowed: 1..{limit} (max_position_embeddings) "
+                             f"or None")
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, max_model_len=value))
+
+
+# ---- the README table -------------------------------------------------------------------------------
+def _default_text(f: dataclasses.Field) -> str:
+    default = f.default if f.default is not dataclasses.MISSING else None
+    return f"{default!r} (`{f.metadata['env']}`)" if f.metadata["env"] else repr(default)
+
+
+def markdown_table() -> str:
+    """The README's engine-option tables, generated from the fields and `COMPAT_OPTIONS`."""
+    rows = ["| option | config | default | allowed values | meaning |", "|---|---|---|---|---|"]
+    for name, section, f, _ in option_fields():
+        path = f"{section}.{name}" if section else name
+        rows.append(f"| `{name}` | `{path}` | {_default_text(f)} | {f.metadata['rule'].allowed} "
+                    f"| {f.metadata['doc']} |")
+    rows += ["", "vLLM / DS-DeepInfer spellings, accepted only with the values this engine implements (any "
+             "other value is a `ValueError` saying why):", "",
+             "| option | accepted values | why |", "|---|---|---|"]
+    for name, (accepted, what) in COMPAT_OPTIONS.items():
+        rows.append(f"| `{name}` | {', '.join(f'`{a!r}`' for a in accepted)} | {what} |")
+    return "\n".join(rows)
+
+
+def update_readme(path: str | Path) -> bool:
+    """Rewrite the tables between the README markers; True if the file changed."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"{path} lacks the markers {README_BEGIN} ... {README_END}")
+    new = text[:start + len(README_BEGIN)] + "\n" + markdown_table() + "\n" + text[end:]
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m deepinfer_core.engine_config",
+                                     description="DeepInfer engine options.")
+    parser.add_argument("--markdown", action="store_true", help="print the README tables")
+    parser.add_argument("--update-readme", metavar="PATH",
+                        help="rewrite the tables between the markers of PATH")
+    args = parser.parse_args(argv)
+    if args.update_readme:
+        changed = update_readme(args.update_readme)
+        print(f"{args.update_readme}: {'updated' if changed else 'already up to date'}")
+    else:
+        print(markdown_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Per-slot step state that lives on the device for the engine's whole life.
+
+* `block_table[slot]`: the block ids of the sequence in that slot (int32, `max_blocks` wide). Written
+  only when the scheduler hands a sequence new blocks (`write`), never rebuilt per step; a batch's
+  table is a device gather by slot.
+* `last_token[slot]`: the newest token sampled for that slot, written by the sampler on the device.
+  The next step's input for a sequence whose token the host has not read yet is taken from here,
+  so step N+1 can be launched before step N's tokens reach the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops.transfer import to_device
+
+
+class SlotTables:
+    def __init__(self, num_slots: int, max_blocks: int, device):
+        self.device, self.max_blocks = torch.device(device), max_blocks
+        self.block_table = torch.zeros(num_slots, max_blocks, dtype=torch.int32, device=device)
+        self.last_token = torch.zeros(num_slots, dtype=torch.int64, device=device)
+
+    def write(self, writes: list[tuple[int, int, int]]) -> None:
+        """block_table[slot, column] = block for every (slot, column, block), in one device op."""
+        if not writes:
+            return
+        flat = to_device([v for w in writes for v in w], torch.int64, self.device).view(-1, 3)
+        if max(w[1] for w in writes) >= self.max_blocks:
+            raise ValueError(f"block table: column {max(w[1] for w in writes)} is beyond the "
+                             f"{self.max_blocks} blocks a sequence may hold (max_model_len)")
+        self.block_table.index_put_((flat[:, 0], flat[:, 1]), flat[:, 2].to(torch.int32))
+
+    def set_rows(self, slots: list[int], tables: list[list[int]]) -> None:
+        """Whole rows from host lists (callers that manage their own states: tests, tools)."""
+        self.write([(s, i, b) for s, t in zip(slots, tables) for i, b in enumerate(t)])
+
+    def resolve_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input ids where an entry -1 - slot stands for `last_token[slot]` (device-side, no sync)."""
+        pending = ids < 0
+        return torch.where(pending, self.last_token[(-1 - ids).clamp(min=0)], ids)
