@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
-
+from typing import Any
 
 from ..cache.block_allocator import BlockAllocator
 from ..cache.budget import CacheRequest
-from ..engine_config import EngineConfig
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler, SchedulerConfig
+from ..engine_config import EngineConfig
 from ..ops.sampler import Sampler, mix_seed
 from .outputs import InvalidRequestError, RequestOutput
 from .sampling_params import SamplingParams
@@ -83,12 +83,12 @@ def _parse_one(i: int, text: Any, toks: Any) -> tuple[str | None, list[int] | No
 
 # ---- LLM ------------------------------------------------------------------------------------------
 def _resolve_model(model: str) -> Path:
-    from ..model.weights import resolve_model_path   # lazy: the model package is heavy
+    from ..model.weights import resolve_model_path  # lazy: the model package is heavy
     return Path(resolve_model_path(model))
 
 
 def _make_runner(model_dir: Path, config: EngineConfig) -> Any:
-    from ..runner.model_runner import ModelRunner    # lazy, as above
+    from ..runner.model_runner import ModelRunner  # lazy, as above
     return ModelRunner(model_dir, config)
 
 
@@ -116,7 +116,7 @@ class LLM:
 
     @classmethod
     def from_runner(cls, runner: Any, tokenizer: Any = None, config: EngineConfig | None = None,
-                    **options: Any) -> "LLM":
+                    **options: Any) -> LLM:
         """An LLM over an already-built runner (tests, tools); `tokenizer` a Tokenizer or a path;
         `config` (e.g. another LLM's `.config.replace(...)`) or `options` as for `LLM(...)` (the model
         options are those the runner was built with)."""
@@ -237,7 +237,11 @@ class LLM:
         engine, done = self.engine, {}
         bar = _progress(len(index), use_tqdm)
         try:
-            while len(done) + sum(1 for i in index.values() if i in errors) < len(index):
+            pending = len(index)
+            while pending:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"LLM.generate: the engine finished with {pending} request(s) of this "
+                                       f"call unreported (an engine bug)")
                 for out in engine.step():
                     i = index.get(out.request_id)
                     if i is None or not out.finished:
@@ -248,6 +252,7 @@ class LLM:
                         logger.error("%s", errors[i])
                     else:
                         done[i] = out
+                    pending -= 1
                     bar.update(1)
         finally:
             bar.close()

@@ -14,14 +14,15 @@ calls pluggy on the per-token path.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
 class RequestConstraint(Protocol):
     """One request's prepared constraint (e.g. its compiled grammar, maybe still compiling)."""
 
-    processor: "LogitsProcessor"
+    processor: LogitsProcessor
 
     def ready(self) -> bool:
         """True once states can be made (cheap: the scheduler asks every step)."""

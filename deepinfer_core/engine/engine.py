@@ -26,8 +26,8 @@ from ..api.sampling_params import SamplingParams
 from ..ops.sampler import mix_seed
 from .constraints import attach_constraint
 from .output_processor import append_token, finalize_text, logprobs_entry, start_detokenizer
-from .scheduler import Scheduler, ScheduledChunk
-from .sequence import Request, Sequence, SeqStatus
+from .scheduler import ScheduledChunk, Scheduler
+from .sequence import Request, SeqStatus, Sequence
 from .step_executor import HostLogprobs, InFlight, StepExecutor
 
 CONSTRAINT_POLL_SECONDS = 0.05     # nothing to run but grammars compiling: wait this long per step

@@ -6,7 +6,7 @@ small window per token. Every other completion is decoded once, when it finishes
 """
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 from ..api.outputs import Logprob
 from ..api.tokenizer import Tokenizer

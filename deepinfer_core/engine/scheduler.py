@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache.block_allocator import BlockAllocator
-from .sequence import Sequence, SeqStatus
+from .sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class CacheUpdates:
     bound_slots: list[int] = field(default_factory=list)        # fresh owners: reset their state
     table_writes: list[tuple[int, int, int]] = field(default_factory=list)   # (slot, column, block)
 
-    def take(self) -> "CacheUpdates":
+    def take(self) -> CacheUpdates:
         out = CacheUpdates(self.bound_slots, self.table_writes)
         self.bound_slots, self.table_writes = [], []
         return out

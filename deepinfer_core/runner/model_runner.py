@@ -19,9 +19,9 @@ from ..engine_config import KV_CACHE_DTYPES, EngineConfig
 from ..model import ForwardBatch, ModelOps, bind_ops, build_model, process_weights
 from ..model.attention import Numerics
 from ..model.deepseek_v4 import DeepseekV4Model
+from ..ops.transfer import to_device
 from ..plugin_context import BuildContext
 from ..plugins import get_plugin_manager
-from ..ops.transfer import to_device
 from .cuda_graphs import DecodeGraphs
 from .slot_tables import SlotTables
 from .warmup import warm_up
@@ -105,7 +105,7 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, **opti
         model = build_model(cfg, device=device)       # real buffers on the device, filled in place
         fill_dummy_weights(model, cfg, seed=config.model.seed)
     else:
-        from ..model.weights import load_checkpoint   # local: the loader pulls in safetensors
+        from ..model.weights import load_checkpoint  # local: the loader pulls in safetensors
         model = build_model(cfg, device="meta")
         load_checkpoint(model, model_dir, compute_dtype=ctx.torch_dtype)   # may drop model.mtp
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))

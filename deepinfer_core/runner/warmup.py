@@ -14,7 +14,6 @@ import time
 
 import torch
 
-
 log = logging.getLogger(__name__)
 
 

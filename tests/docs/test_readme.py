@@ -321,6 +321,10 @@ SWEEP = (
     "--prefill 4k,16k --cuda-graph --no-hf"
 )
 DETERMINISTIC = "python examples/deterministic_sampling.py"
+THROUGHPUT_TINY = ("python benchmarks/throughput.py --tiny --input-len 32 --output-len 96 "
+                   "--sweep-batches 1,16,64,256 --compare-async")
+THROUGHPUT_FLASH = ("python benchmarks/throughput.py --layers 4 --input-len 1024 --output-len 256 "
+                    "--sweep-batches 1,64,256 --fresh-kernel-cache --max-model-len 4096")
 AVX2_SUITE = (
     'MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 OPENBLAS_CORETYPE=Haswell '
     'NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL" python -m pytest -q tests -m "not gpu"'
@@ -381,6 +385,11 @@ TABLE: dict[str, Run | Skip] = {
     # Status table
     "python -m deepinfer_core.generate": Skip("names the CLI; its runnable lines are above"),
     "python benchmarks/profile_step.py": Skip(GPU),
+    THROUGHPUT_TINY: Skip("a sweep up to batch 256 with async on and off: a GPU benchmark (minutes on 2 CPU "
+                          "cores per batch); its CPU path runs in tests/benchmarks/test_throughput.py"),
+    THROUGHPUT_FLASH: Skip(GPU + " (V4-Flash-width layers, ~30 GB of weights)"),
+    "python benchmarks/throughput.py --tiny --input-len 32 --output-len 32 --num-prompts 128": Skip(
+        "the CPU benchmark at batch 128 (minutes); its CI-sized form runs in tests/benchmarks/test_throughput.py"),
     "python benchmarks/backend_agreement.py": Skip(GPU + " (it compares CUDA with the CPU)"),
     "python benchmarks/structured_outputs_mask.py": Skip(
         "a GPU benchmark (the mask cost per step; writes benchmarks/results/)"
@@ -395,6 +404,7 @@ PYTHON: dict[str, Check] = {
     "llm.generate(prompt_token_ids=[[0, 100, 200]]": check_generate_snippet,
     "llm.chat(messages": check_chat_snippet,
     "StructuredOutputsParams(choice=": exits_0,
+    'engine.abort_request("c")': exits_0,
 }
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from deepinfer_kernels.compressor import new_blocks
+
 from deepinfer_core.cache.state_cache import BLOCK_SIZE
 from deepinfer_core.ops.transfer import copy_into, to_device
-from deepinfer_kernels.compressor import new_blocks
 
 
 @dataclass
