@@ -12,7 +12,7 @@ device (its input id is encoded as -1 - slot).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,6 +34,17 @@ class StepBatch:
     logit_rows: list[int]
     updates: CacheUpdates
     pending: bool = False                  # some ids are -1 - slot
+
+
+class StepRunner(Protocol):
+    """What the engine needs of a runner (deepinfer_core.runner.model_runner.ModelRunner; test fakes)."""
+
+    model_config: Any
+    device: Any
+    last_token: torch.Tensor       # [slots] int64 on the device: the newest sampled token per slot
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Apply `batch.updates`, run the forward; fp32 logits [len(batch.logit_rows), vocab]."""
 
 
 @dataclass
@@ -75,7 +86,7 @@ def _has_penalties(p) -> bool:
 
 
 class StepExecutor:
-    def __init__(self, runner: Any, sampler: Any, eos_token_id: int | None, vocab_size: int, num_slots: int):
+    def __init__(self, runner: StepRunner, sampler: Any, eos_token_id: int | None, vocab_size: int, num_slots: int):
         self.runner, self.sampler, self.eos_token_id = runner, sampler, eos_token_id
         self.device = torch.device(runner.device)
         self.penalties = PenaltyState(num_slots, vocab_size, self.device)
