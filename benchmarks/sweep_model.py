@@ -24,13 +24,14 @@ from torch import nn
 from deepinfer_core.cache.sequence_state import SequenceState
 from deepinfer_core.cache.state_cache import CacheLayout, StateCache
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.contracts import resolve_model_ops, resolve_sampler
 from deepinfer_core.model import ModelOps, bind_ops, build_model, process_weights
 from deepinfer_core.model.attention import Numerics
 from deepinfer_core.model.dummy_weights import fill_dummy_weights
 from deepinfer_core.ops.kv_fp8 import pack_kv_fp8
 from deepinfer_core.plugin_context import BuildContext, normalize_dtype
 from deepinfer_core.plugins import get_plugin_manager
-from deepinfer_core.runner.model_runner import WEIGHT_FORMATS, check_batch_invariant
+from deepinfer_core.runner.model_runner import check_batch_invariant
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,11 +120,9 @@ def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str 
                        simulate_qat=bool(simulate_qat), batch_invariant=batch_invariant,
                        options=dict(options or {}))
     pm.configure(ctx)
-    ops = ModelOps(linear={f: pm.linear_method(ctx, f) for f in WEIGHT_FORMATS},
-                   attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx),
-                   pointwise=pm.pointwise_method(ctx))
+    ops = resolve_model_ops(pm, ctx)
     if batch_invariant:
-        check_batch_invariant(ops, pm.sampler(ctx))
+        check_batch_invariant(ops, resolve_sampler(pm, ctx))
     model = build_model(cfg, device=device)          # torch.empty buffers, filled below
     model.mtp = nn.ModuleList()
     if torch.device(device).type == "cuda":

@@ -24,10 +24,11 @@ from typing import Any
 
 from ..cache.block_allocator import BlockAllocator
 from ..cache.budget import CacheRequest
+from ..contracts import EngineRunner, members
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine_config import EngineConfig
-from ..ops.sampler import Sampler, mix_seed
+from ..ops.sampler import mix_seed
 from .outputs import InvalidRequestError, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
@@ -87,7 +88,7 @@ def _resolve_model(model: str) -> Path:
     return Path(resolve_model_path(model))
 
 
-def _make_runner(model_dir: Path, config: EngineConfig) -> Any:
+def _make_runner(model_dir: Path, config: EngineConfig) -> EngineRunner:
     from ..runner.model_runner import ModelRunner  # lazy, as above
     return ModelRunner(model_dir, config)
 
@@ -111,32 +112,33 @@ class LLM:
         runner = _make_runner(model_dir, config)
         self._setup(runner, tok, config)
         self.model_dir, self.dtype = model_dir, config.model.dtype
-        self.device = getattr(runner, "device", config.model.device)
         self._allocator()            # size the state cache now: a budget that is too small fails here
 
     @classmethod
-    def from_runner(cls, runner: Any, tokenizer: Any = None, config: EngineConfig | None = None,
+    def from_runner(cls, runner: EngineRunner, tokenizer: Any = None, config: EngineConfig | None = None,
                     **options: Any) -> LLM:
         """An LLM over an already-built runner (tests, tools); `tokenizer` a Tokenizer or a path;
         `config` (e.g. another LLM's `.config.replace(...)`) or `options` as for `LLM(...)` (the model
         options are those the runner was built with)."""
         if config is not None and options:
             raise TypeError(f"LLM.from_runner: pass config or options, not both (got {sorted(options)})")
+        if not isinstance(runner, EngineRunner):
+            missing = [n for n in members(EngineRunner) if not hasattr(runner, n)]
+            raise TypeError(f"LLM.from_runner: {type(runner).__qualname__} is not a runner: missing "
+                            f"{', '.join(missing)} (deepinfer_core/contracts.py EngineRunner)")
         self = cls.__new__(cls)
         self._setup(runner, load_tokenizer(None, tokenizer), config or EngineConfig.from_options(**options))
-        self.model_dir, self.dtype, self.device = None, None, None
+        self.model_dir, self.dtype = None, None
         return self
 
-    def _setup(self, runner: Any, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
+    def _setup(self, runner: EngineRunner, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
         cfg = runner.model_config
         self.config = config.with_model_limit(cfg.max_position_embeddings)   # max_model_len resolved
-        self.runner, self.tokenizer, self.model_config = runner, tokenizer, cfg
+        self.runner, self.tokenizer, self.model_config, self.device = runner, tokenizer, cfg, runner.device
         self.vocab_size, self.eos_token_id = int(cfg.vocab_size), cfg.eos_token_id
-        # The runner resolved the sampler through the hooks; runners without one (test fakes,
-        # tools) get the portable sampler.
-        self.sampler = getattr(runner, "sampler", None) or Sampler()
-        # Chosen through deepinfer_logits_processors with the other hooks (structured outputs).
-        self.logits_processors = list(getattr(runner, "logits_processors", None) or [])
+        # both chosen through the hooks when the runner was built (deepinfer_sampler,
+        # deepinfer_logits_processors)
+        self.sampler, self.logits_processors = runner.sampler, list(runner.logits_processors)
         self._request_counter = 0
 
     # Read-only views of the config (tests and tools read them; the config is the one place).
@@ -267,17 +269,9 @@ class LLM:
                             cpu_memory_bytes=cache.cpu_kv_cache_bytes)
 
     def _allocator(self) -> BlockAllocator:
-        """The runner's real cache allocator (sized on first use, re-sized when the options change);
-        runners without a state cache (test fakes) get a plain counter of the same shape."""
-        sched = self.config.scheduler
-        if hasattr(self.runner, "allocate_cache"):
-            self.runner.profile_tokens = sched.max_num_batched_tokens
-            return self.runner.allocate_cache(self._cache_request()).allocator
-        per_seq = -(-self.config.model.max_model_len // 128)
-        shape = (self.config.cache.num_cache_blocks or sched.max_num_seqs * per_seq, sched.max_num_seqs)
-        if self.__dict__.get("_fallback_allocator", (None,))[0] != shape:     # the same one while unchanged
-            self._fallback_allocator = (shape, BlockAllocator(*shape))
-        return self._fallback_allocator[1]
+        """The runner's cache allocator (sized on first use, re-sized when the options change)."""
+        self.runner.profile_tokens = self.config.scheduler.max_num_batched_tokens
+        return self.runner.allocate_cache(self._cache_request()).allocator
 
     @property
     def engine(self) -> Engine:

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..api.outputs import RequestMetrics, RequestOutput
 from ..api.sampling_params import SamplingParams
+from ..contracts import StepRunner, TokenSampler
 from ..ops.sampler import mix_seed
 from .constraints import attach_constraint
 from .output_processor import append_token, finalize_text, logprobs_entry, start_detokenizer
@@ -47,7 +48,7 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, runner: Any, sampler: Any, scheduler: Scheduler, tokenizer: Any, *,
+    def __init__(self, runner: StepRunner, sampler: TokenSampler, scheduler: Scheduler, tokenizer: Any, *,
                  max_model_len: int, async_scheduling: bool, seed: int = 0,
                  logits_processors: list | None = None):
         cfg = runner.model_config

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from ..contracts import StepRunner, TokenSampler
 from ..ops.penalties import PenaltyState
 from ..ops.sampler import compute_logprobs
 from ..ops.transfer import to_device
@@ -35,17 +36,6 @@ class StepBatch:
     logit_rows: list[int]
     updates: CacheUpdates
     pending: bool = False                  # some ids are -1 - slot
-
-
-class StepRunner(Protocol):
-    """What the engine needs of a runner (deepinfer_core.runner.model_runner.ModelRunner; test fakes)."""
-
-    model_config: Any
-    device: Any
-    last_token: torch.Tensor       # [slots] int64 on the device: the newest sampled token per slot
-
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Apply `batch.updates`, run the forward; fp32 logits [len(batch.logit_rows), vocab]."""
 
 
 @dataclass
@@ -100,7 +90,7 @@ def _has_penalties(p) -> bool:
 
 
 class StepExecutor:
-    def __init__(self, runner: StepRunner, sampler: Any, eos_token_id: int | None, vocab_size: int, num_slots: int):
+    def __init__(self, runner: StepRunner, sampler: TokenSampler, eos_token_id: int | None, vocab_size: int, num_slots: int):
         self.runner, self.sampler, self.eos_token_id = runner, sampler, eos_token_id
         self.device = torch.device(runner.device)
         self.penalties = PenaltyState(num_slots, vocab_size, self.device)

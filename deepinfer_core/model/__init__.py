@@ -1,11 +1,9 @@
 """The DeepSeek-V4 model graph and its binding to op implementations."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
+from ..contracts import ModelOps
 from .attention import Attention, Compressor, Indexer, Numerics
 from .deepseek_v4 import Block, DeepseekV4Model, ModelOutput, build_model
 from .forward_batch import ForwardBatch
@@ -15,17 +13,6 @@ from .rope import rope_tables
 
 __all__ = ["build_model", "bind_ops", "process_weights", "ModelOps", "DeepseekV4Model", "ForwardBatch",
            "ModelOutput"]
-
-
-@dataclass
-class ModelOps:
-    """The op objects chosen once at start-up through the hooks (never per layer or per token)."""
-
-    linear: dict[str, Any]        # weight format ("bf16", "fp8", "fp4") -> LinearMethod
-    attention: Any
-    moe: Any
-    mhc: Any
-    pointwise: Any = None         # None: the portable PyTorch ops
 
 
 def bind_ops(model: DeepseekV4Model, ops: ModelOps, numerics: Numerics) -> None:
@@ -45,7 +32,7 @@ def bind_ops(model: DeepseekV4Model, ops: ModelOps, numerics: Numerics) -> None:
             mod.mhc = ops.mhc
         if isinstance(mod, (Attention, Compressor, Indexer, DeepseekV4Model)):
             mod.numerics = numerics
-        if isinstance(mod, (Attention, Indexer, RMSNorm)) and ops.pointwise is not None:
+        if isinstance(mod, (Attention, Indexer, RMSNorm)):
             mod.pointwise = ops.pointwise
 
 
@@ -55,5 +42,5 @@ def process_weights(model: DeepseekV4Model) -> None:
     for mod in model.modules():
         if isinstance(mod, Linear):
             mod.method.process_weights(mod)
-        elif isinstance(mod, MoE) and hasattr(mod.method, "process_weights"):
+        elif isinstance(mod, MoE):
             mod.method.process_weights(mod)

@@ -20,6 +20,8 @@ QUERY_CHUNK = 256   # bounds the [queries, heads, keys] score tensor on long pre
 
 
 class PortableAttentionBackend:
+    batch_invariant = False     # one sequence at a time, but the GEMM shapes follow the batch
+
     def forward(self, attn, inp, batch, states: list[LayerState]) -> torch.Tensor:
         out = torch.empty_like(inp.q)
         for sl, start, st in zip(batch.seq_slices(), batch.starts, states):

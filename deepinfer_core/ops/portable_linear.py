@@ -13,6 +13,8 @@ from .quant import dequant_fp4, dequant_fp8_block, fake_quant_fp8
 
 
 class PortableLinearMethod:
+    batch_invariant = False     # torch GEMMs pick their tiles by the number of rows
+
     def __init__(self, dtype: torch.dtype, simulate_qat: bool, block=(128, 128)):
         self.dtype, self.simulate_qat, self.block = dtype, simulate_qat, tuple(block)
 

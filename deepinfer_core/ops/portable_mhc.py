@@ -5,6 +5,8 @@ import torch
 
 
 class PortableMHC:
+    batch_invariant = False
+
     def __init__(self, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
         self.hc, self.iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
 

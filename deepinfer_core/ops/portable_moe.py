@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 
 class PortableMoE:
+    batch_invariant = False
+
     def process_weights(self, moe) -> None:
         gate = moe.gate
         gate.register_buffer("weight", gate.weight.float(), persistent=False)

@@ -39,6 +39,8 @@ def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class PortablePointwise:
+    batch_invariant = True      # every row alone: norms, RoPE and fake-quant per row
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 

@@ -219,6 +219,8 @@ def _pick(values: IntsOrTensor, rows: list[int], index: torch.Tensor) -> IntsOrT
 class Sampler:
     """Turns processed logits into token ids. Stateless; one instance serves every request."""
 
+    batch_invariant = True      # per-row softmax, fp64 CDF and a counter RNG keyed by (seed, position)
+
     def sample(self, logits: torch.Tensor, params: Sequence[Any], positions: IntsOrTensor,
                seeds: IntsOrTensor) -> torch.Tensor:
         """logits [B, V]; per row its SamplingParams, the position of the token being sampled and

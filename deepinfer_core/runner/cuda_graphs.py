@@ -12,7 +12,7 @@ never touches a real sequence's state: q <= block_size keeps every padding posit
 spare block, and the spare slot's ring and tails are scratch.
 
 Only an attention backend that can describe a batch with fixed-shape device metadata
-(`graph_meta(batch, max_blocks)`, see deepinfer_nvidia.attention) can be captured; every op of the
+(contracts.GraphAttentionBackend, e.g. deepinfer_nvidia.attention) can be captured; every op of the
 forward must be free of host synchronisation. A capture that fails turns graphs off with one warning
 and the runner stays eager. `DEEPINFER_ENFORCE_EAGER=1` or `LLM(enforce_eager=True)` never captures.
 """
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from ..contracts import AttentionBackend, GraphAttentionBackend, GraphMetadata
 from ..model import ForwardBatch
 from ..ops.transfer import copy_into
 from .slot_tables import SlotTables
@@ -38,7 +38,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None     # None: run the static batch eagerly (capture=False)
     batch: ForwardBatch          # static inputs read by the graph (input_ids, positions, ...)
     inputs: torch.Tensor         # [size*q ids (-1 - slot: its last token) | size*q positions | size slots | extras]
-    meta: Any                    # the backend's static metadata, derived on the device from `inputs`
+    meta: GraphMetadata          # the backend's static metadata, derived on the device from `inputs`
     logits: torch.Tensor | None  # static output, overwritten by the next replay
 
 
@@ -47,7 +47,7 @@ def buckets_for(max_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, cache, backend, max_seqs: int, max_blocks: int, capture: bool = True,
+    def __init__(self, model, cache, backend: GraphAttentionBackend, max_seqs: int, max_blocks: int, capture: bool = True,
                  max_query_len: int | None = None, tables: SlotTables | None = None):
         """`capture=False` runs the same padded, fixed-shape batches eagerly instead of replaying a
         graph: the padding and static-metadata logic, testable without a GPU. `max_query_len` bounds
@@ -77,8 +77,8 @@ class DecodeGraphs:
         self.failed: str | None = None                 # why capture failed (graphs are off then)
 
     @staticmethod
-    def supported(backend) -> bool:
-        return hasattr(backend, "graph_meta")
+    def supported(backend: AttentionBackend) -> bool:
+        return isinstance(backend, GraphAttentionBackend)
 
     def fits(self, token_ids: list[list[int]], seqs, all_logits: bool, logit_modes) -> bool:
         """Every sequence feeds the same q tokens; q = 1 wants the last row's logits (decode),
@@ -153,10 +153,7 @@ class DecodeGraphs:
             return ForwardBatch(input_ids=torch.zeros(t, dtype=torch.int64, device=dev), positions=inputs[t:2 * t],
                                 starts=[0] * size, lens=[q] * size, states=[self.pad_state] * size,
                                 logits_rows=torch.arange(t, device=dev))
-        # the backend says how many host-computed extras its metadata takes; then the real buffers
-        extra = self.backend.graph_meta(static_batch(torch.zeros(2 * t, dtype=torch.int64, device=dev)),
-                                        self.max_blocks).num_extra
-        inputs = torch.zeros(2 * t + size + extra, dtype=torch.int64, device=dev)
+        inputs = torch.zeros(2 * t + size + self.backend.graph_num_extra(size, q), dtype=torch.int64, device=dev)
         batch = static_batch(inputs)
         meta = self.backend.graph_meta(batch, self.max_blocks)
         cap = _Captured(None, batch, inputs, meta, None)

@@ -15,8 +15,9 @@ from ..cache.budget import CacheRequest, resolve_num_blocks
 from ..cache.sequence_state import SequenceState
 from ..cache.state_cache import CacheLayout, StateCache
 from ..config import ModelConfig
+from ..contracts import ModelOps, TokenSampler, resolve_model_ops, resolve_sampler
 from ..engine_config import KV_CACHE_DTYPES, EngineConfig
-from ..model import ForwardBatch, ModelOps, bind_ops, build_model, process_weights
+from ..model import ForwardBatch, bind_ops, build_model, process_weights
 from ..model.attention import Numerics
 from ..model.deepseek_v4 import DeepseekV4Model
 from ..ops.transfer import to_device
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from ..engine.step_executor import StepBatch
 
 log = logging.getLogger(__name__)
-WEIGHT_FORMATS = ("bf16", "fp8", "fp4")
 
 
 def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool) -> bool:
@@ -48,13 +48,13 @@ def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool) 
     return kv_cache_dtype == "fp8"
 
 
-def check_batch_invariant(ops: ModelOps, sampler) -> None:
+def check_batch_invariant(ops: ModelOps, sampler: TokenSampler) -> None:
     """Batch invariance was asked for: every op object must declare it (`batch_invariant = True`,
     set by the batch_invariant feature plugin), else nothing would make the output invariant."""
     chosen = {**{f"linear method ({f})": m for f, m in ops.linear.items()}, "attention backend": ops.attention,
               "MoE method": ops.moe, "mHC method": ops.mhc, "pointwise method": ops.pointwise, "sampler": sampler}
     missing = [f"{what} {type(op).__module__}.{type(op).__qualname__}" for what, op in chosen.items()
-               if op is not None and not getattr(op, "batch_invariant", False)]
+               if not op.batch_invariant]
     if missing:
         from ..plugins import PluginError
         raise PluginError("DEEPINFER_BATCH_INVARIANT=1 (batch_invariant=True), but these ops are not batch "
@@ -66,9 +66,9 @@ def check_batch_invariant(ops: ModelOps, sampler) -> None:
 class LoadedModel:
     model: DeepseekV4Model
     ctx: BuildContext
-    sampler: object
+    sampler: TokenSampler
     load_seconds: float
-    ops: ModelOps | None = None
+    ops: ModelOps
     logits_processors: list = field(default_factory=list)   # deepinfer_logits_processors, once
 
 
@@ -93,10 +93,8 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, **opti
                        simulate_qat=config.model.simulate_qat, batch_invariant=config.model.batch_invariant,
                        options=config)
     pm.configure(ctx)
-    ops = ModelOps(linear={f: pm.linear_method(ctx, f) for f in WEIGHT_FORMATS},
-                   attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx),
-                   pointwise=pm.pointwise_method(ctx))
-    sampler = pm.sampler(ctx)
+    ops = resolve_model_ops(pm, ctx)
+    sampler = resolve_sampler(pm, ctx)
     if ctx.batch_invariant:
         check_batch_invariant(ops, sampler)
     logits_processors = pm.logits_processors(ctx)
@@ -105,7 +103,9 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, **opti
         model = build_model(cfg, device=device)       # real buffers on the device, filled in place
         fill_dummy_weights(model, cfg, seed=config.model.seed)
     else:
-        from ..model.weights import load_checkpoint  # local: the loader pulls in safetensors
+        from ..model.weights import (
+            load_checkpoint,  # local: the loader pulls in safetensors
+        )
         model = build_model(cfg, device="meta")
         load_checkpoint(model, model_dir, compute_dtype=ctx.torch_dtype)   # may drop model.mtp
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))

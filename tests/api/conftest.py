@@ -9,6 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from deepinfer_core.cache.block_allocator import BlockAllocator
+from deepinfer_core.cache.budget import CacheRequest
+from deepinfer_core.ops.sampler import Sampler
+
 VOCAB = 32
 EOS = 1
 BOS = 0
@@ -40,10 +44,14 @@ class FakeSeq:
 
 
 class FakeRunner:
-    """Implements the runner contract the engine uses (`execute` a StepBatch, `last_token`):
+    """Implements the runner contract (deepinfer_core/contracts.py EngineRunner) with the portable
+    sampler, no logits processors and a plain block counter for a cache:
     logits[i] = fn(all tokens fed to the sequence up to position i)."""
 
     device = "cpu"
+    sampler = Sampler()
+    logits_processors: list = []
+    profile_tokens: int | None = None
 
     def __init__(self, fn: Callable[[list[int]], torch.Tensor] = random_logits, vocab: int = VOCAB,
                  max_pos: int = 4096, eos: int = EOS, max_slots: int = 1024):
@@ -54,6 +62,16 @@ class FakeRunner:
         self.seqs: list[FakeSeq] = []             # one per binding of a slot, in order
         self.last_token = torch.zeros(max_slots, dtype=torch.long)
         self._in_slot: dict[int, FakeSeq] = {}
+        self._cache: tuple | None = None
+
+    def allocate_cache(self, request: CacheRequest) -> SimpleNamespace:
+        """A block counter of the size asked for (every sequence at max_model_len unless
+        num_blocks), the same one while the request is unchanged."""
+        per_seq = -(-request.max_model_len // 128)
+        shape = (request.num_blocks or request.num_slots * per_seq, request.num_slots)
+        if self._cache is None or self._cache[0] != shape:
+            self._cache = (shape, SimpleNamespace(allocator=BlockAllocator(*shape)))
+        return self._cache[1]
 
     def execute(self, batch) -> torch.Tensor:
         for slot in batch.updates.bound_slots:

@@ -13,13 +13,13 @@ from torch import nn
 
 from deepinfer_core.cache.sequence_state import new_sequence_state
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.model import ForwardBatch, ModelOps, bind_ops, build_model, process_weights
+from deepinfer_core.contracts import resolve_model_ops
+from deepinfer_core.model import ForwardBatch, bind_ops, build_model, process_weights
 from deepinfer_core.model.attention import Numerics
 from deepinfer_core.model.dummy_weights import fill_dummy_weights
 from deepinfer_core.ops.quant import dequant_fp4, dequant_fp8_block
 from deepinfer_core.plugin_context import BuildContext, normalize_dtype
 from deepinfer_core.plugins import get_plugin_manager
-from deepinfer_core.runner.model_runner import WEIGHT_FORMATS
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
 FP8, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
@@ -94,9 +94,7 @@ def load_like(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     ctx = BuildContext(model_config=cfg, platform=pm.detect_platform(), device="cpu",
                        dtype=normalize_dtype("float32"), simulate_qat=True)
     pm.configure(ctx)
-    ops = ModelOps(linear={f: pm.linear_method(ctx, f) for f in WEIGHT_FORMATS},
-                   attention=pm.attention_backend(ctx), moe=pm.moe_method(ctx), mhc=pm.mhc_method(ctx),
-                   pointwise=pm.pointwise_method(ctx))
+    ops = resolve_model_ops(pm, ctx)
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))
     process_weights(model)
     return model.eval()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,25 +106,37 @@ def test_padded_static_decode_batches_equal_eager_decode(ours, kdev):
     assert sorted(graphs.graphs) == [(4, 1)]
 
 
+def derived_meta(starts: list[int], slots: list[int], tables: list[list[int]], q: int, width: int):
+    """StaticMeta of a fixed-q batch refilled on the device, as a graph replay does: positions in
+    place, block tables gathered by slot from a per-slot table `width` blocks wide, extras from the host."""
+    from deepinfer_nvidia.batch_meta import StaticMeta
+
+    per_slot = torch.zeros(max(slots) + 1, width, dtype=torch.int32)
+    for s, t in zip(slots, tables):
+        per_slot[s, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    m = StaticMeta((4, 128), len(starts), width, torch.zeros(len(starts) * q, dtype=torch.int64))
+    m.meta.positions.copy_(torch.tensor([s + i for s in starts for i in range(q)]))
+    m.derive(torch.tensor(slots), per_slot, torch.tensor(m.extra_inputs(starts)))
+    return m
+
+
 def test_static_meta_of_a_verify_batch():
     """Token-level arrays of a fixed-q batch, and closed-block lists sized to the exact bound:
     q positions close at most ceil(q / ratio) blocks of each ratio (reached: 3..7 closes two)."""
-    from deepinfer_nvidia.batch_meta import StaticMeta
-
-    m = StaticMeta((4, 128), 2, 3, torch.zeros(10, dtype=torch.int64))      # q read off positions: 5
+    m = derived_meta([3, 126], [1, 0], [[4], [6, 2]], q=5, width=3)      # q read off positions: 5
     assert m.query_len == 5 and m.blocks_len == {4: 4, 128: 2}
-    m.fill([3, 126], [1, 0], [[4], [6, 2]])
     a = m.meta
     assert a.cu_seqlens.tolist() == [0, 5, 10] and a.token_seq.tolist() == [0] * 5 + [1] * 5
     assert a.seq_start.tolist() == [3, 126] and a.slots.tolist() == [1, 0]
     assert a.block_table.tolist() == [[4, 0, 0], [6, 2, 0]]
     # 3..7 closes ratio-4 blocks 0 and 1; 126..130 closes 31 and the first ratio-128 block
-    assert a.new_blocks[4].seq.tolist() == [0, 0, 1, 0] and a.new_blocks[4].idx.tolist() == [0, 1, 31, -1]
-    assert a.new_blocks[128].seq.tolist() == [1, 0] and a.new_blocks[128].idx.tolist() == [0, -1]
+    assert a.new_blocks[4].seq.tolist() == [0, 0, 1, 1] and a.new_blocks[4].idx.tolist() == [0, 1, 31, -1]
+    assert a.new_blocks[128].seq.tolist() == [0, 1] and a.new_blocks[128].idx.tolist() == [-1, 0]
+    from deepinfer_nvidia.batch_meta import StaticMeta
     with pytest.raises(ValueError, match="positions"):
         StaticMeta((4,), 2, 3, torch.zeros(5, dtype=torch.int64), query_len=3)
-    with pytest.raises(ValueError, match="starts"):
-        m.fill([0], [0], [[0]])
+    with pytest.raises(ValueError, match="blocks wide"):
+        m.derive(torch.tensor([1, 0]), torch.zeros(2, 4, dtype=torch.int32), torch.tensor(m.extra_inputs([3, 126])))
 
 
 def test_padded_static_verify_batches_equal_eager_verify(ours, kdev):
@@ -167,32 +180,23 @@ def test_padded_static_verify_batches_equal_eager_verify(ours, kdev):
 
 
 @pytest.mark.parametrize("q", [1, 3, 5])
-def test_static_meta_derived_on_the_device_equals_the_host_fill(q):
-    """What a decode/verify graph records (`derive`: block table gathered by slot from the engine's
-    per-slot table, closed blocks from host extras or from the positions) describes the same batch
-    as the host `fill`: same starts, block tables, token arrays and closed (sequence, block) pairs."""
-    from deepinfer_nvidia.batch_meta import StaticMeta
+def test_static_meta_derived_on_the_device_equals_the_eager_host_meta(q):
+    """What a decode/verify graph records (`derive`: block tables gathered by slot from the engine's
+    per-slot table, closed blocks from host extras) describes the same batch as the eager path's
+    host-built metadata (`build_meta`): same starts, block tables, token arrays and closed
+    (sequence, block) pairs."""
+    from deepinfer_nvidia.batch_meta import build_meta
 
     starts, slots, tables = [3, 126, 9], [1, 0, 2], [[3, 4, 5], [0, 1, 2], [6, 7, 8]]
-    positions = torch.tensor([s + i for s in starts for i in range(q)])
-    per_slot = torch.zeros(4, 3, dtype=torch.int32)
-    for s, t in zip(slots, tables):
-        per_slot[s] = torch.tensor(t, dtype=torch.int32)
+    states = [SimpleNamespace(slot=s, table=SimpleNamespace(ids=t)) for s, t in zip(slots, tables)]
+    eager = SimpleNamespace(starts=starts, lens=[q] * 3, states=states, slot_tables=None, slot_ids=None,
+                            positions=torch.tensor([s + i for s in starts for i in range(q)]))
+    host, derived = build_meta(eager, (4, 128)), derived_meta(starts, slots, tables, q, width=3).meta
 
-    def static() -> StaticMeta:
-        m = StaticMeta((4, 128), 3, 3, torch.zeros(3 * q, dtype=torch.int64), query_len=q)
-        m.meta.positions.copy_(positions)
-        return m
+    def closed(m) -> dict:
+        return {r: sorted((int(s), int(i)) for s, i in zip(m.new_blocks[r].seq, m.new_blocks[r].idx) if i >= 0)
+                for r in (4, 128)}
 
-    def closed(m: StaticMeta) -> dict:
-        nb = m.meta.new_blocks
-        return {r: sorted((int(s), int(i)) for s, i in zip(nb[r].seq, nb[r].idx) if i >= 0) for r in (4, 128)}
-
-    host, with_extras, derived = static(), static(), static()
-    host.fill(starts, slots, tables)
-    with_extras.derive(torch.tensor(slots), per_slot, torch.tensor(with_extras.extra_inputs(starts)))
-    derived.derive(torch.tensor(slots), per_slot)
-    for m in (with_extras, derived):
-        assert closed(m) == closed(host)
-        for name in ("seq_start", "slots", "block_table", "cu_seqlens", "token_seq"):
-            assert getattr(m.meta, name).tolist() == getattr(host.meta, name).tolist(), name
+    assert closed(derived) == closed(host)
+    for name in ("seq_start", "slots", "block_table", "cu_seqlens", "token_seq"):
+        assert getattr(derived, name).tolist() == getattr(host, name).tolist(), name

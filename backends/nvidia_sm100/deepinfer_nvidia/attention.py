@@ -80,9 +80,14 @@ class NvidiaAttentionBackend:
                    token_seq=m.token_seq, positions=m.positions)
 
     # ---- CUDA graphs (protocol used by deepinfer_core.runner.cuda_graphs) -----------------------
+    def graph_num_extra(self, num_seqs: int, query_len: int) -> int:
+        """The closed-block indices a graph's step computes on the host (StaticMeta.extra_inputs)."""
+        from .batch_meta import closed_blocks_bound
+        return sum(closed_blocks_bound(self.ratios, num_seqs, query_len).values())
+
     def graph_meta(self, batch, max_blocks: int):
         """Install fixed-shape metadata into `batch` (the graph's static decode batch) and return
-        it; the graph runner refills it before each replay with `.fill(starts, slots, tables)`."""
+        it; the graph refills it on the device before each replay (`StaticMeta.derive`)."""
         from .batch_meta import StaticMeta
         static = StaticMeta(self.ratios, batch.num_seqs, max_blocks, batch.positions, query_len=batch.lens[0])
         batch.backend_meta[META_KEY] = static.meta

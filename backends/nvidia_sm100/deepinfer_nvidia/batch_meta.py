@@ -6,8 +6,8 @@ host lists the scheduler already holds and copied to the GPU in one transfer: no
 
 `StaticMeta` is the CUDA-graph form: fixed shapes (sequences padded to the graph's batch size, every
 sequence feeding the same number q of tokens (1: decode, k+1: speculative verification), block tables
-padded to the longest possible, closed-block lists to the most that q tokens can close), refilled in
-place before each replay.
+padded to the longest possible, closed-block lists to the most that q tokens can close), refilled on
+the device before each replay (`derive`, recorded in the graph).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from deepinfer_kernels.compressor import new_blocks
 
 from deepinfer_core.cache.state_cache import BLOCK_SIZE
-from deepinfer_core.ops.transfer import copy_into, to_device
+from deepinfer_core.ops.transfer import to_device
 
 
 @dataclass
@@ -41,9 +41,9 @@ class AttentionMeta:
     max_rows: dict[int, int]   # per ratio: the most compressed rows any query of the batch sees
 
 
-def _host_parts(starts, lens, slots, tables, ratios, max_blocks: int, blocks_len: dict[int, int] | None):
-    """The int32 lists of the metadata, in a fixed order; closed-block lists padded to `blocks_len[r]`.
-    `tables` None: the block table comes from the device (no host part)."""
+def _host_parts(starts, lens, slots, tables, ratios, max_blocks: int):
+    """The int32 lists of the metadata, in a fixed order. `tables` None: the block table comes from
+    the device (no host part)."""
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
@@ -55,11 +55,6 @@ def _host_parts(starts, lens, slots, tables, ratios, max_blocks: int, blocks_len
     for r in ratios:
         seq, idx = new_blocks(starts, lens, r)
         counts.append(len(seq))
-        if blocks_len is not None:
-            cap = blocks_len[r]
-            if len(seq) > cap:
-                raise ValueError(f"batch closes {len(seq)} ratio-{r} blocks; the static metadata holds {cap}")
-            seq, idx = seq + [0] * (cap - len(seq)), idx + [-1] * (cap - len(idx))
         parts.extend([seq, idx])
     return parts, counts
 
@@ -89,7 +84,7 @@ def build_meta(batch, ratios: tuple[int, ...]) -> AttentionMeta:
         slots = [st.slot for st in states]
         tables = [st.table.ids for st in states]
         max_blocks = max(1, max(len(t) for t in tables))
-    parts, counts = _host_parts(starts, lens, slots, tables, ratios, max_blocks, None)
+    parts, counts = _host_parts(starts, lens, slots, tables, ratios, max_blocks)
     flat = to_device([v for p in parts for v in p], torch.int32, batch.positions.device)
     if batch.slot_tables is not None:
         slot_t = flat[len(parts[0]) + len(parts[1]) + len(parts[2]):][:len(slots)]
@@ -97,6 +92,12 @@ def build_meta(batch, ratios: tuple[int, ...]) -> AttentionMeta:
     max_rows = {r: max((st + n) // r for st, n in zip(starts, lens)) for r in ratios}
     return _views(flat, [len(p) for p in parts], ratios, len(lens), max_blocks, batch.positions, counts,
                   max_rows, device_table)
+
+
+def closed_blocks_bound(ratios: tuple[int, ...], num_seqs: int, query_len: int) -> dict[int, int]:
+    """Per ratio, the most blocks a fixed-q batch can close: q consecutive positions s..s+q-1 close
+    blocks s//r .. (s+q)//r - 1, at most ceil(q/r) of them per sequence."""
+    return {r: num_seqs * -(-query_len // r) for r in ratios}
 
 
 class StaticMeta:
@@ -112,19 +113,19 @@ class StaticMeta:
             raise ValueError(f"StaticMeta: positions holds {positions.numel()} entries, expected num_seqs={n} "
                              f"x query_len={q} (both >= 1)")
         self.ratios, self.num_seqs, self.max_blocks, self.query_len = ratios, n, max_blocks, q
-        # q consecutive positions s..s+q-1 close blocks s//r .. (s+q)//r - 1: at most ceil(q/r) of them
-        self.blocks_len = {r: n * -(-q // r) for r in ratios}
-        self.sizes = [n + 1, n, n * q, n, n * max_blocks] + [self.blocks_len[r] for r in ratios for _ in (0, 1)]
-        self.flat = torch.zeros(sum(self.sizes), dtype=torch.int32, device=positions.device)
+        self.blocks_len = closed_blocks_bound(ratios, n, q)
+        sizes = [n + 1, n, n * q, n, n * max_blocks] + [self.blocks_len[r] for r in ratios for _ in (0, 1)]
+        dev = positions.device
+        flat = torch.zeros(sum(sizes), dtype=torch.int32, device=dev)
         rows = {r: max_blocks * 128 // r for r in ratios}      # the most rows a block table can hold
-        self.meta = _views(self.flat, self.sizes, ratios, n, max_blocks, positions,
-                           [self.blocks_len[r] for r in ratios], rows)
-        self._static_done = False
-
-    @property
-    def num_extra(self) -> int:
-        """Host-computed ints `derive` takes besides positions and slots: the closed-block indices."""
-        return sum(self.blocks_len.values())
+        self.meta = m = _views(flat, sizes, ratios, n, max_blocks, positions,
+                               [self.blocks_len[r] for r in ratios], rows)
+        # the parts that never change for this shape: sequence s owns rows s*q .. s*q+q-1 and the
+        # closed-block entries s*ceil(q/r) .. (s+1)*ceil(q/r)-1
+        m.cu_seqlens.copy_(torch.arange(n + 1, device=dev) * q)
+        m.token_seq.copy_(torch.arange(n, device=dev).repeat_interleave(q))
+        for r in ratios:
+            m.new_blocks[r].seq.copy_(torch.arange(n, device=dev).repeat_interleave(-(-q // r)))
 
     def extra_inputs(self, starts: list[int]) -> list[int]:
         """The closed-block index of every (sequence, j < ceil(q/r)), ratio by ratio (-1: none):
@@ -137,44 +138,20 @@ class StaticMeta:
                 out.extend(first + j if first + j < end else -1 for j in range(per))
         return out
 
-    def derive(self, slots: torch.Tensor, block_table: torch.Tensor, extra: torch.Tensor | None = None) -> None:
+    def derive(self, slots: torch.Tensor, block_table: torch.Tensor, extra: torch.Tensor) -> None:
         """Refill the metadata on the device from the static positions (already in place), the
         batch's slots [num_seqs], the engine's per-slot block table [slots, max_blocks] and the
-        `extra_inputs` (else derived here): no host work, so a CUDA graph records it. Closed-block
-        lists are laid out ceil(q/r) entries per sequence (idx -1 where fewer close), which the
-        kernels treat as padding wherever it sits."""
+        `extra_inputs`: no host work, so a CUDA graph records it. Closed-block lists are laid out
+        ceil(q/r) entries per sequence (idx -1 where fewer close), which the kernels treat as
+        padding wherever it sits."""
         m, n, q = self.meta, self.num_seqs, self.query_len
         if block_table.shape[1] != self.max_blocks:
             raise ValueError(f"block table is {block_table.shape[1]} blocks wide, the static metadata "
                              f"{self.max_blocks}")
-        start = m.positions.view(n, q)[:, 0]
-        m.seq_start.copy_(start)
+        m.seq_start.copy_(m.positions.view(n, q)[:, 0])
         m.slots.copy_(slots)
         torch.index_select(block_table, 0, slots, out=m.block_table)
         off = 0
         for r in self.ratios:
-            per = -(-q // r)
-            if extra is not None:
-                m.new_blocks[r].idx.copy_(extra[off:off + n * per])
-                off += n * per
-                continue
-            blk = (start // r)[:, None] + torch.arange(per, device=start.device)[None, :]
-            blk = torch.where(blk < ((start + q) // r)[:, None], blk, -1)
-            m.new_blocks[r].idx.copy_(blk.view(-1))
-        if not self._static_done:             # the parts that never change for this shape
-            dev = start.device
-            m.cu_seqlens.copy_(torch.arange(n + 1, device=dev) * q)
-            m.token_seq.copy_(torch.arange(n, device=dev).repeat_interleave(q))
-            for r in self.ratios:
-                m.new_blocks[r].seq.copy_(torch.arange(n, device=dev).repeat_interleave(-(-q // r)))
-            self._static_done = True
-
-    def fill(self, starts: list[int], slots: list[int], tables: list[list[int]]) -> None:
-        """Copy one step's values in place (one host->device transfer); sequence s feeds positions
-        starts[s] .. starts[s] + query_len - 1."""
-        if len(starts) != self.num_seqs:
-            raise ValueError(f"StaticMeta.fill: starts has {len(starts)} entries, the graph holds {self.num_seqs}")
-        parts, _ = _host_parts(starts, [self.query_len] * self.num_seqs, slots, tables, self.ratios,
-                               self.max_blocks, self.blocks_len)
-        copy_into(self.flat, [v for p in parts for v in p])
-        self._static_done = False              # fill's closed-block layout differs from derive's
+            m.new_blocks[r].idx.copy_(extra[off:off + self.blocks_len[r]])
+            off += self.blocks_len[r]

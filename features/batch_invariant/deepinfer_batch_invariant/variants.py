@@ -3,9 +3,8 @@
 `invariant_op(kind, op, ctx)` returns, in this order of preference:
 1. `op` itself when it declares `batch_invariant = True` (a third-party backend's invariant op);
 2. `op.batch_invariant_variant()` when the op offers one (the protocol for third-party backends);
-3. the variant this package has for the op's exact class (the core's portable ops); classes listed
-   in NATURALLY_INVARIANT compute every row on its own with fixed reductions already and are only
-   marked;
+3. the variant this package has for the op's exact class (the core's portable ops; the portable
+   pointwise ops and sampler compute every row on its own and declare `batch_invariant = True`);
 and raises `PluginError` naming the op and the plugin otherwise, so no op is silently left variant.
 """
 from __future__ import annotations
@@ -44,11 +43,6 @@ VARIANTS: dict[str, Callable[[Any], Any]] = {
 # The nvidia backend's ops implement the protocol themselves (`batch_invariant_variant()` or
 # `batch_invariant = True`): fixed GEMM tiles and split-K from the weight shape, fixed MoE tiles,
 # fixed attention tiles and split size.
-# Row-wise already: every row's result is computed alone, with reductions of a fixed length.
-NATURALLY_INVARIANT = frozenset({
-    "deepinfer_core.ops.portable_pointwise.PortablePointwise",   # norms, RoPE, fake-quant per row
-    "deepinfer_core.ops.sampler.Sampler",                         # per-row softmax, fp64 CDF, counter RNG
-})
 
 
 def class_path(op: Any) -> str:
@@ -63,9 +57,6 @@ def invariant_op(kind: str, op: Any, ctx: Any) -> Any:
     if callable(variant):
         return variant()
     path = class_path(op)
-    if path in NATURALLY_INVARIANT:
-        op.batch_invariant = True
-        return op
     make = VARIANTS.get(path)
     if make is None:
         raise PluginError(

@@ -1,0 +1,193 @@
+"""What the core calls on the objects plugins hand it, as `typing.Protocol`s.
+
+The hooks (hookspecs.py) choose these objects once, at start-up; `resolve_model_ops` checks each
+against its contract there, so a plugin that misses a method fails at start with one message naming
+the plugin's class and the missing members, never with an AttributeError deep inside a forward.
+After that the core calls the objects directly: no probing on the per-layer or per-token path.
+
+The request-constraint contracts (structured outputs) are in engine/constraints.py; the runner's
+contract with the engine (`StepRunner`, `EngineRunner`) is at the end of this file.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine.step_executor import StepBatch
+
+
+# ---- the model's ops (hooks: deepinfer_linear_method, _attention_backend, _moe_method, ...) --------
+@runtime_checkable
+class LinearMethod(Protocol):
+    """A weight format's matmul (`Linear.method`). `batch_invariant`: a row's result never depends on
+    the other rows of the batch (checked when batch invariance is asked for)."""
+
+    batch_invariant: bool
+
+    def process_weights(self, layer: Any) -> None:
+        """After loading: turn the layer's checkpoint tensors into this method's runtime form."""
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+
+    def apply_grouped(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """x [T, groups, in/groups] -> [T, groups, out/groups] (the grouped output projection)."""
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    batch_invariant: bool
+
+    def forward(self, attn: Any, inp: Any, batch: Any, states: list) -> torch.Tensor:
+        """One layer's attention over the batch (model/attention.py builds `inp`)."""
+
+
+@runtime_checkable
+class GraphMetadata(Protocol):
+    """Fixed-shape device metadata of a CUDA-graph batch, refilled on the device before each replay."""
+
+    def extra_inputs(self, starts: list[int]) -> list[int]:
+        """Host-computed ints the step copies to the device with its ids, positions and slots."""
+
+    def derive(self, slots: torch.Tensor, block_table: torch.Tensor, extra: torch.Tensor) -> None:
+        """Refill the metadata from the slots, the engine's per-slot block table and the extras
+        (device ops only: a CUDA graph records it)."""
+
+
+@runtime_checkable
+class GraphAttentionBackend(AttentionBackend, Protocol):
+    """An attention backend whose batches can be captured in CUDA graphs (runner/cuda_graphs.py)."""
+
+    def graph_num_extra(self, num_seqs: int, query_len: int) -> int:
+        """len(GraphMetadata.extra_inputs(...)) for a graph of this shape."""
+
+    def graph_meta(self, batch: Any, max_blocks: int) -> GraphMetadata:
+        """Install fixed-shape metadata into the graph's static `batch` and return it."""
+
+
+@runtime_checkable
+class MoEMethod(Protocol):
+    batch_invariant: bool
+
+    def process_weights(self, moe: Any) -> None:
+        """After loading: the experts' runtime form."""
+
+    def apply(self, moe: Any, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Route and run the experts (plus the shared expert) on x [T, hidden]."""
+
+
+@runtime_checkable
+class MHCMethod(Protocol):
+    """Manifold-constrained hyper-connections: the residual streams around each sublayer."""
+
+    batch_invariant: bool
+
+    def pre(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple:
+        """Streams -> (sublayer input, post weights, combination matrix)."""
+
+    def post(self, f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """Sublayer output + streams -> streams."""
+
+    def head(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """Streams -> the final hidden state."""
+
+
+@runtime_checkable
+class PointwiseMethod(Protocol):
+    batch_invariant: bool
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def norm_rope_quant(self, x: torch.Tensor, positions: torch.Tensor, rope: Any, **kw: Any) -> torch.Tensor:
+        """Normalise, rotate the RoPE dims and (QAT) round, fused."""
+
+    def inverse_rope(self, x: torch.Tensor, positions: torch.Tensor, rope: Any) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class TokenSampler(Protocol):
+    """deepinfer_sampler: one call per engine step for every sampled row."""
+
+    batch_invariant: bool
+
+    def sample(self, logits: torch.Tensor, params: Sequence[Any], positions: Any, seeds: Any) -> torch.Tensor:
+        """[rows, vocab] fp32 logits -> [rows] int64 token ids on the logits' device."""
+
+
+@dataclass
+class ModelOps:
+    """The op objects chosen once at start-up through the hooks (never per layer or per token)."""
+
+    linear: dict[str, LinearMethod]        # weight format ("bf16", "fp8", "fp4") -> method
+    attention: AttentionBackend
+    moe: MoEMethod
+    mhc: MHCMethod
+    pointwise: PointwiseMethod
+
+
+WEIGHT_FORMATS = ("bf16", "fp8", "fp4")
+
+
+def members(contract: type) -> list[str]:
+    """The attributes and methods a Protocol (and the protocols it extends) declares."""
+    names: list[str] = []
+    for klass in reversed(contract.__mro__):
+        if klass in (object, Protocol) or not getattr(klass, "_is_protocol", False):
+            continue
+        names += [n for n in vars(klass).get("__annotations__", {}) if not n.startswith("_")]
+        names += [n for n, v in vars(klass).items() if callable(v) and not n.startswith("_")]
+    return list(dict.fromkeys(names))
+
+
+def check_contract(obj: Any, contract: type, what: str) -> Any:
+    """`obj` if it has every member of `contract`, else a PluginError naming what is missing."""
+    missing = [n for n in members(contract) if not hasattr(obj, n)]
+    if missing:
+        from .plugins import PluginError
+        raise PluginError(f"{what} {type(obj).__module__}.{type(obj).__qualname__} does not implement "
+                          f"{contract.__name__}: missing {', '.join(missing)} (deepinfer_core/contracts.py)")
+    return obj
+
+
+def resolve_model_ops(pm: Any, ctx: Any) -> ModelOps:
+    """Ask the hooks for every op once and check each against its contract."""
+    return ModelOps(
+        linear={f: check_contract(pm.linear_method(ctx, f), LinearMethod, f"linear method ({f})")
+                for f in WEIGHT_FORMATS},
+        attention=check_contract(pm.attention_backend(ctx), AttentionBackend, "attention backend"),
+        moe=check_contract(pm.moe_method(ctx), MoEMethod, "MoE method"),
+        mhc=check_contract(pm.mhc_method(ctx), MHCMethod, "mHC method"),
+        pointwise=check_contract(pm.pointwise_method(ctx), PointwiseMethod, "pointwise method"))
+
+
+def resolve_sampler(pm: Any, ctx: Any) -> TokenSampler:
+    return check_contract(pm.sampler(ctx), TokenSampler, "sampler")
+
+
+# ---- the runner (the engine's side) --------------------------------------------------------------
+class StepRunner(Protocol):
+    """What the engine's step executor needs of a runner (runner/model_runner.py; test fakes)."""
+
+    model_config: Any
+    device: Any
+    last_token: torch.Tensor       # [slots] int64 on the device: the newest sampled token per slot
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Apply `batch.updates`, run the forward; fp32 logits [len(batch.logit_rows), vocab]."""
+
+
+@runtime_checkable
+class EngineRunner(StepRunner, Protocol):
+    """What `LLM` needs of a runner besides the steps: the ops it resolved and its state cache."""
+
+    sampler: TokenSampler
+    logits_processors: list        # engine/constraints.py LogitsProcessor objects
+    profile_tokens: int | None     # the largest step the cache's sizing must leave room for
+
+    def allocate_cache(self, request: Any) -> Any:
+        """Size the state cache for a CacheRequest (again only when it changed); the result has
+        `.allocator` (cache/block_allocator.py BlockAllocator)."""
