@@ -388,7 +388,7 @@ TABLE: dict[str, Run | Skip] = {
     THROUGHPUT_TINY: Skip("a sweep up to batch 256 with async on and off: a GPU benchmark (minutes on 2 CPU "
                           "cores per batch); its CPU path runs in tests/benchmarks/test_throughput.py"),
     THROUGHPUT_FLASH: Skip(GPU + " (V4-Flash-width layers, ~30 GB of weights)"),
-    "python benchmarks/throughput.py --tiny --input-len 32 --output-len 32 --num-prompts 128": Skip(
+    "python benchmarks/throughput.py --tiny --input-len 32 --output-len 32 --num-prompts 128 --forward-reps 10": Skip(
         "the CPU benchmark at batch 128 (minutes); its CI-sized form runs in tests/benchmarks/test_throughput.py"),
     "python benchmarks/backend_agreement.py": Skip(GPU + " (it compares CUDA with the CPU)"),
     "python benchmarks/structured_outputs_mask.py": Skip(

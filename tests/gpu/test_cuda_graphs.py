@@ -16,7 +16,7 @@ def test_graph_decode_equals_eager_decode(tiny_ckpt_dir):
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
     # float32, QAT off: padding changes GEMM shapes (tile choice) and so the last bits; bf16 on the
     # random tiny model turns such bits into different tokens (see test_nvidia_backend.py)
-    opts = dict(dtype="float32", simulate_qat=False, max_num_seqs=32, gpu_memory_utilization=0.05)
+    opts = dict(dtype="float32", simulate_qat=False, max_num_seqs=32, kv_cache_memory_bytes=1 << 30)
     graphs = LLM(model=str(tiny_ckpt_dir), **opts)
     eager = LLM(model=str(tiny_ckpt_dir), enforce_eager=True, **opts)
     assert graphs.runner.graphs is not None and eager.runner.graphs is None
@@ -45,7 +45,7 @@ def test_graph_verify_steps_equal_eager_verify_steps(tiny_ckpt_dir):
     sequences), one of them crossing positions 127/128. Both runners get the same tokens (the eager
     runner's greedy token, then random drafts): same argmax at every row, logprobs within 1e-3."""
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
-    opts = dict(dtype="float32", simulate_qat=False, max_num_seqs=8, gpu_memory_utilization=0.05)
+    opts = dict(dtype="float32", simulate_qat=False, max_num_seqs=8, kv_cache_memory_bytes=1 << 30)
     graphs = LLM(model=str(tiny_ckpt_dir), **opts)
     eager = LLM(model=str(tiny_ckpt_dir), enforce_eager=True, **opts)
     runners = (graphs.runner, eager.runner)

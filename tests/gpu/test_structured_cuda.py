@@ -22,7 +22,7 @@ def cuda_llm(tiny_ckpt_dir):
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DEEPINFER_SO_JSON_MAX_WHITESPACE", "2")    # see tests/structured/test_structured_engine.py
-        yield LLM(model=str(tiny_ckpt_dir), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.05)
+        yield LLM(model=str(tiny_ckpt_dir), dtype="bfloat16", device="cuda", kv_cache_memory_bytes=1 << 30)
 
 
 def test_constrained_outputs_are_valid_on_cuda(cuda_llm):
