@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from . import readme_tables
 from .envs import Settings, field_name, read_settings
 
 README_BEGIN = "<!-- options:begin -->"
@@ -353,32 +354,12 @@ def markdown_table() -> str:
 
 def update_readme(path: str | Path) -> bool:
     """Rewrite the tables between the README markers; True if the file changed."""
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    start, end = text.find(README_BEGIN), text.find(README_END)
-    if start < 0 or end < start:
-        raise ValueError(f"{path} lacks the markers {README_BEGIN} ... {README_END}")
-    new = text[:start + len(README_BEGIN)] + "\n" + markdown_table() + "\n" + text[end:]
-    if new != text:
-        path.write_text(new, encoding="utf-8")
-    return new != text
+    return readme_tables.update(path, README_BEGIN, README_END, markdown_table())
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m deepinfer_core.engine_config",
-                                     description="DeepInfer engine options.")
-    parser.add_argument("--markdown", action="store_true", help="print the README tables")
-    parser.add_argument("--update-readme", metavar="PATH",
-                        help="rewrite the tables between the markers of PATH")
-    args = parser.parse_args(argv)
-    if args.update_readme:
-        changed = update_readme(args.update_readme)
-        print(f"{args.update_readme}: {'updated' if changed else 'already up to date'}")
-    else:
-        print(markdown_table())
-    return 0
+    return readme_tables.cli("python -m deepinfer_core.engine_config", "DeepInfer engine options.", markdown_table,
+                             README_BEGIN, README_END, argv)
 
 
 if __name__ == "__main__":

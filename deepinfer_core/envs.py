@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from . import readme_tables
+
 logger = logging.getLogger("deepinfer.envs")
 
 PREFIX = "DEEPINFER_"
@@ -245,23 +247,12 @@ def markdown_table() -> str:
 
 def readme_section(text: str) -> str | None:
     """The text between the README markers, or None when they are missing."""
-    start, end = text.find(README_BEGIN), text.find(README_END)
-    if start < 0 or end < start:
-        return None
-    return text[start + len(README_BEGIN):end]
+    return readme_tables.section(text, README_BEGIN, README_END)
 
 
 def update_readme(path: str | Path) -> bool:
     """Rewrite the table between the README markers; returns True if the file changed."""
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    if readme_section(text) is None:
-        raise ValueError(f"{path} lacks the markers {README_BEGIN} ... {README_END}")
-    start, end = text.find(README_BEGIN) + len(README_BEGIN), text.find(README_END)
-    new = text[:start] + "\n" + markdown_table() + "\n" + text[end:]
-    if new != text:
-        path.write_text(new, encoding="utf-8")
-    return new != text
+    return readme_tables.update(path, README_BEGIN, README_END, markdown_table())
 
 
 def _check_settings_match_table() -> None:
@@ -275,21 +266,11 @@ _check_settings_match_table()
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    return readme_tables.cli("python -m deepinfer_core.envs", "DeepInfer environment variables.", markdown_table,
+                             README_BEGIN, README_END, argv, default=_print_settings)
 
-    parser = argparse.ArgumentParser(prog="python -m deepinfer_core.envs",
-                                     description="DeepInfer environment variables.")
-    parser.add_argument("--markdown", action="store_true", help="print the README table")
-    parser.add_argument("--update-readme", metavar="PATH",
-                        help="rewrite the table between the envs markers of PATH")
-    args = parser.parse_args(argv)
-    if args.markdown:
-        print(markdown_table())
-        return 0
-    if args.update_readme:
-        changed = update_readme(args.update_readme)
-        print(f"{args.update_readme}: {'updated' if changed else 'already up to date'}")
-        return 0
+
+def _print_settings() -> int:
     try:
         settings = read_settings()
     except EnvError as exc:

@@ -29,30 +29,6 @@ def params(i: int) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **kinds[i % len(kinds)]})
 
 
-def test_sampling_on_the_gpu_never_syncs_and_equals_the_cpu():
-    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
-    g = torch.Generator().manual_seed(0)
-    rows = 48
-    logits = torch.randn(rows, VOCAB, generator=g) * 3
-    ps = [params(i) for i in range(rows)]
-    positions, seeds = list(range(7, 7 + rows)), [1000 + 13 * i for i in range(rows)]
-    sampler = Sampler()
-    want = sampler.sample(logits, ps, positions, seeds)
-    want_lp = compute_logprobs(logits, 5, want)
-    dev = logits.cuda()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")       # any implicit device->host sync raises
-    try:
-        got = sampler.sample(dev, ps, positions, seeds)
-        got_lp = compute_logprobs(dev, 5, got)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(got.cpu(), want)
-    assert torch.equal(got_lp.top_ids.cpu(), want_lp.top_ids)
-    assert torch.allclose(got_lp.top_logprobs.cpu(), want_lp.top_logprobs, atol=1e-5)
-    assert torch.equal(got_lp.sampled_ranks.cpu(), want_lp.sampled_ranks)
-
-
 @contextlib.contextmanager
 def no_sync():
     """Any implicit device->host synchronisation inside raises."""
@@ -64,12 +40,32 @@ def no_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_fast_paths_with_device_positions_and_seeds():
+def batch(seed: int, rows: int) -> tuple[torch.Tensor, list[SimpleNamespace]]:
+    """[rows, VOCAB] CPU logits and one of each sampling kind per row, in turn."""
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
-    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+    return logits, [params(i) for i in range(rows)]
+
+
+def test_sampling_on_the_gpu_never_syncs_and_equals_the_cpu():
+    logits, ps = batch(0, rows=48)
+    positions, seeds = list(range(7, 7 + 48)), [1000 + 13 * i for i in range(48)]
+    sampler = Sampler()
+    want = sampler.sample(logits, ps, positions, seeds)
+    want_lp = compute_logprobs(logits, 5, want)
+    dev = logits.cuda()
+    with no_sync():
+        got = sampler.sample(dev, ps, positions, seeds)
+        got_lp = compute_logprobs(dev, 5, got)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(got_lp.top_ids.cpu(), want_lp.top_ids)
+    assert torch.allclose(got_lp.top_logprobs.cpu(), want_lp.top_logprobs, atol=1e-5)
+    assert torch.equal(got_lp.sampled_ranks.cpu(), want_lp.sampled_ranks)
+
+
+def test_fast_paths_with_device_positions_and_seeds():
     rows = 40
-    logits = torch.randn(rows, VOCAB, generator=g) * 3
-    ps = [params(i) for i in range(rows)]
+    logits, ps = batch(1, rows)
     positions = list(range(3, 3 + rows))
     seeds = [(1 << 64) - 1 - i if i % 4 == 0 else 77 + 5 * i for i in range(rows)]   # some >= 2^63
     sampler = Sampler()
