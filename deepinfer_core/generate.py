@@ -2,7 +2,7 @@
 
 The model is `--model` (a local directory or a repo id in the local Hugging Face cache), else
 DEEPINFER_HF_MODEL_DIR, else a DeepSeek-V4 checkpoint found in the local Hugging Face cache, else the
-bundled tiny model (random weights; one line on stderr says so). Nothing is downloaded.
+bundled tiny model (trained on Shakespeare; one line on stderr says so). Nothing is downloaded.
 
 Every `SamplingParams` field and every `EngineConfig` option is a flag generated from the dataclasses
 themselves (`--top-p`, `--ignore-eos`, `--max-num-seqs`, ...; help from the fields' docs), so the CLI
@@ -297,7 +297,7 @@ def choose_model(model: str | None) -> str:
     from .tools.bundled_model import bundled_tiny_model_dir, default_cache_dir
     print(f"{PROG}: no model configured (--model, DEEPINFER_HF_MODEL_DIR or a DeepSeek-V4 checkpoint in "
           f"the local Hugging Face cache): running the bundled tiny model at {default_cache_dir()} "
-          f"(random weights, the text is gibberish)", file=sys.stderr, flush=True)
+          f"(a tiny V4 trained on Shakespeare: expect Shakespearean-looking English, not sense)", file=sys.stderr, flush=True)
     return str(bundled_tiny_model_dir())
 
 

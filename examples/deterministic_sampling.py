@@ -1,7 +1,7 @@
 """Deterministic sampling with DeepInfer: one seeded, sampled request alone and inside batches of
 random other requests gives the same tokens and bitwise the same logprobs.
 
-    python examples/deterministic_sampling.py                      # bundled tiny model (random weights)
+    python examples/deterministic_sampling.py                      # bundled tiny model (trained on Shakespeare)
     DEEPINFER_HF_MODEL_DIR=/path/to/DeepSeek-V4-Flash python examples/deterministic_sampling.py
 
 Deterministic sampling = batch invariance (`batch_invariant=True`, or DEEPINFER_BATCH_INVARIANT=1) +

@@ -1,10 +1,11 @@
 """Offline inference with DeepInfer.
 
-    python examples/offline_inference.py                       # bundled tiny model (random weights)
+    python examples/offline_inference.py                       # bundled tiny model (trained on Shakespeare)
     DEEPINFER_HF_MODEL_DIR=/path/to/DeepSeek-V4-Flash python examples/offline_inference.py
 
-With no checkpoint configured, a tiny DeepSeek-V4 (real tokenizer, official FP8/FP4 tensor format,
-random weights, so the text is gibberish) is built once into the user cache
+With no checkpoint configured, a tiny DeepSeek-V4 trained on Shakespeare's plays (tools/train_tiny;
+real tokenizer, official FP8/FP4 tensor format) is built once from the weights shipped in the package
+into the user cache
 (`$XDG_CACHE_HOME/deepinfer/tiny-v4` or `~/.cache/deepinfer/tiny-v4`) and reused.
 The same from the command line: `python -m deepinfer_core.generate --prompt "..." --max-tokens 8`.
 
@@ -26,7 +27,7 @@ def model_path() -> str:
         return str(env_dir)
     from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
     out = bundled_tiny_model_dir()   # built once into ~/.cache/deepinfer/tiny-v4, then reused
-    print(f"DEEPINFER_HF_MODEL_DIR is not set: using the bundled tiny model at {out} (random weights)")
+    print(f"DEEPINFER_HF_MODEL_DIR is not set: using the bundled tiny model at {out} (trained on Shakespeare)")
     return str(out)
 
 
@@ -45,7 +46,7 @@ def main() -> None:
     llm = LLM(model=model_path())
     greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=1234)
-    outputs = llm.generate(["The capital of France is", "def fibonacci(n):"], [greedy, sampled])
+    outputs = llm.generate(["HAMLET.\nTo be, or not to be,", "KING.\nMy lord, the"], [greedy, sampled])
     outputs += llm.generate(prompt_token_ids=[[0, 100, 200, 300]], sampling_params=greedy)
     for out in outputs:
         comp = out.outputs[0]

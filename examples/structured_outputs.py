@@ -1,6 +1,6 @@
 """Structured outputs with DeepInfer: a JSON schema, a regex, an EBNF grammar and vLLM's `choice`.
 
-    python examples/structured_outputs.py                      # bundled tiny model (random weights)
+    python examples/structured_outputs.py                      # bundled tiny model (trained on Shakespeare)
     DEEPINFER_HF_MODEL_DIR=/path/to/DeepSeek-V4-Flash python examples/structured_outputs.py
 
 The tiny model's weights are random, so its text is nonsense, but every output still follows its

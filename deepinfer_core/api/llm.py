@@ -97,7 +97,7 @@ class LLM:
     """Generate completions for a batch of prompts with a DeepSeek-V4 checkpoint.
 
     `model`: a local directory, an HF cache snapshot, or a repo id in the local HF cache; None reads
-    DEEPINFER_HF_MODEL_DIR. `seed` seeds requests that set no seed of their own (derived from it and a
+    DEEPINFER_HF_MODEL_DIR, and without it runs the bundled tiny model (deepinfer_core/tools/bundled_model.py). `seed` seeds requests that set no seed of their own (derived from it and a
     request counter, so a run is reproducible).
     """
 
@@ -105,8 +105,11 @@ class LLM:
         """`options`: the fields of `EngineConfig` by name (`deepinfer_core/engine_config.py`, the README
         table), plus the vLLM / DS-DeepInfer spellings it accepts with the values this engine implements."""
         config = EngineConfig.from_options(model=model, **options)   # validated, env defaults filled once
-        if config.model.model is None:
-            raise ValueError("LLM: pass model=... or set DEEPINFER_HF_MODEL_DIR")
+        if config.model.model is None:      # the bundled trained tiny model (built on first use)
+            from ..tools.bundled_model import bundled_tiny_model_dir
+            config = config.replace(model=str(bundled_tiny_model_dir()))
+            logger.warning("LLM: no model given (model=... or DEEPINFER_HF_MODEL_DIR): using the bundled tiny "
+                        "model at %s", config.model.model)
         model_dir = _resolve_model(config.model.model)
         tok = load_tokenizer(model_dir, config.model.tokenizer)   # before the (slow) weight load: fail fast
         runner = _make_runner(model_dir, config)

@@ -1,12 +1,14 @@
-"""The bundled tiny DeepSeek-V4 model: a seeded tiny checkpoint built once into the user cache.
+"""The bundled tiny DeepSeek-V4 model: the trained tiny model (tools/train_tiny; its compact weights ship
+in this package, deepinfer_core/tools/data) expanded once into an official checkpoint in the user cache.
 
 `bundled_tiny_model_dir()` returns `$XDG_CACHE_HOME/deepinfer/tiny-v4` (or `~/.cache/deepinfer/tiny-v4`),
 building it first when it is missing or stale. The build writes into a temporary sibling directory
 and renames it into place only once complete, so an interrupted build never leaves a half-written
 model behind, and concurrent builders cannot see each other's partial output.
 
-A stamp file records a fingerprint of what was built (the tiny config, the seed and the builder's
-source), so an upgrade that changes the tiny model's format rebuilds it instead of loading a stale one.
+A stamp file records a fingerprint of what was built (the trained weights and the builders' source),
+so an upgrade that changes the model or its format rebuilds it instead of loading a stale one. The
+random tiny model (`make_tiny_checkpoint`) stays what the tests build.
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-SEED = 0
 STAMP_FILE = ".deepinfer-bundled.json"
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_SECONDS = 3600   # a build takes well under a minute; older temp dirs are crash leftovers
@@ -33,15 +34,13 @@ def default_cache_dir() -> Path:
 
 
 def fingerprint() -> str:
-    """Identifies the bundled model's content: tiny config, seed and the builder's source."""
-    from . import make_tiny_checkpoint as builder, tiny_config
+    """Identifies the bundled model's content: the trained weights and the builders' source."""
+    from . import make_tiny_checkpoint, trained_model
     h = hashlib.sha256()
-    h.update(json.dumps({"seed": SEED, "config": tiny_config.tiny_config_dict()},
-                        sort_keys=True).encode())
-    for module in (builder, tiny_config):
+    for path in (trained_model.ARTIFACT, Path(make_tiny_checkpoint.__file__), Path(trained_model.__file__)):
         try:
-            h.update(Path(module.__file__).read_bytes())
-        except (OSError, TypeError):   # no source on disk (frozen/zipped install): config only
+            h.update(path.read_bytes())
+        except (OSError, TypeError):   # no source on disk (frozen/zipped install): the rest only
             pass
     return h.hexdigest()[:16]
 
@@ -56,7 +55,7 @@ def is_complete(model_dir: Path, expected: str | None = None) -> bool:
 
 
 def bundled_tiny_model_dir(cache_dir: str | Path | None = None) -> Path:
-    """The bundled tiny model's directory, built (~150 MiB, tens of seconds on CPU) on first use."""
+    """The bundled tiny model's directory, built (~150 MiB, a few seconds) on first use."""
     final = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     expected = fingerprint()
     if is_complete(final, expected):
@@ -65,11 +64,11 @@ def bundled_tiny_model_dir(cache_dir: str | Path | None = None) -> Path:
     _remove_stale_temp_dirs(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{_TMP_PREFIX}", dir=final.parent))
     try:
-        # Looked up at call time so that tests can replace the (slow) builder.
-        from . import make_tiny_checkpoint as builder
-        builder.make_tiny_checkpoint(tmp, seed=SEED)
+        # Looked up at call time so that tests can replace the builder.
+        from . import trained_model as builder
+        builder.make_trained_checkpoint(tmp)
         # The stamp goes in last: its presence means every other file is complete.
-        (tmp / STAMP_FILE).write_text(json.dumps({"fingerprint": expected, "seed": SEED}) + "\n")
+        (tmp / STAMP_FILE).write_text(json.dumps({"fingerprint": expected}) + "\n")
         _install(tmp, final, expected)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)   # gone already after a successful rename

@@ -17,6 +17,7 @@ import math
 import re
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,12 +156,19 @@ def make_tiny_checkpoint(out_dir: str | Path, config_overrides: dict[str, Any] |
     """Write config, generation config, real tokenizer, sharded safetensors + index to `out_dir`.
 
     `spec` overrides the inventory (normally taken from the meta-device model)."""
+    cfg = tiny_config_dict(**(config_overrides or {}))
+    spec = dict(spec) if spec is not None else model_tensor_spec(cfg)
+    return write_checkpoint(out_dir, cfg, spec, lambda name: tensor_values(name, spec, cfg, seed), max_shard_bytes)
+
+
+def write_checkpoint(out_dir: str | Path, cfg: dict[str, Any], spec: TensorSpec,
+                     values: Callable[[str], dict[str, torch.Tensor]],
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """The official on-disk format: `config.json`, `generation_config.json`, the V4 tokenizer files
+    and safetensors shards with their index. `values(name)` gives a tensor (and its `.scale`)."""
     from safetensors.torch import save_file
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_config_dict(**(config_overrides or {}))
-    spec = dict(spec) if spec is not None else model_tensor_spec(cfg)
-
     groups = plan_shards(spec, max_shard_bytes)
     for old in out.glob("model-*-of-*.safetensors"):   # stale shards of an earlier, different run
         old.unlink()
@@ -171,7 +179,7 @@ def make_tiny_checkpoint(out_dir: str | Path, config_overrides: dict[str, Any] |
         tensors: dict[str, torch.Tensor] = {}
         for name in names:
             if name not in tensors:
-                tensors.update(tensor_values(name, spec, cfg, seed))
+                tensors.update(values(name))
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         for name, t in tensors.items():
             weight_map[name] = fname

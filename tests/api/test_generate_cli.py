@@ -214,16 +214,16 @@ def test_engine_flags_are_generated_from_the_config_with_its_docs_and_defaults(c
 # ---- the bundled tiny model -----------------------------------------------------------------------
 @pytest.fixture
 def fake_builder(monkeypatch, tiny_ckpt_dir):
-    """make_tiny_checkpoint replaced by symlinks to the session checkpoint (the real build takes ~20 s)."""
+    """make_trained_checkpoint replaced by symlinks to the session checkpoint (one fixture for all)."""
     calls = []
 
-    def build(out_dir, seed=0, **kw):
+    def build(out_dir, **kw):
         calls.append(Path(out_dir))
         for f in Path(tiny_ckpt_dir).iterdir():
             os.symlink(f, Path(out_dir) / f.name)
         return Path(out_dir)
 
-    monkeypatch.setattr("deepinfer_core.tools.make_tiny_checkpoint.make_tiny_checkpoint", build)
+    monkeypatch.setattr("deepinfer_core.tools.trained_model.make_trained_checkpoint", build)
     return calls
 
 
@@ -248,11 +248,11 @@ def test_no_model_runs_the_bundled_tiny_model_with_one_line_notice(capsys, fake_
 
 def test_bundled_build_failure_leaves_nothing_and_stale_model_is_rebuilt(monkeypatch, fake_builder,
                                                                          no_model_configured):
-    def crash(out_dir, seed=0, **kw):
+    def crash(out_dir, **kw):
         (Path(out_dir) / "config.json").write_text("{}")
         raise KeyboardInterrupt
     with monkeypatch.context() as mp:
-        mp.setattr("deepinfer_core.tools.make_tiny_checkpoint.make_tiny_checkpoint", crash)
+        mp.setattr("deepinfer_core.tools.trained_model.make_trained_checkpoint", crash)
         with pytest.raises(KeyboardInterrupt):
             bundled_model.bundled_tiny_model_dir()
     assert not list(no_model_configured.parent.iterdir())

@@ -355,8 +355,9 @@ def test_model_from_env(patched, monkeypatch, tmp_path):
     LLM()
     assert patched["model_dir"] is not None
     monkeypatch.delenv("DEEPINFER_HF_MODEL_DIR")
-    with pytest.raises(ValueError, match="DEEPINFER_HF_MODEL_DIR"):
-        LLM()
+    bundled = tmp_path / "bundled"
+    monkeypatch.setattr("deepinfer_core.tools.bundled_model.bundled_tiny_model_dir", lambda: bundled)
+    assert str(LLM().config.model.model) == str(bundled)      # no model at all: the bundled tiny model
 
 
 def test_bad_tokenizer_argument(patched):

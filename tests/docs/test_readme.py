@@ -187,7 +187,7 @@ def completions(out: str) -> list[tuple[str, str, list[int]]]:
 
 def check_offline_inference(r: Result) -> None:
     bundled = r.cache / "deepinfer" / "tiny-v4"
-    assert f"using the bundled tiny model at {bundled} (random weights)" in r.stdout
+    assert f"using the bundled tiny model at {bundled} (trained on Shakespeare)" in r.stdout
     assert (bundled / "config.json").is_file()  # built into the (fresh) user cache
     assert len(re.findall(r"^prompt .* \(\d+ tokens\) -> ['\"]", r.stdout, re.MULTILINE)) == 3
     # the two greedy requests have ignore_eos: exactly max_tokens=8 tokens each
@@ -220,7 +220,7 @@ def check_cli_hello(r: Result) -> None:
     assert "[request 0] prompt: 'Hello' (1 token)\n" in r.stdout
     ((_, reason, ids),) = completions(r.stdout)
     assert 1 <= len(ids) <= 8 and reason in ("length", "stop")
-    assert "bundled tiny model" in r.stderr and "gibberish" in r.stderr  # no model configured
+    assert "bundled tiny model" in r.stderr and "Shakespeare" in r.stderr  # no model configured
 
 
 def check_plugins(r: Result) -> None:

@@ -1,0 +1,58 @@
+"""The trained tiny DeepSeek-V4 (tools/train_tiny/): its compact artifact, shipped in the package,
+expanded into the official on-disk checkpoint.
+
+The artifact holds every checkpoint tensor in its storage format (FP8 + UE8M0 scales, packed FP4
+experts, bf16, fp32) except the embedding, the LM head and the hash-routing tables, which hold only
+the K + 1 rows the model was trained with: rows 0..K-1 are the token ids in `vocab.kept`, row K is
+shared by every other id. Expanding gives each of the 129,280 ids its row, so the checkpoint the
+engine loads computes exactly what was trained (the training loss counts the shared row's copies).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .make_tiny_checkpoint import DEFAULT_MAX_SHARD_BYTES, model_tensor_spec, write_checkpoint
+
+ARTIFACT = Path(__file__).parent / "data" / "tiny_v4_shakespeare.safetensors"
+VOCAB_ROWS = ("embed.weight", "head.weight")      # plus every "*.tid2eid"
+
+
+def read_artifact(path: str | Path = ARTIFACT) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """(config with the real vocabulary size, tensors, training report)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if "config" not in meta:
+        raise ValueError(f"{path}: not a trained-model artifact (no config in its metadata)")
+    return json.loads(meta["config"]), load_file(str(path)), json.loads(meta.get("training", "{}"))
+
+
+def expand_rows(compact: torch.Tensor, kept: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[K + 1, ...] -> [vocab, ...]: id kept[i] gets row i, every other id row K."""
+    row = torch.full((vocab,), compact.shape[0] - 1, dtype=torch.long)
+    row[kept.long()] = torch.arange(len(kept))
+    return compact[row].contiguous()
+
+
+def make_trained_checkpoint(out_dir: str | Path, artifact: str | Path = ARTIFACT,
+                            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    cfg, tensors, _ = read_artifact(artifact)
+    kept, vocab = tensors.pop("vocab.kept"), int(cfg["vocab_size"])
+    spec = model_tensor_spec(cfg)
+    for name in spec:
+        if name in VOCAB_ROWS or name.endswith(".tid2eid"):
+            tensors[name] = expand_rows(tensors[name], kept, vocab).to(spec[name][1])
+    unknown = sorted(set(tensors) - set(spec))
+    missing = sorted(set(spec) - set(tensors))
+    if unknown or missing:
+        raise ValueError(f"{artifact}: tensors not in the model {unknown[:5]}, missing {missing[:5]}")
+
+    def values(name: str) -> dict[str, torch.Tensor]:
+        scale = name[:-len(".weight")] + ".scale" if name.endswith(".weight") else None
+        return {n: tensors[n] for n in (name, scale) if n in tensors}
+
+    return write_checkpoint(out_dir, cfg, spec, values, max_shard_bytes)

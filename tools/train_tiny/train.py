@@ -1,0 +1,121 @@
+"""Train the tiny DeepSeek-V4 (every V4 part, MTP included) on the corpus and export its compact artifact.
+
+    python -m tools.train_tiny.corpus corpus.npz
+    python -m tools.train_tiny.train corpus.npz OUT_DIR [--device cuda] [--minutes 4]
+
+Windows of `--length` tokens are drawn at random (seeded) from the training split; the loss is the
+main next-token NLL plus `--mtp-weight` times the MTP block's next-next-token NLL (DeepSeek's
+objective, weight 0.3 early in their training). Every `--eval-every` steps both are measured on a
+fixed set of held-out windows. OUT_DIR gets `curve.json` (the losses), `artifact.safetensors` (the
+compact weights: see export.py) and `report.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import model as M
+from .export import write_artifact
+
+
+def windows_at(rows: np.ndarray, starts: np.ndarray, length: int, device: str) -> torch.Tensor:
+    idx = starts[:, None] + np.arange(length)[None, :]
+    return torch.from_numpy(rows[idx]).to(device)
+
+
+def heldout_starts(n_tokens: int, length: int, count: int) -> np.ndarray:
+    """`count` evenly spread, non-overlapping windows of the held-out split."""
+    count = min(count, n_tokens // length)
+    return (np.arange(count) * (n_tokens // count)).astype(np.int64)
+
+
+@torch.no_grad()
+def evaluate(model, rows: np.ndarray, starts: np.ndarray, length: int, device: str, batch: int) -> dict:
+    sums: dict[str, float] = {}
+    for i in range(0, len(starts), batch):
+        main, mtp, stats = M.forward_losses(model, windows_at(rows, starts[i:i + batch], length, device))
+        n = len(starts[i:i + batch])
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0.0) + v * n
+    return {k: v / len(starts) for k, v in sums.items()}
+
+
+def train(a: argparse.Namespace) -> dict:
+    torch.manual_seed(a.seed)
+    if a.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+    data = np.load(a.corpus)
+    vocab = M.VocabMap.most_frequent(data["train"], a.vocab_rows - 1)
+    to_row = vocab.row_of_token()
+    train_rows, held_rows = to_row[data["train"]], to_row[data["heldout"]]
+    cfg = M.training_config(vocab.rows)
+    model = M.build(cfg, a.device, a.seed)
+    params = M.parameters(model)
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = np.random.default_rng(a.seed)
+    held = heldout_starts(len(held_rows), a.length, a.eval_windows)
+    curve: list[dict] = []
+    t0 = time.perf_counter()
+    step = 0
+    while step < a.steps and time.perf_counter() - t0 < a.minutes * 60:
+        # linear warm-up, then linear decay to 10% over the steps or the time budget, whichever ends first
+        progress = max(step / a.steps, (time.perf_counter() - t0) / (a.minutes * 60))
+        lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * max(0.0, 1 - progress))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        starts = rng.integers(0, len(train_rows) - a.length, a.batch)
+        main, mtp, stats = M.forward_losses(model, windows_at(train_rows, starts, a.length, a.device))
+        loss = main if mtp is None else main + a.mtp_weight * mtp
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % a.eval_every == 0 or step == a.steps:
+            point = {"step": step, "seconds": round(time.perf_counter() - t0, 1), "lr": lr,
+                     "train": stats, "heldout": evaluate(model, held_rows, held, a.length, a.device, a.batch)}
+            curve.append(point)
+            print(json.dumps(point), flush=True)
+    seconds = round(time.perf_counter() - t0, 1)
+    M.round_to_checkpoint(model)
+    exported = evaluate(model, held_rows, held, a.length, a.device, a.batch)
+    print(json.dumps({"exported_heldout": exported}), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "curve.json").write_text(json.dumps(curve, indent=1) + "\n")
+    info = {"steps": step, "seconds": seconds, "tokens_seen": step * a.batch * a.length,
+            "train_tokens": int(len(train_rows)), "heldout_tokens": int(len(held_rows)),
+            "vocab_rows": vocab.rows, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+            "final": curve[-1] if curve else None, "exported_heldout": exported,
+            "heldout_windows": {"count": len(held), "length": a.length, "starts": held.tolist()}}
+    write_artifact(model, vocab, out / "artifact.safetensors", info)
+    (out / "report.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m tools.train_tiny.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("corpus", type=Path, help="the .npz of tools.train_tiny.corpus")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=2000, help="learning-rate schedule length (and the most steps)")
+    ap.add_argument("--minutes", type=float, default=1e9, help="stop after this long")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--vocab-rows", type=int, default=8192, help="embedding/head rows (the last is shared)")
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-windows", type=int, default=64)
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    train(parse())
