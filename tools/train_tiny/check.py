@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "tool_mtp_top1": report["exported_heldout"].get("mtp_top1"), "windows": len(windows)}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_trained_checkpoint(Path(tmp) / "ckpt", a.out / "artifact.safetensors")
-        llm = LLM(model=str(ckpt), dtype="float32", simulate_qat=False, device=a.device,
+        qat = not report["args"].get("no_qat", True)        # as trained (runs before --no-qat existed: clean)
+        result["simulate_qat"] = qat
+        llm = LLM(model=str(ckpt), dtype="float32", simulate_qat=qat, device=a.device,
                   max_model_len=max(1024, spec["length"] + 64))
         result["engine_heldout_nll"] = engine_nll(llm, windows)
         result["random_model_nll"] = math.log(129280)

@@ -11,8 +11,11 @@ What differs from serving, and why:
 - Weights: float32 masters, quantised in every forward to what the checkpoint stores (FP8 128x128
   blocks, FP4 experts, bf16) with straight-through gradients (`QATLinear`), so the exported FP8/FP4
   model computes what was trained.
-- Activations: the clean numerics (simulate_qat=False): the FP8/FP4 activation fake-quant has no
-  useful gradient. The served model runs them (simulate_qat=True by default): a small, measured shift.
+- Activations (`qat=True`, the default): the served model's QAT simulation (FP8 activations before the
+  quantised linears, FP8 KV no-RoPE dims, Hadamard + FP4 indexer keys and queries) in the forward, with
+  straight-through gradients (`QATLinear._quant_input`, `QATPointwise`), so the model learns under the
+  numerics it is served with (simulate_qat=True is the engine's default). `qat=False` trains the clean
+  function.
 - Not trained by gradient: the indexer (its top-k choice has no gradient; DeepSeek trains it with a
   separate KL objective), the routing bias (DeepSeek's bias update balances load; it stays at its
   initial value) and the hash-routing table (random, fixed).
@@ -38,7 +41,8 @@ from deepinfer_core.ops.portable_linear import PortableLinearMethod
 from deepinfer_core.ops.portable_mhc import PortableMHC
 from deepinfer_core.ops.portable_moe import PortableMoE
 from deepinfer_core.ops.portable_pointwise import PortablePointwise
-from deepinfer_core.ops.quant import dequant_fp4, dequant_fp8_block, quantize_fp4, quantize_fp8_block
+from deepinfer_core.ops.quant import (dequant_fp4, dequant_fp8_block, fake_quant_fp8, hadamard_transform,
+                                      quantize_fp4, quantize_fp8_block)
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
 FULL_VOCAB = 129280
@@ -88,6 +92,11 @@ class QATLinear(PortableLinearMethod):
                 q = w.to(torch.bfloat16).to(w.dtype)
         return w + (q - w).detach()
 
+    def _quant_input(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.act_quant and self.simulate_qat:
+            x = x + (fake_quant_fp8(x.detach(), 128) - x).detach()
+        return x.to(layer.weight.dtype)
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._quant_input(layer, x), self._weight(layer))
 
@@ -96,23 +105,38 @@ class QATLinear(PortableLinearMethod):
         return torch.einsum("tgi,goi->tgo", self._quant_input(layer, x), self._weight(layer).view(G, -1, x.shape[-1]))
 
 
+class QATPointwise(PortablePointwise):
+    """The portable norm/RoPE/fake-quant glue with a straight-through gradient past the rounding (the
+    Hadamard transform of the indexer path stays in the gradient)."""
+
+    def norm_rope_quant(self, x: torch.Tensor, positions: torch.Tensor, rope, *, quant: str = "none", **kw):
+        y = super().norm_rope_quant(x, positions, rope, quant="none", **kw)
+        if quant == "none":
+            return y
+        if quant == "hadamard_fp4":
+            y = hadamard_transform(y)
+        with torch.no_grad():
+            q = super().norm_rope_quant(x, positions, rope, quant=quant, **kw)
+        return y + (q - y).detach()
+
+
 def training_config(rows: int, **overrides) -> dict:
     """The bundled tiny architecture (every V4 part) with `rows` vocabulary rows."""
     return tiny_config_dict(vocab_size=rows, **overrides)
 
 
-def build(cfg_dict: dict, device: str, seed: int) -> DeepseekV4Model:
+def build(cfg_dict: dict, device: str, seed: int, qat: bool = True) -> DeepseekV4Model:
     """The engine's model with seeded initial weights (the dummy loader's trained-model magnitudes)
-    and every float weight a float32 leaf that requires grad."""
+    and every float weight a float32 leaf that requires grad; `qat`: the served QAT numerics."""
     cfg = ModelConfig.from_dict(cfg_dict)
     model = build_model(cfg, device=device)
     fill_dummy_weights(model, cfg, seed=seed)
     block = cfg.weight_block_size or (128, 128)
-    linear = QATLinear(torch.float32, simulate_qat=False, block=block)
+    linear = QATLinear(torch.float32, simulate_qat=qat, block=block)
     ops = ModelOps(linear={f: linear for f in ("bf16", "fp8", "fp4")}, attention=PortableAttentionBackend(),
                    moe=PortableMoE(), mhc=PortableMHC(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps),
-                   pointwise=PortablePointwise())
-    bind_ops(model, ops, Numerics(dtype=torch.float32, simulate_qat=False))
+                   pointwise=QATPointwise())
+    bind_ops(model, ops, Numerics(dtype=torch.float32, simulate_qat=qat))
     process_weights(model)
     for module in model.modules():
         for name, t in list(module._buffers.items()):

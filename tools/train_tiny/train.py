@@ -6,7 +6,8 @@
 Windows of `--length` tokens are drawn at random (seeded) from the training split; the loss is the
 main next-token NLL plus `--mtp-weight` times the MTP block's next-next-token NLL (DeepSeek's
 objective, weight 0.3 early in their training). Every `--eval-every` steps both are measured on a
-fixed set of held-out windows. OUT_DIR gets `curve.json` (the losses), `artifact.safetensors` (the
+fixed set of held-out windows, and the weights of the best evaluation are the ones exported (the
+corpus is small: a long run overfits). OUT_DIR gets `curve.json` (the losses), `artifact.safetensors` (the
 compact weights: see export.py) and `report.json`.
 """
 from __future__ import annotations
@@ -54,12 +55,13 @@ def train(a: argparse.Namespace) -> dict:
     to_row = vocab.row_of_token()
     train_rows, held_rows = to_row[data["train"]], to_row[data["heldout"]]
     cfg = M.training_config(vocab.rows)
-    model = M.build(cfg, a.device, a.seed)
+    model = M.build(cfg, a.device, a.seed, qat=not a.no_qat)
     params = M.parameters(model)
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     rng = np.random.default_rng(a.seed)
     held = heldout_starts(len(held_rows), a.length, a.eval_windows)
     curve: list[dict] = []
+    best: tuple[float, int, dict] | None = None      # (held-out NLL, step, weights) of the best evaluation
     t0 = time.perf_counter()
     step = 0
     while step < a.steps and time.perf_counter() - t0 < a.minutes * 60:
@@ -81,7 +83,13 @@ def train(a: argparse.Namespace) -> dict:
                      "train": stats, "heldout": evaluate(model, held_rows, held, a.length, a.device, a.batch)}
             curve.append(point)
             print(json.dumps(point), flush=True)
+            if best is None or point["heldout"]["main_nll"] < best[0]:
+                best = (point["heldout"]["main_nll"], step, {n: t.detach().clone() for n, t in model.named_buffers()})
     seconds = round(time.perf_counter() - t0, 1)
+    if best is not None and best[1] != step:    # the held-out loss rose since: keep the best weights
+        with torch.no_grad():
+            for n, t in model.named_buffers():
+                t.copy_(best[2][n])
     M.round_to_checkpoint(model)
     exported = evaluate(model, held_rows, held, a.length, a.device, a.batch)
     print(json.dumps({"exported_heldout": exported}), flush=True)
@@ -91,7 +99,8 @@ def train(a: argparse.Namespace) -> dict:
     info = {"steps": step, "seconds": seconds, "tokens_seen": step * a.batch * a.length,
             "train_tokens": int(len(train_rows)), "heldout_tokens": int(len(held_rows)),
             "vocab_rows": vocab.rows, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
-            "final": curve[-1] if curve else None, "exported_heldout": exported,
+            "final": curve[-1] if curve else None, "best_step": best[1] if best else step,
+            "exported_heldout": exported,
             "heldout_windows": {"count": len(held), "length": a.length, "starts": held.tolist()}}
     write_artifact(model, vocab, out / "artifact.safetensors", info)
     (out / "report.json").write_text(json.dumps(info, indent=1) + "\n")
@@ -111,6 +120,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--no-qat", action="store_true", help="train the clean numerics (default: the served QAT simulation)")
     ap.add_argument("--vocab-rows", type=int, default=8192, help="embedding/head rows (the last is shared)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-windows", type=int, default=64)
