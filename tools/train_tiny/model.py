@@ -35,6 +35,7 @@ from deepinfer_core.contracts import ModelOps
 from deepinfer_core.model import ForwardBatch, bind_ops, build_model, process_weights
 from deepinfer_core.model.attention import Numerics
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.model.layers import Linear
 from deepinfer_core.model.dummy_weights import fill_dummy_weights
 from deepinfer_core.ops.portable_attention import PortableAttentionBackend
 from deepinfer_core.ops.portable_linear import PortableLinearMethod
@@ -78,19 +79,12 @@ class VocabMap:
 
 
 class QATLinear(PortableLinearMethod):
-    """The portable linear method over a float master weight, rounded in every forward to the
-    checkpoint's storage format with a straight-through gradient."""
+    """The portable linear method over a float master weight, rounded to the checkpoint's storage
+    format (`round_weights`, once per forward) with a straight-through gradient."""
 
     def _weight(self, layer) -> torch.Tensor:
         w = layer.weight
-        with torch.no_grad():
-            if layer.fmt == "fp8":
-                q = dequant_fp8_block(*quantize_fp8_block(w, self.block), self.block, w.dtype)
-            elif layer.fmt == "fp4":
-                q = dequant_fp4(*quantize_fp4(w, 32), 32, w.dtype)
-            else:
-                q = w.to(torch.bfloat16).to(w.dtype)
-        return w + (q - w).detach()
+        return w + (layer.rounded - w).detach()
 
     def _quant_input(self, layer, x: torch.Tensor) -> torch.Tensor:
         if layer.act_quant and self.simulate_qat:
@@ -103,6 +97,30 @@ class QATLinear(PortableLinearMethod):
     def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
         G = x.shape[1]
         return torch.einsum("tgi,goi->tgo", self._quant_input(layer, x), self._weight(layer).view(G, -1, x.shape[-1]))
+
+
+@torch.no_grad()
+def round_weights(model: DeepseekV4Model) -> None:
+    """Every linear's weight rounded to its checkpoint storage (FP8 128x128 blocks, FP4 per 32, bf16)
+    into `layer.rounded`: the linears of one format and shape in one batched call, so a training step
+    launches a few hundred rounding kernels instead of tens of thousands (the step is launch-bound)."""
+    block = tuple(model.cfg.weight_block_size or (128, 128))
+    groups: dict[tuple, list[Linear]] = {}
+    for m in model.modules():
+        if isinstance(m, Linear):
+            groups.setdefault((m.fmt, tuple(m.weight.shape)), []).append(m)
+    for (fmt, (rows, cols)), mods in groups.items():
+        stacked = fmt != "fp8" or rows % block[0] == 0          # FP8 blocks must not straddle two weights
+        for part in ([mods] if stacked else [[m] for m in mods]):
+            w = torch.cat([m.weight.detach() for m in part])
+            if fmt == "fp8":
+                q = dequant_fp8_block(*quantize_fp8_block(w, block), block, w.dtype)
+            elif fmt == "fp4":
+                q = dequant_fp4(*quantize_fp4(w, 32), 32, w.dtype)
+            else:
+                q = w.to(torch.bfloat16).to(w.dtype)
+            for m, r in zip(part, q.split(rows)):
+                m.rounded = r
 
 
 class QATPointwise(PortablePointwise):
@@ -179,6 +197,7 @@ def forward_losses(model: DeepseekV4Model, windows: torch.Tensor) -> tuple[torch
     token t+1, predict token t+2 (rows 0..L-3). Returns (main mean NLL, MTP mean NLL, stats)."""
     B, L = windows.shape
     dev = windows.device
+    round_weights(model)
     states = fresh_states(model, B, L, str(dev))
     ids = windows.reshape(-1)
     positions = torch.arange(L, device=dev).repeat(B)
@@ -205,14 +224,13 @@ def round_to_checkpoint(model: DeepseekV4Model) -> None:
     """Set every trained tensor to the value its checkpoint storage holds (FP8/FP4/bf16 linears as
     the forward already rounds them; bf16-stored norms, embedding and router exactly), so what is
     evaluated after this is what the exported checkpoint computes."""
-    from deepinfer_core.model.layers import Linear
     from deepinfer_core.tools.make_tiny_checkpoint import model_tensor_spec
     spec = model_tensor_spec(dict(model.cfg.raw))
+    round_weights(model)
     linears = {name for name, m in model.named_modules() if isinstance(m, Linear)}
     for name, t in model.named_buffers():
         stem = name.rpartition(".")[0]
         if stem in linears and name.endswith(".weight"):
-            module = model.get_submodule(stem)
-            t.copy_(module.method._weight(module))
+            t.copy_(model.get_submodule(stem).rounded)
         elif t.is_floating_point() and name in spec and spec[name][1] == torch.bfloat16:
             t.copy_(t.to(torch.bfloat16))
