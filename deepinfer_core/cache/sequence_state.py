@@ -112,9 +112,26 @@ class SequenceState:
     table: BlockTable | None = None            # shared by every paged pool
     block_size: int = 128
     grow: Callable[["SequenceState", int], None] | None = None   # self-managed states only
+    backtrack: int = 0                         # the rollback room its rings and tails were sized with
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the tokens at positions >= `num_tokens` (speculative drafts a verification rejected):
+        the state is then exactly the state after position num_tokens - 1 (spec deepseek_v4.md §5.4).
+        Rings and compressor tails are sized window + backtrack and c*ratio + backtrack slots, so the
+        rejected tokens' writes never overwrote an entry a later query reads (visibility is by
+        position); the compressed rows and indexer keys they completed are uncounted here and
+        rewritten when real tokens complete those blocks."""
+        if not self.num_tokens - self.backtrack <= num_tokens <= self.num_tokens:
+            raise ValueError(f"rollback to {num_tokens} tokens from {self.num_tokens}: at most backtrack="
+                             f"{self.backtrack} tokens can be rolled back (DEEPINFER_MAX_BACKTRACKING_TOKENS)")
+        self.num_tokens = num_tokens
+        for layer in self.layers + self.mtp_layers:
+            for cs in (layer.compressor, layer.indexer):
+                if cs is not None:
+                    cs.n_rows = min(cs.n_rows, num_tokens // cs.ratio)
 
     def reserve(self, num_new_tokens: int) -> None:
         """Make sure blocks exist for the next `num_new_tokens` positions (engine-managed states

@@ -185,7 +185,7 @@ class StateCache:
             layers.append(st)
         n = self.layout.num_main_layers
         return SequenceState(layers=layers[:n], mtp_layers=layers[n:], slot=slot, table=table,
-                             block_size=self.layout.block_size)
+                             block_size=self.layout.block_size, backtrack=self.layout.backtrack)
 
     @staticmethod
     def _compressor_state(pools, ratio: int, slot: int, table: BlockTable, fresh: bool) -> CompressorState:
