@@ -35,15 +35,21 @@ from deepinfer_core.contracts import ModelOps
 from deepinfer_core.model import ForwardBatch, bind_ops, build_model, process_weights
 from deepinfer_core.model.attention import Numerics
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
-from deepinfer_core.model.layers import Linear
 from deepinfer_core.model.dummy_weights import fill_dummy_weights
+from deepinfer_core.model.layers import Linear
 from deepinfer_core.ops.portable_attention import PortableAttentionBackend
 from deepinfer_core.ops.portable_linear import PortableLinearMethod
 from deepinfer_core.ops.portable_mhc import PortableMHC
 from deepinfer_core.ops.portable_moe import PortableMoE
 from deepinfer_core.ops.portable_pointwise import PortablePointwise
-from deepinfer_core.ops.quant import (dequant_fp4, dequant_fp8_block, fake_quant_fp8, hadamard_transform,
-                                      quantize_fp4, quantize_fp8_block)
+from deepinfer_core.ops.quant import (
+    dequant_fp4,
+    dequant_fp8_block,
+    fake_quant_fp8,
+    hadamard_transform,
+    quantize_fp4,
+    quantize_fp8_block,
+)
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
 FULL_VOCAB = 129280
