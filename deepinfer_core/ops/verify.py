@@ -87,16 +87,16 @@ def verify(target_logits: torch.Tensor, num_drafts: Sequence[int], draft_ids: to
                                    case=CASE_ACCEPT)
         ok = u * q_x < p_x
     flags = ok.tolist()
-    accepted, end_rows, rejected = [], [], []
+    accepted, end_rows, rejected_at = [], [], {}
     d = 0
     for i, l in enumerate(num_drafts):
         j = next((k for k in range(l) if not flags[d + k]), l)
         accepted.append(j)
         end_rows.append(first[i] + j)
-        rejected.append(j < l)
+        if j < l:
+            rejected_at[i] = d + j                       # the rejected draft's row of draft_probs
         d += l
-    return Verdict(accepted, _extra_tokens(probs, draft_probs, end_rows, rejected, accepted, num_drafts,
-                                           greedy, row_pos, seeds, dev))
+    return Verdict(accepted, _extra_tokens(probs, draft_probs, end_rows, rejected_at, greedy, row_pos, seeds, dev))
 
 
 def _target_probs(logits: torch.Tensor, row_params, greedy: list[bool], row_request: list[int]) -> torch.Tensor:
@@ -114,7 +114,7 @@ def _target_probs(logits: torch.Tensor, row_params, greedy: list[bool], row_requ
     return out
 
 
-def _extra_tokens(probs, draft_probs, end_rows, rejected, accepted, num_drafts, greedy, row_pos, seeds, dev):
+def _extra_tokens(probs, draft_probs, end_rows, rejected_at: dict[int, int], greedy, row_pos, seeds, dev):
     """The token each request adds: the correction at its first rejected draft, else the bonus."""
     rows = to_device(end_rows, torch.long, dev)
     p = probs.index_select(0, rows)
@@ -123,17 +123,14 @@ def _extra_tokens(probs, draft_probs, end_rows, rejected, accepted, num_drafts, 
     if not sampled:
         return out
     dist = p.clone()
-    draft_start = [sum(num_drafts[:i]) for i in range(len(num_drafts))]
-    fix = [i for i in sampled if rejected[i]]
+    fix = [i for i in sampled if i in rejected_at]
     if fix:
-        q = draft_probs.to(torch.float64).index_select(
-            0, to_device([draft_start[i] + accepted[i] for i in fix], torch.long, dev))
+        q = draft_probs.to(torch.float64).index_select(0, to_device([rejected_at[i] for i in fix], torch.long, dev))
         idx = to_device(fix, torch.long, dev)
         residual = (dist.index_select(0, idx) - q).clamp_min(0)
         empty = residual.sum(-1, keepdim=True) <= EMPTY_RESIDUAL
         dist[idx] = torch.where(empty, dist.index_select(0, idx), residual)
-    cases = {CASE_RESAMPLE: [i for i in sampled if rejected[i]], CASE_SAMPLE: [i for i in sampled if not rejected[i]]}
-    for case, reqs in cases.items():
+    for case, reqs in ((CASE_RESAMPLE, fix), (CASE_SAMPLE, [i for i in sampled if i not in rejected_at])):
         if reqs:
             idx = to_device(reqs, torch.long, dev)
             u = counter_uniform_tensor([seeds[i] for i in reqs], [row_pos[end_rows[i]] for i in reqs], dev, case=case)
