@@ -143,9 +143,13 @@ def members(contract: type) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def missing_members(obj: Any, contract: type) -> list[str]:
+    return [n for n in members(contract) if not hasattr(obj, n)]
+
+
 def check_contract(obj: Any, contract: type, what: str) -> Any:
     """`obj` if it has every member of `contract`, else a PluginError naming what is missing."""
-    missing = [n for n in members(contract) if not hasattr(obj, n)]
+    missing = missing_members(obj, contract)
     if missing:
         from .plugins import PluginError
         raise PluginError(f"{what} {type(obj).__module__}.{type(obj).__qualname__} does not implement "

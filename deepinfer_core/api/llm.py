@@ -24,7 +24,7 @@ from typing import Any
 
 from ..cache.block_allocator import BlockAllocator
 from ..cache.budget import CacheRequest
-from ..contracts import EngineRunner, members
+from ..contracts import EngineRunner, missing_members
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine_config import EngineConfig
@@ -125,8 +125,8 @@ class LLM:
         options are those the runner was built with)."""
         if config is not None and options:
             raise TypeError(f"LLM.from_runner: pass config or options, not both (got {sorted(options)})")
-        if not isinstance(runner, EngineRunner):
-            missing = [n for n in members(EngineRunner) if not hasattr(runner, n)]
+        missing = missing_members(runner, EngineRunner)
+        if missing:
             raise TypeError(f"LLM.from_runner: {type(runner).__qualname__} is not a runner: missing "
                             f"{', '.join(missing)} (deepinfer_core/contracts.py EngineRunner)")
         self = cls.__new__(cls)
