@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 
 from deepinfer_core.model.layers import Linear
-from deepinfer_core.ops.quant import quantize_fp4, quantize_fp8_block
 from deepinfer_core.tools.make_tiny_checkpoint import model_tensor_spec
 
-from .model import FULL_VOCAB, VocabMap
+from .model import FULL_VOCAB, VocabMap, storage
 
 
 @torch.no_grad()
@@ -28,19 +27,17 @@ def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
     buffers = dict(model.named_buffers())
     modules = dict(model.named_modules())
     out: dict[str, torch.Tensor] = {}
-    for name, (shape, dtype) in spec.items():
+    block = tuple(model.cfg.weight_block_size or (128, 128))
+    for name, (_, dtype) in spec.items():
         if name in out:
             continue
         stem, _, leaf = name.rpartition(".")
         module = modules.get(stem)
         if isinstance(module, Linear) and leaf == "weight":
-            w = buffers[name].detach().float().cpu()
-            if module.fmt == "fp8":
-                out[name], out[f"{stem}.scale"] = quantize_fp8_block(w, cfg["quantization_config"]["weight_block_size"])
-            elif module.fmt == "fp4":
-                out[name], out[f"{stem}.scale"] = quantize_fp4(w, 32)
-            else:
-                out[name] = w.to(dtype)
+            weight, scale = storage(buffers[name].detach().float().cpu(), module.fmt, block)
+            out[name] = weight
+            if scale is not None:
+                out[f"{stem}.scale"] = scale
         else:
             out[name] = buffers[name].detach().cpu().to(dtype)
     for name, (shape, dtype) in spec.items():

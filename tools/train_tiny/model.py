@@ -119,14 +119,29 @@ def round_weights(model: DeepseekV4Model) -> None:
         stacked = fmt != "fp8" or rows % block[0] == 0          # FP8 blocks must not straddle two weights
         for part in ([mods] if stacked else [[m] for m in mods]):
             w = torch.cat([m.weight.detach() for m in part])
-            if fmt == "fp8":
-                q = dequant_fp8_block(*quantize_fp8_block(w, block), block, w.dtype)
-            elif fmt == "fp4":
-                q = dequant_fp4(*quantize_fp4(w, 32), 32, w.dtype)
-            else:
-                q = w.to(torch.bfloat16).to(w.dtype)
+            q = stored_value(w, fmt, block)
             for m, r in zip(part, q.split(rows)):
                 m.rounded = r
+
+
+def storage(w: torch.Tensor, fmt: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear's weight as the checkpoint stores it: (FP8 + UE8M0 128x128 scales | packed FP4 + per-32
+    scales | bf16, None)."""
+    if fmt == "fp8":
+        return quantize_fp8_block(w, block)
+    if fmt == "fp4":
+        return quantize_fp4(w, 32)
+    return w.to(torch.bfloat16), None
+
+
+def stored_value(w: torch.Tensor, fmt: str, block: tuple[int, int]) -> torch.Tensor:
+    """What the checkpoint's copy of `w` holds, in w's dtype."""
+    weight, scale = storage(w, fmt, block)
+    if fmt == "fp8":
+        return dequant_fp8_block(weight, scale, block, w.dtype)
+    if fmt == "fp4":
+        return dequant_fp4(weight, scale, 32, w.dtype)
+    return weight.to(w.dtype)
 
 
 class QATPointwise(PortablePointwise):
