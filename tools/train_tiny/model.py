@@ -92,9 +92,14 @@ class QATLinear(PortableLinearMethod):
         w = layer.weight
         return w + (layer.rounded - w).detach()
 
+    input_noise = 0.0     # see build(act_noise=...)
+
     def _quant_input(self, layer, x: torch.Tensor) -> torch.Tensor:
         if layer.act_quant and self.simulate_qat:
-            x = x + (fake_quant_fp8(x.detach(), 128) - x).detach()
+            seen = x.detach()
+            if self.input_noise and torch.is_grad_enabled():      # training forwards only
+                seen = seen * (1 + self.input_noise * (2 * torch.rand_like(seen) - 1))
+            x = x + (fake_quant_fp8(seen, 128) - x).detach()
         return x.to(layer.weight.dtype)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
@@ -164,14 +169,23 @@ def training_config(rows: int, **overrides) -> dict:
     return tiny_config_dict(vocab_size=rows, **overrides)
 
 
-def build(cfg_dict: dict, device: str, seed: int, qat: bool = True) -> DeepseekV4Model:
+def build(cfg_dict: dict, device: str, seed: int, qat: bool = True, act_noise: float = 0.0) -> DeepseekV4Model:
     """The engine's model with seeded initial weights (the dummy loader's trained-model magnitudes)
-    and every float weight a float32 leaf that requires grad; `qat`: the served QAT numerics."""
+    and every float weight a float32 leaf that requires grad; `qat`: the served QAT numerics.
+
+    `act_noise` (training forwards only; evaluation computes the served numerics exactly): each FP8
+    activation is rounded from x * (1 + u), u uniform in +-act_noise. Why: served in bf16, the first
+    FP8 activation rounding already sends ~3% of the elements to the neighbouring FP8 value (the bf16
+    rounding crossed a midpoint), and the jumps compound layer by layer: by the last layers about half
+    of the FP8 values differ from a float32 run's (`benchmarks/backend_agreement.py --greedy` says how
+    often greedy tokens then differ). At act_noise 2^-4 (half an e4m3 step) the training forward sees
+    a fresh rounding pattern every step, so the model is trained not to depend on one."""
     cfg = ModelConfig.from_dict(cfg_dict)
     model = build_model(cfg, device=device)
     fill_dummy_weights(model, cfg, seed=seed)
     block = cfg.weight_block_size or (128, 128)
     linear = QATLinear(torch.float32, simulate_qat=qat, block=block)
+    linear.input_noise = act_noise
     ops = ModelOps(linear={f: linear for f in ("bf16", "fp8", "fp4")}, attention=PortableAttentionBackend(),
                    moe=PortableMoE(), mhc=PortableMHC(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps),
                    pointwise=QATPointwise())

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deepinfer_core.ops import portable_attention
+
 from . import model as M
 from .export import write_artifact
 
@@ -48,16 +50,20 @@ def evaluate(model, rows: np.ndarray, starts: np.ndarray, length: int, device: s
 
 def train(a: argparse.Namespace) -> dict:
     torch.manual_seed(a.seed)
-    if a.device.startswith("cuda"):
+    cuda = a.device.startswith("cuda")
+    if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
+    # one attention score tensor per window instead of query chunks: autograd keeps every chunk's
+    # scores for the backward anyway, so chunking saves no memory here, only launches
+    portable_attention.QUERY_CHUNK = max(portable_attention.QUERY_CHUNK, a.length)
     data = np.load(a.corpus)
     vocab = M.VocabMap.most_frequent(data["train"], a.vocab_rows - 1)
     to_row = vocab.row_of_token()
     train_rows, held_rows = to_row[data["train"]], to_row[data["heldout"]]
     cfg = M.training_config(vocab.rows)
-    model = M.build(cfg, a.device, a.seed, qat=not a.no_qat)
+    model = M.build(cfg, a.device, a.seed, qat=not a.no_qat, act_noise=a.act_noise)
     params = M.parameters(model)
-    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
     rng = np.random.default_rng(a.seed)
     held = heldout_starts(len(held_rows), a.length, a.eval_windows)
     curve: list[dict] = []
@@ -85,25 +91,29 @@ def train(a: argparse.Namespace) -> dict:
             print(json.dumps(point), flush=True)
             if best is None or point["heldout"]["main_nll"] < best[0]:
                 best = (point["heldout"]["main_nll"], step, {n: t.detach().clone() for n, t in model.named_buffers()})
-    seconds = round(time.perf_counter() - t0, 1)
-    if best is not None and best[1] != step:    # the held-out loss rose since: keep the best weights
-        with torch.no_grad():
-            for n, t in model.named_buffers():
-                t.copy_(best[2][n])
-    M.round_to_checkpoint(model)
-    exported = evaluate(model, held_rows, held, a.length, a.device, a.batch)
-    print(json.dumps({"exported_heldout": exported}), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "curve.json").write_text(json.dumps(curve, indent=1) + "\n")
-    info = {"steps": step, "seconds": seconds, "tokens_seen": step * a.batch * a.length,
-            "train_tokens": int(len(train_rows)), "heldout_tokens": int(len(held_rows)),
-            "vocab_rows": vocab.rows, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
-            "final": curve[-1] if curve else None, "best_step": best[1] if best else step,
-            "exported_heldout": exported,
-            "heldout_windows": {"count": len(held), "length": a.length, "starts": held.tolist()}}
-    write_artifact(model, vocab, out / "artifact.safetensors", info)
-    (out / "report.json").write_text(json.dumps(info, indent=1) + "\n")
+    run = {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "tokens_seen": step * a.batch * a.length,
+           "train_tokens": int(len(train_rows)), "heldout_tokens": int(len(held_rows)), "vocab_rows": vocab.rows,
+           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+           "final": curve[-1] if curve else None, "best_step": best[1] if best else step,
+           "heldout_windows": {"count": len(held), "length": a.length, "starts": held.tolist()}}
+    info = {}
+    # the last weights first: exporting rounds them in place, and the best ones are restored after
+    for kind in (["last"] if a.export != "best" else []) + (["best"] if a.export != "last" else []):
+        if kind == "best" and best is not None and best[1] != step:
+            with torch.no_grad():
+                for n, t in model.named_buffers():
+                    t.copy_(best[2][n])
+        M.round_to_checkpoint(model)
+        exported = evaluate(model, held_rows, held, a.length, a.device, a.batch)
+        print(json.dumps({f"exported_{kind}_heldout": exported}), flush=True)
+        info = dict(run, exported_step=best[1] if kind == "best" and best else step, exported_heldout=exported)
+        kind_dir = out if a.export != "both" or kind == "best" else out / "last"
+        kind_dir.mkdir(exist_ok=True)
+        write_artifact(model, vocab, kind_dir / "artifact.safetensors", info)
+        (kind_dir / "report.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
 
 
@@ -121,9 +131,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
     ap.add_argument("--no-qat", action="store_true", help="train the clean numerics (default: the served QAT simulation)")
+    ap.add_argument("--act-noise", type=float, default=0.0,
+                    help="relative noise on activations before their FP8 rounding, in training steps (see "
+                         "model.build); 0: none")
     ap.add_argument("--vocab-rows", type=int, default=8192, help="embedding/head rows (the last is shared)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-windows", type=int, default=64)
+    ap.add_argument("--export", choices=("best", "last", "both"), default="best",
+                    help="the weights of the best held-out evaluation, or the last step's (more of the training "
+                         "text memorised: more confident continuations of it, a higher held-out loss), or both "
+                         "(the last ones in OUT_DIR/last/)")
     return ap.parse_args(argv)
 
 
