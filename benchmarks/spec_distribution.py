@@ -1,0 +1,125 @@
+"""Sampled speculative decoding is lossless in distribution (issue 17): the first two tokens of a
+fixed prompt, drawn with MTP speculation over many seeds, follow the target's own distribution.
+
+    python benchmarks/spec_distribution.py [--runs 20000] [--drafts 1]
+
+Bundled trained tiny model, float32, CPU, T=1 (the full softmax). Token 1 comes from the prefill's
+sampler, token 2 from verification (the MTP draft accepted with min(1, p/q), else the correction
+from norm(max(0, p - q))). Expected counts are exact: p(t1) from the prompt's logits, p(t2 | t1) from
+one target forward per distinct t1. Pearson chi-square over the (t1, t2) cells with an expected count
+of at least 5 (the rest pooled into one cell); the test passes at significance 0.01. A control run
+with a broken verifier that accepts every draft (so token 2 follows the drafter, not the target)
+shows the test can fail. Writes benchmarks/results/spec_distribution_cpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from deepinfer_core import SamplingParams
+from deepinfer_core.api.tokenizer import load_tokenizer
+from deepinfer_core.cache.budget import CacheRequest
+from deepinfer_core.runner.model_runner import ModelRunner
+from deepinfer_core.speculative import reference_loop
+from deepinfer_core.speculative.reference_loop import speculative_generate
+from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
+
+PROMPT = "HAMLET.\nTo be, or not to be,"
+SIGNIFICANCE = 0.01
+
+
+def chi_square(counts: Counter, expected: dict, total: int) -> dict:
+    """Pearson chi-square of observed `counts` against expected probabilities (cells with an expected
+    count under 5 pooled); p-value from the regularised upper incomplete gamma function."""
+    big = {c: p * total for c, p in expected.items() if p * total >= 5}
+    rest_exp = total - sum(big.values())
+    rest_obs = total - sum(counts[c] for c in big)
+    stat = sum((counts[c] - e) ** 2 / e for c, e in big.items())
+    cells = len(big)
+    if rest_exp >= 5:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+        cells += 1
+    df = cells - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                            torch.tensor(stat / 2, dtype=torch.float64)))
+    return dict(chi2=stat, df=df, p_value=p_value, passes=p_value > SIGNIFICANCE)
+
+
+def draw(runner, prompt: list[int], runs: int, k: int, batch: int) -> Counter:
+    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    pairs: Counter = Counter()
+    for first in range(0, runs, batch):
+        n = min(batch, runs - first)
+        res = speculative_generate(runner, [prompt] * n, [params] * n, k, seeds=list(range(first, first + n)))
+        pairs.update(tuple(t) for t in res.token_ids)
+    return pairs
+
+
+@torch.no_grad()
+def target_probs(runner, ids: list[int]) -> torch.Tensor:
+    """The target's next-token distribution after `ids` (T=1: the plain softmax), float64."""
+    st = runner.new_sequence()
+    try:
+        return torch.softmax(runner.forward(st, ids).double(), -1)[0]
+    finally:
+        runner.release(st)
+
+
+def exact(runner, prompt: list[int], firsts: list[int]) -> dict:
+    """p(t1, t2) for every t1 in `firsts` and every t2 that could reach an expected count."""
+    p1 = target_probs(runner, prompt)
+    out = {}
+    for t1 in firsts:
+        p = p1[t1] * target_probs(runner, prompt + [t1])
+        out.update({(t1, t2): float(p[t2]) for t2 in torch.nonzero(p >= 1e-9).flatten().tolist()})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=20000)
+    ap.add_argument("--drafts", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=250)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_trained_checkpoint(Path(tmp) / "ckpt", ARTIFACT)
+        prompt = load_tokenizer(ckpt).encode(PROMPT)
+        runner = ModelRunner(str(ckpt), dtype="float32", device="cpu", max_backtracking_tokens=a.drafts + 1)
+        runner.allocate_cache(CacheRequest(num_slots=a.batch + 2, num_blocks=a.batch + 4))
+        t0 = time.perf_counter()
+        spec = draw(runner, prompt, a.runs, a.drafts, a.batch)
+        seconds = time.perf_counter() - t0
+        original = reference_loop.verify
+
+        def accept_everything(target_logits, num_drafts, draft_ids, *args):
+            verdict = original(target_logits, num_drafts, draft_ids, *args)
+            k = num_drafts[0]
+            verdict.accepted = [k] * len(num_drafts)      # broken on purpose: every draft passes
+            return verdict
+
+        reference_loop.verify = accept_everything
+        try:
+            broken = draw(runner, prompt, a.runs, a.drafts, a.batch)
+        finally:
+            reference_loop.verify = original
+        truth = exact(runner, prompt, sorted({t1 for t1, _ in spec} | {t1 for t1, _ in broken}))
+        verify_all = chi_square(broken, truth, a.runs)
+        result = chi_square(spec, truth, a.runs)
+    rows = {"speculative (MTP-%d)" % a.drafts: result, "control: a verifier that accepts every draft": verify_all}
+    for name, r in rows.items():
+        print(f"{name:46} chi2 {r['chi2']:9.1f}  df {r['df']:4d}  p {r['p_value']:.3g}  "
+              f"{'matches the target' if r['passes'] else 'differs from the target'} (significance {SIGNIFICANCE})")
+    out = Path(__file__).parent / "results" / "spec_distribution_cpu.json"
+    out.write_text(json.dumps(dict(prompt=PROMPT, runs=a.runs, drafts=a.drafts, temperature=1.0,
+                                   significance=SIGNIFICANCE, seconds=round(seconds, 1), rows=rows), indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
