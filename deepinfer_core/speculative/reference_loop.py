@@ -78,6 +78,7 @@ def speculative_generate(runner, prompts: Sequence[Sequence[int]], params: Seque
             out[i].append(t)
         drafts = drafter.propose(logits, streams, states, [len(p) - 1 for p in prompts], params, seeds)
         live = [i for i in range(len(prompts)) if not _done(out[i], params[i], eos_token_id)]
+        anchors, drafts = _select(anchors, drafts, live)
         while live:
             anchors, drafts, live = _verify_step(runner, drafter, live, states, anchors, drafts, params, seeds,
                                                  out, stats, eos_token_id)
@@ -123,11 +124,14 @@ def _verify_step(runner, drafter: MTPDrafter, live: list[int], states, anchors: 
             stats.accepted_at[a] += 1
     new_drafts = drafter.propose(logits, streams, sts, [s + j for s, j in zip(starts, verdict.accepted)], pr, sd)
     keep = [n for n, i in enumerate(live) if not _done(out[i], params[i], eos_token_id)]
-    idx = torch.tensor(keep, dtype=torch.long, device=dev)
-    return (verdict.tokens.index_select(0, idx),
-            Drafts(new_drafts.ids.index_select(0, idx),
-                   None if new_drafts.probs is None else new_drafts.probs.index_select(0, idx)),
-            [live[n] for n in keep])
+    return *_select(verdict.tokens, new_drafts, keep), [live[n] for n in keep]
+
+
+def _select(anchors: torch.Tensor, drafts: Drafts, rows: list[int]) -> tuple[torch.Tensor, Drafts]:
+    """The anchors and drafts of the requests still generating (`rows` of the current ones)."""
+    idx = torch.tensor(rows, dtype=torch.long, device=anchors.device)
+    probs = None if drafts.probs is None else drafts.probs.index_select(0, idx)
+    return anchors.index_select(0, idx), Drafts(drafts.ids.index_select(0, idx), probs)
 
 
 def _done(tokens: list[int], p: SamplingParams, eos_token_id: int | None) -> bool:

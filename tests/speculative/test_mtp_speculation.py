@@ -114,6 +114,16 @@ def test_every_draft_is_what_a_fresh_mtp_pass_proposes(runner, prompts_and_refer
         assert mine and all(fresh[p - 2] == t for p, t in mine), r
 
 
+def test_requests_end_at_their_own_lengths(runner, prompts_and_reference):
+    """max_tokens 1 (done after the prefill), 2 and 5 in one batch: each stops where
+    non-speculative decoding would, with the same tokens."""
+    prompts, reference = prompts_and_reference
+    lengths = [1, 2, 5]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    result = speculative_generate(runner, prompts[:3], params, 3)
+    assert result.token_ids == [reference[i][:n] for i, n in enumerate(lengths)]
+
+
 def test_the_trained_mtp_block_drafts_acceptable_tokens(runner, prompts_and_reference):
     prompts, _ = prompts_and_reference
     stats = speculative_generate(runner, prompts, [GREEDY] * len(prompts), 1).stats
