@@ -99,21 +99,16 @@ def train(a: argparse.Namespace) -> dict:
            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
            "final": curve[-1] if curve else None, "best_step": best[1] if best else step,
            "heldout_windows": {"count": len(held), "length": a.length, "starts": held.tolist()}}
-    info = {}
-    # the last weights first: exporting rounds them in place, and the best ones are restored after
-    for kind in (["last"] if a.export != "best" else []) + (["best"] if a.export != "last" else []):
-        if kind == "best" and best is not None and best[1] != step:
-            with torch.no_grad():
-                for n, t in model.named_buffers():
-                    t.copy_(best[2][n])
-        M.round_to_checkpoint(model)
-        exported = evaluate(model, held_rows, held, a.length, a.device, a.batch)
-        print(json.dumps({f"exported_{kind}_heldout": exported}), flush=True)
-        info = dict(run, exported_step=best[1] if kind == "best" and best else step, exported_heldout=exported)
-        kind_dir = out if a.export != "both" or kind == "best" else out / "last"
-        kind_dir.mkdir(exist_ok=True)
-        write_artifact(model, vocab, kind_dir / "artifact.safetensors", info)
-        (kind_dir / "report.json").write_text(json.dumps(info, indent=1) + "\n")
+    if best is not None and best[1] != step:    # the held-out loss rose since: keep the best weights
+        with torch.no_grad():
+            for n, t in model.named_buffers():
+                t.copy_(best[2][n])
+    M.round_to_checkpoint(model)
+    exported = evaluate(model, held_rows, held, a.length, a.device, a.batch)
+    print(json.dumps({"exported_heldout": exported}), flush=True)
+    info = dict(run, exported_step=best[1] if best else step, exported_heldout=exported)
+    write_artifact(model, vocab, out / "artifact.safetensors", info)
+    (out / "report.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
 
 
@@ -137,10 +132,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab-rows", type=int, default=8192, help="embedding/head rows (the last is shared)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-windows", type=int, default=64)
-    ap.add_argument("--export", choices=("best", "last", "both"), default="best",
-                    help="the weights of the best held-out evaluation, or the last step's (more of the training "
-                         "text memorised: more confident continuations of it, a higher held-out loss), or both "
-                         "(the last ones in OUT_DIR/last/)")
     return ap.parse_args(argv)
 
 
