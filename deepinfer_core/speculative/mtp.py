@@ -16,7 +16,7 @@ depend on the batch. Verification needs q (ops/verify.py): greedy requests get o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ class MTPDrafter:
                 rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP block over every row of a target forward (`batch`, its final `streams`; `next_ids[t]`:
         the token after row t). Returns the MTP logits and output streams of `rows`."""
-        logits, u = self.model.mtp_step(streams, next_ids, _with_rows(batch, rows))
+        logits, u = self.model.mtp_step(streams, next_ids, replace(batch, logits_rows=rows, backend_meta={}))
         return logits, u.index_select(0, rows)
 
     def propose(self, logits: torch.Tensor, streams: torch.Tensor, batch_states: list, last_positions: Sequence[int],
@@ -73,11 +73,6 @@ class MTPDrafter:
                                  torch.arange(n, device=dev))
             logits, streams = self.model.mtp_step(streams, tok, batch)
         return Drafts(torch.stack(ids, 1), None if greedy else torch.stack(probs, 1))
-
-
-def _with_rows(batch: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
-    return ForwardBatch(batch.input_ids, batch.positions, batch.starts, batch.lens, batch.states, rows,
-                        slot_ids=batch.slot_ids, slot_tables=batch.slot_tables)
 
 
 def _draw(logits: torch.Tensor, params: Sequence[Any], positions: list[int], seeds: Sequence[int],

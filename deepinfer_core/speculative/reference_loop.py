@@ -11,7 +11,7 @@ at t + 1) to draft the next step's k tokens from the last committed row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,10 +26,9 @@ from .mtp import Drafts, MTPDrafter
 class SpecStats:
     """Acceptance counts over every verify step of every request."""
 
-    num_drafts: int
+    accepted_at: list[int]          # [k]: verify steps that accepted draft i (0-based)
     steps: int = 0                  # verify steps (one per request per step)
     accepted: int = 0               # drafts accepted
-    accepted_at: list[int] = field(default_factory=list)   # [k]: steps that accepted draft i (0-based)
 
     @property
     def acceptance_length(self) -> float:
@@ -61,7 +60,7 @@ def speculative_generate(runner, prompts: Sequence[Sequence[int]], params: Seque
     seeds = list(seeds) if seeds is not None else [0] * len(prompts)
     states = [runner.new_sequence() for _ in prompts]
     out: list[list[int]] = [[] for _ in prompts]
-    stats = SpecStats(num_drafts, accepted_at=[0] * num_drafts)
+    stats = SpecStats(accepted_at=[0] * num_drafts)
     try:
         # prefill: the first token from the target, then the MTP block over every prompt row
         for st, p in zip(states, prompts):
