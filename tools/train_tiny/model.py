@@ -177,8 +177,8 @@ def build(cfg_dict: dict, device: str, seed: int, qat: bool = True, act_noise: f
     activation is rounded from x * (1 + u), u uniform in +-act_noise. Why: served in bf16, the first
     FP8 activation rounding already sends ~3% of the elements to the neighbouring FP8 value (the bf16
     rounding crossed a midpoint), and the jumps compound layer by layer: by the last layers about half
-    of the FP8 values differ from a float32 run's (`benchmarks/backend_agreement.py --greedy` says how
-    often greedy tokens then differ). At act_noise 2^-4 (half an e4m3 step) the training forward sees
+    of the FP8 values differ from a float32 run's (`benchmarks/qat_divergence.py`; `backend_agreement.py
+    --greedy` says how often greedy tokens then differ). At act_noise 2^-4 (half an e4m3 step) the training forward sees
     a fresh rounding pattern every step, so the model is trained not to depend on one."""
     cfg = ModelConfig.from_dict(cfg_dict)
     model = build_model(cfg, device=device)
