@@ -53,7 +53,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 res = speculative_generate(runner, prompts, [params] * len(prompts), k, seeds=list(range(len(prompts))))
                 row = dict(drafter=f"MTP-{k}", sampling=name, tau=res.stats.acceptance_length,
-                           per_position=res.stats.per_position(), verify_steps=res.stats.steps,
+                           per_position=res.stats.per_position(), verify_steps=res.stats.num_steps,
                            seconds=round(time.perf_counter() - t0, 1))
                 if name == "greedy":
                     row["identical_to_non_speculative"] = sum(x == y for x, y in zip(res.token_ids, reference))

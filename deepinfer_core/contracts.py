@@ -195,3 +195,7 @@ class EngineRunner(StepRunner, Protocol):
     def allocate_cache(self, request: Any) -> Any:
         """Size the state cache for a CacheRequest (again only when it changed); the result has
         `.allocator` (cache/block_allocator.py BlockAllocator)."""
+
+    def make_speculator(self) -> Any:
+        """A speculative/engine_step.Speculator when the runner drafts (num_speculative_tokens > 0),
+        else None."""

@@ -29,6 +29,7 @@ README_END = "<!-- options:end -->"
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 LOAD_FORMATS = ("auto", "dummy")
 _TABLE_DEFAULTS = Settings()        # the env table's defaults (no environment read)
+DEFAULT_NUM_DRAFTS = _TABLE_DEFAULTS.use_nextn_decode    # DS-DeepInfer's gamma, for checkpoints that draft
 
 
 # ---- validation rules -------------------------------------------------------------------------------
@@ -90,7 +91,8 @@ BOOL = Rule("True, False", lambda v: isinstance(v, bool))
 UTILIZATION = Rule("a number in (0, 1]", lambda v: not isinstance(v, bool) and isinstance(v, (int, float))
                    and 0 < v <= 1, float)
 SINGLE_GPU = "multi-GPU is not implemented yet"
-NO_SPECULATIVE = "speculative decoding is not implemented yet"
+NO_SPECULATIVE = "use num_speculative_tokens (DEEPINFER_USE_NEXTN_DECODE): MTP drafts are the only method yet"
+NO_VARLEN = "confidence-scheduled verification is not implemented yet"
 
 
 def validate_utilization(value: Any) -> float:
@@ -100,6 +102,13 @@ def validate_utilization(value: Any) -> float:
 
 def _opt(default: Any, doc: str, rule: Rule) -> Any:
     return field(default=default, metadata={"doc": doc, "rule": rule, "env": None, "setting": None})
+
+
+def _env_if_set(env: str, doc: str, rule: Rule) -> Any:
+    """A field filled from `env` only when that variable is set; None otherwise (the default then
+    depends on something resolved later, e.g. the checkpoint)."""
+    return field(default=None, metadata={"doc": doc, "rule": rule, "env": None, "env_if_set": env,
+                                         "setting": field_name(env)})
 
 
 def _env(env: str, doc: str, rule: Rule | None = None, setting: str | None = None) -> Any:
@@ -202,14 +211,19 @@ class ParallelOptions(_Section):
 
 @dataclass(frozen=True)
 class SpeculativeOptions(_Section):
-    """Speculative decoding is not implemented yet (nothing drafts): only the off values. When it lands,
-    batch invariance must refuse enable_mtp_varlen (the draft length would follow the load)."""
+    """Speculative decoding with the checkpoint's MTP block as the drafter (static gamma). Batch
+    invariance must refuse enable_mtp_varlen when it lands (the draft length would follow the load)."""
 
+    num_speculative_tokens: int | None = _env_if_set(
+        "DEEPINFER_USE_NEXTN_DECODE", "draft tokens verified per request per step (gamma, MTP-gamma); 0 = "
+        "no speculation", Rule("an int >= 0, or None (= DEEPINFER_USE_NEXTN_DECODE when set, else "
+                               f"{DEFAULT_NUM_DRAFTS} when the checkpoint has mtp.* tensors, else 0)",
+                               lambda v: v is None or (_is_int(v) and v >= 0)))
     speculative_config: dict[str, Any] | None = _opt(None, "vLLM's speculative-decoding settings",
                                                      _only(None, NO_SPECULATIVE))
     enable_mtp_varlen: bool = _env("DEEPINFER_ENABLE_MTP_VARLEN", "confidence-scheduled variable-length "
                                    "verification of draft tokens",
-                                   _only(False, NO_SPECULATIVE + "; unset DEEPINFER_ENABLE_MTP_VARLEN"))
+                                   _only(False, NO_VARLEN + "; unset DEEPINFER_ENABLE_MTP_VARLEN"))
 
 
 @dataclass(frozen=True)
@@ -283,6 +297,11 @@ class EngineConfig(_Section):
         if self.cache.kv_cache_dtype == "fp8" and self.model.dtype != "bfloat16":
             raise ValueError(f"kv_cache_dtype='fp8' needs dtype='bfloat16' (the RoPE dims stay bf16), "
                              f"got dtype={self.model.dtype!r}")
+        drafts = self.speculative.num_speculative_tokens
+        if drafts is not None and drafts + 1 > self.cache.max_backtracking_tokens:
+            raise ValueError(f"num_speculative_tokens={drafts} (DEEPINFER_USE_NEXTN_DECODE) needs "
+                             f"max_backtracking_tokens >= {drafts + 1} (DEEPINFER_MAX_BACKTRACKING_TOKENS): a "
+                             f"verify step may roll back that many tokens; got {self.cache.max_backtracking_tokens}")
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":
@@ -305,10 +324,17 @@ class EngineConfig(_Section):
             value = options.get(name)
             if f.metadata["env"] is not None and value is None:
                 value = getattr(settings, f.metadata["setting"])
+            elif value is None and os.environ.get(f.metadata.get("env_if_set") or "", "").strip():
+                value = getattr(settings, f.metadata["setting"])
             elif name not in options:
                 continue
             parts.setdefault(section, {})[name] = value
         top = parts.pop(None, {})
+        drafts = parts["speculative"].get("num_speculative_tokens")
+        if drafts is not None and options.get("max_backtracking_tokens") is None:
+            # the room the env table reserves follows DEEPINFER_USE_NEXTN_DECODE; an option's gamma too
+            cache = parts["cache"]
+            cache["max_backtracking_tokens"] = max(cache["max_backtracking_tokens"], drafts + 1)
         return cls(**{s: cls_(**parts.get(s, {})) for s, cls_ in SECTIONS.items()}, **top)
 
     def as_options(self) -> dict[str, Any]:

@@ -76,6 +76,11 @@ def _audit_reads(event: str, args: tuple) -> None:
 
 def pytest_configure(config) -> None:
     sys.addaudithook(_audit_reads)
+    # Speculation is on by default for checkpoints that carry an MTP block (DS-DeepInfer's gamma = 5).
+    # The suite's tiny random models accept no draft, so MTP-5 would only multiply every decode
+    # step's work: tests decode without it unless they ask for it (tests/speculative) or set the
+    # variable themselves; tests/speculative/test_engine_speculation.py checks the default.
+    os.environ.setdefault("DEEPINFER_USE_NEXTN_DECODE", "0")
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

@@ -291,7 +291,8 @@ class LLM:
             engine = self._engine = Engine(
                 self.runner, self.sampler, Scheduler(cfg, allocator), self.tokenizer,
                 max_model_len=self.config.model.max_model_len, async_scheduling=sched.async_scheduling,
-                seed=self.config.model.seed, logits_processors=self.logits_processors)
+                seed=self.config.model.seed, logits_processors=self.logits_processors,
+                speculator=self.runner.make_speculator())
         return engine
 
 

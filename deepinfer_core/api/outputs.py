@@ -36,6 +36,36 @@ class CompletionOutput:
 
 
 @dataclass
+class SpecMetrics:
+    """Speculative decoding counts: one request's (all its completions) or the engine's (all requests)."""
+
+    num_steps: int = 0                 # verify steps
+    num_drafted_tokens: int = 0        # drafts the drafter proposed
+    num_verified_tokens: int = 0       # drafts the target verified (fewer near max_tokens or min_tokens)
+    num_accepted_tokens: int = 0       # drafts accepted
+    accepted_per_position: list[int] = field(default_factory=list)   # [i]: steps that accepted draft i
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """tau: tokens committed per verify step (the accepted drafts + the one verification adds)."""
+        return (self.num_accepted_tokens + self.num_steps) / self.num_steps if self.num_steps else None
+
+    def per_position(self) -> list[float]:
+        """The fraction of verify steps that accepted draft i."""
+        return [a / max(self.num_steps, 1) for a in self.accepted_per_position]
+
+    def record(self, verified: int, accepted: int) -> None:
+        """One verify step of `verified` drafts that accepted the first `accepted`."""
+        self.num_steps += 1
+        self.num_verified_tokens += verified
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < verified:
+            self.accepted_per_position.extend([0] * (verified - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+
+@dataclass
 class RequestMetrics:
     """Wall-clock timestamps (time.time()) of one request's life."""
 
@@ -44,6 +74,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)   # one per generated token, all completions
+    spec: SpecMetrics | None = None    # speculative decoding counts (None: the request did not draft)
 
     @property
     def time_to_first_token(self) -> float | None:

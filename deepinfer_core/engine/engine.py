@@ -12,16 +12,21 @@ N+1; that extra token is dropped. A sequence whose grammar needs its last token 
 one step instead of stalling the others. Tokens come from the counter-based RNG keyed by
 (seed, position), so the outputs are the same with the overlap on or off.
 
+Speculative decoding (a `speculator`, speculative/engine_step.py): steps run synchronously (the next
+step's positions depend on how many drafts this one accepted); a verify step appends the accepted
+drafts and the token verification adds, stopping at the first stop, as decoding them one by one would.
+
 Requests may be added and aborted between any two steps; an abort frees the request's slots and
 blocks at once (a token of it still in flight is dropped when it lands).
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..api.outputs import RequestMetrics, RequestOutput
+from ..api.outputs import RequestMetrics, RequestOutput, SpecMetrics
 from ..api.sampling_params import SamplingParams
 from ..contracts import StepRunner, TokenSampler
 from ..ops.sampler import mix_seed
@@ -31,6 +36,7 @@ from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Request, SeqStatus, Sequence
 from .step_executor import HostLogprobs, InFlight, StepExecutor
 
+log = logging.getLogger(__name__)
 CONSTRAINT_POLL_SECONDS = 0.05     # nothing to run but grammars compiling: wait this long per step
 
 
@@ -50,15 +56,19 @@ class _Tracked:
 class Engine:
     def __init__(self, runner: StepRunner, sampler: TokenSampler, scheduler: Scheduler, tokenizer: Any, *,
                  max_model_len: int, async_scheduling: bool, seed: int = 0,
-                 logits_processors: list | None = None):
+                 logits_processors: list | None = None, speculator: Any = None):
         cfg = runner.model_config
         self.scheduler, self.tokenizer = scheduler, tokenizer
         self.eos_token_id, self.vocab_size = cfg.eos_token_id, int(cfg.vocab_size)
         self.max_model_len, self.seed = max_model_len, seed
-        self.async_scheduling = bool(async_scheduling)
+        if async_scheduling and speculator is not None:
+            log.info("speculative decoding: steps run synchronously (async scheduling of verify steps "
+                     "is not implemented yet)")
+        self.async_scheduling = bool(async_scheduling) and speculator is None
         self.logits_processors = list(logits_processors or [])
         self.executor = StepExecutor(runner, sampler, self.eos_token_id, self.vocab_size,
-                                     scheduler.blocks.allocator.num_slots)
+                                     scheduler.blocks.allocator.num_slots, speculator)
+        self.spec_metrics = SpecMetrics() if speculator is not None else None   # over every request
         self._requests: dict[str, _Tracked] = {}
         self._in_flight: InFlight | None = None
         self._touched: dict[str, _Tracked] = {}       # requests with news for the next step() result
@@ -253,6 +263,45 @@ class Engine:
                     self._finished(tracked, seq)
             elif req.stream and req.request_id in requests:
                 touched[req.request_id] = requests[req.request_id]
+        if step.spec is not None:
+            self._process_speculation(step.spec, now)
+
+    def _process_speculation(self, spec, now: float) -> None:
+        """Verified chunks: back to the accepted prefix, then append the accepted drafts and the added
+        token (up to a stop); then every drafting sequence's next drafts."""
+        for c, j, tok in zip(spec.verified, spec.accepted, spec.tokens.tolist() if spec.verified else ()):
+            seq = c.seq
+            seq.num_pending -= 1
+            if seq.status is SeqStatus.FINISHED:
+                self.num_dropped_tokens += 1 + j
+                continue
+            seq.num_computed = c.start + 1 + j
+            req = seq.request
+            for metrics in (self._spec_metrics(req), self.spec_metrics):
+                metrics.record(c.num_drafts, j)
+            stopped = False
+            for t in seq.draft_ids[:j] + [tok]:
+                req.metrics.token_times.append(now)
+                stopped = append_token(seq, t)
+                if stopped:
+                    break
+            tracked = self._requests.get(req.request_id)
+            if stopped and tracked is not None:
+                self.scheduler.finish(seq)
+                self._finished(tracked, seq)
+            elif req.stream and tracked is not None:
+                self._touched[req.request_id] = tracked
+        for seq, ids in zip(spec.draft_seqs, spec.drafts.tolist() if spec.draft_seqs else ()):
+            if not seq.finished:
+                seq.draft_ids = ids
+                for metrics in (self._spec_metrics(seq.request), self.spec_metrics):
+                    metrics.num_drafted_tokens += len(ids)
+
+    @staticmethod
+    def _spec_metrics(req: Request) -> SpecMetrics:
+        if req.metrics.spec is None:
+            req.metrics.spec = SpecMetrics()
+        return req.metrics.spec
 
     def _finished(self, tracked: _Tracked, seq: Sequence) -> None:
         finalize_text(seq, self.tokenizer)

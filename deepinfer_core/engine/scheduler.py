@@ -34,6 +34,7 @@ class ScheduledChunk:
     start: int                             # first position fed this step
     num_tokens: int
     samples: bool                          # reaches the last token, so its last row samples a new one
+    num_drafts: int = 0                    # a verify chunk: [last token, its first num_drafts drafts]
 
 
 @dataclass
@@ -167,6 +168,9 @@ class Scheduler:
             n = min(seq.num_tokens + pending - start, budget)
             if n <= 0:
                 continue
+            samples = start + n == seq.num_tokens + pending
+            drafts = self._num_drafts(seq, budget) if seq.draft_ids and n == 1 else 0
+            n += drafts
             if start + n > len(seq.block_ids) * block_size:
                 while not self.blocks.can_hold(seq, start + n):
                     victim = next(reversed(self.running.values()))
@@ -176,13 +180,20 @@ class Scheduler:
                 if seq.status is not SeqStatus.RUNNING:
                     continue
                 self.blocks.hold(seq, start + n)
-            samples = start + n == seq.num_tokens + pending
-            chunks.append(ScheduledChunk(seq, start, n, samples))
+            chunks.append(ScheduledChunk(seq, start, n, samples, drafts))
             seq.num_computed = start + n
             if samples:
                 seq.num_pending = pending + 1
             budget -= n
         return budget
+
+    @staticmethod
+    def _num_drafts(seq: Sequence, budget: int) -> int:
+        """Drafts to verify with the last token: all it holds, but none past max_tokens (a verify step
+        adds accepted + 1 tokens) or the budget, and none before min_tokens are out."""
+        if len(seq.token_ids) < seq.min_tokens:
+            return 0
+        return max(0, min(len(seq.draft_ids), seq.max_tokens - len(seq.token_ids) - 1, budget - 1))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Waiting sequences in order while the budget, the slots and the blocks allow; admission
@@ -224,6 +235,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.blocks.free(seq)
         del self.running[seq.seq_id]
-        seq.status, seq.num_computed = SeqStatus.WAITING, 0
+        seq.status, seq.num_computed, seq.draft_ids = SeqStatus.WAITING, 0, []
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

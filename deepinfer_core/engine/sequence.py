@@ -49,6 +49,7 @@ class Sequence:
     num_pending: int = 0                  # tokens being sampled by steps not yet post-processed
     slot: int = -1                        # state slot while resident (-1: none)
     block_ids: list[int] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)   # drafts for the next verify step (speculation)
     # ---- output (the output processor's) ----
     token_ids: list[int] = field(default_factory=list)
     text: str = ""

@@ -20,7 +20,7 @@ import torch
 from ..contracts import StepRunner, TokenSampler
 from ..ops.penalties import PenaltyState
 from ..ops.sampler import compute_logprobs
-from ..ops.transfer import to_device
+from ..ops.transfer import to_device, to_host
 from .scheduler import CacheUpdates, ScheduledChunk
 
 
@@ -57,6 +57,7 @@ class InFlight:
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)   # chunk index -> host tensors
     event: Any = None                      # torch.cuda.Event after the copies, or None (CPU)
     masked: bool = False                   # constraint masks were copied from the host this step
+    spec: Any = None                       # speculative/engine_step.SpecOutcome when speculating
 
     def wait(self) -> None:
         if self.event is not None:
@@ -77,23 +78,19 @@ def _on_cpu_worker(fn, *args):
     return _cpu_worker.submit(fn, *args).result()
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cpu":
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
-
-
 def _has_penalties(p) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 class StepExecutor:
-    def __init__(self, runner: StepRunner, sampler: TokenSampler, eos_token_id: int | None, vocab_size: int, num_slots: int):
+    def __init__(self, runner: StepRunner, sampler: TokenSampler, eos_token_id: int | None, vocab_size: int, num_slots: int,
+                 speculator: Any = None):
+        """`speculator`: a speculative/engine_step.Speculator when the engine drafts (its steps then
+        run the forward with the streams the drafter reads)."""
         self.runner, self.sampler, self.eos_token_id = runner, sampler, eos_token_id
         self.device = torch.device(runner.device)
         self.penalties = PenaltyState(num_slots, vocab_size, self.device)
+        self.speculator = speculator
 
     # ---- launch --------------------------------------------------------------------------------
     def launch(self, chunks: list[ScheduledChunk], updates: CacheUpdates,
@@ -110,29 +107,41 @@ class StepExecutor:
         if fresh:      # (re)started sequences: their counts from the outputs they already have
             self.penalties.start([s.slot for s in fresh], [s.prompt_ids for s in fresh],
                                  [s.token_ids for s in fresh])
-        logits = self.runner.execute(batch)
+        spec = self.speculator
+        if spec is None:
+            logits = self.runner.execute(batch)
+        else:
+            logits, streams, fb = self.runner.execute_with_streams(batch)
+            sampled = [c for c in sampled if not c.num_drafts]      # verify chunks: the speculator's
         step = InFlight(chunks, sampled, None, None)
         row = 0
-        sample_rows = []
+        sample_rows, logit_starts = [], []
         for i, c in enumerate(chunks):
-            if i in prompt_lp:
+            logit_starts.append(row)
+            if c.num_drafts:
+                row += c.num_tokens
+            elif i in prompt_lp:
                 n = c.num_tokens
                 targets = c.seq.prompt_ids[c.start + 1:c.start + n + 1]
                 k = c.seq.request.params.prompt_logprobs
                 t = to_device(targets, torch.long, logits.device)
                 res = compute_logprobs(logits[row:row + len(targets)], k, t)
-                step.prompt_logprobs[i] = tuple(_to_host(x) for x in (res.top_logprobs, res.top_ids,
-                                                                      res.sampled_logprobs, res.sampled_ranks))
+                step.prompt_logprobs[i] = tuple(to_host(x) for x in (res.top_logprobs, res.top_ids,
+                                                                     res.sampled_logprobs, res.sampled_ranks))
                 row += n
                 if c.samples:
                     sample_rows.append(row - 1)
             elif c.samples:
                 sample_rows.append(row)
                 row += 1
+        tokens = None
         if sampled:
+            plain = logits
             if len(sample_rows) != logits.shape[0]:
-                logits = logits.index_select(0, to_device(sample_rows, torch.long, logits.device))
-            self._sample(logits, step, previous)
+                plain = logits.index_select(0, to_device(sample_rows, torch.long, logits.device))
+            tokens = self._sample(plain, step, previous)
+        if spec is not None:
+            step.spec = spec.run(logits, streams, fb, chunks, logit_starts, tokens, self.runner.last_token)
         if self.device.type == "cuda":
             step.event = torch.cuda.Event()
             step.event.record()
@@ -147,6 +156,14 @@ class StepExecutor:
         for i, c in enumerate(chunks):
             seq, start, n = c.seq, c.start, c.num_tokens
             end, known = start + n, seq.num_tokens
+            if c.num_drafts:                       # verify: the last token, its drafts; every row's logits
+                ids.extend(seq.token_slice(start, start + 1) + seq.draft_ids[:c.num_drafts])
+                rows.extend(range(len(ids) - n, len(ids)))
+                sampled.append(c)
+                slots.append(seq.slot)
+                starts.append(start)
+                lens.append(n)
+                continue
             if known >= end:
                 ids.extend(seq.token_slice(start, end))
             else:                                  # its newest token is still on the device
@@ -180,7 +197,7 @@ class StepExecutor:
         pending = any([i < 0 for i in ids])
         return StepBatch(slots, starts, [1] * len(chunks), ids, list(range(len(chunks))), updates, pending)
 
-    def _sample(self, logits: torch.Tensor, step: InFlight, previous: InFlight | None) -> None:
+    def _sample(self, logits: torch.Tensor, step: InFlight, previous: InFlight | None) -> torch.Tensor:
         sampled = step.sampled
         # comprehensions, not one loop with appends: this runs for every row at every step
         seqs = [c.seq for c in sampled]
@@ -208,7 +225,7 @@ class StepExecutor:
         tokens = self.sampler.sample(proc, params, positions, seeds)
         self.runner.last_token.index_copy_(0, slots_t, tokens)
         self.penalties.add(slots_t, tokens)
-        step.tokens = _to_host(tokens)
+        step.tokens = to_host(tokens)
         if want_lp:
             want = [i for i, p in enumerate(params) if p.logprobs is not None]
             k = max(params[i].logprobs for i in want)
@@ -218,9 +235,10 @@ class StepExecutor:
                 idx = to_device(want, torch.long, logits.device)
                 lp_logits, lp_tokens = logits.index_select(0, idx), tokens.index_select(0, idx)
             res = compute_logprobs(lp_logits, k, lp_tokens)
-            step.logprobs = tuple(_to_host(x) for x in (res.top_logprobs, res.top_ids, res.sampled_logprobs,
+            step.logprobs = tuple(to_host(x) for x in (res.top_logprobs, res.top_ids, res.sampled_logprobs,
                                                         res.sampled_ranks))
             step.logprob_rows = want
+        return tokens
 
     def _constrained(self, seqs) -> dict[Any, tuple[list[int], list[Any]]]:
         """processor -> (rows, states) of the sampled rows that carry a constraint."""

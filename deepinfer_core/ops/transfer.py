@@ -1,4 +1,4 @@
-"""Host lists to device tensors without stalling the host.
+"""Host lists to device tensors, and device tensors to the host, without stalling the host.
 
 `torch.tensor(values, device="cuda")` copies from pageable memory and then waits for the stream
 to drain: one hidden host sync per call, which serialises the host with every kernel queued before.
@@ -26,3 +26,12 @@ def to_device(values: Sequence, dtype: torch.dtype, device) -> torch.Tensor:
 def copy_into(dst: torch.Tensor, values: Sequence) -> None:
     """`dst.copy_(values)` from a host list, asynchronously on an accelerator."""
     dst.copy_(_staged(values, dst.dtype, dst.device).view(dst.shape), non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t` that completes asynchronously (pinned): read it after the step's event."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out

@@ -16,7 +16,7 @@ from ..cache.sequence_state import SequenceState
 from ..cache.state_cache import CacheLayout, StateCache
 from ..config import ModelConfig
 from ..contracts import ModelOps, TokenSampler, resolve_model_ops, resolve_sampler
-from ..engine_config import KV_CACHE_DTYPES, EngineConfig
+from ..engine_config import DEFAULT_NUM_DRAFTS, KV_CACHE_DTYPES, EngineConfig
 from ..model import ForwardBatch, bind_ops, build_model, process_weights
 from ..model.attention import Numerics
 from ..model.deepseek_v4 import DeepseekV4Model
@@ -60,6 +60,21 @@ def check_batch_invariant(ops: ModelOps, sampler: TokenSampler) -> None:
         raise PluginError("DEEPINFER_BATCH_INVARIANT=1 (batch_invariant=True), but these ops are not batch "
                           f"invariant: {'; '.join(missing)}. Is the deepinfer-batch-invariant feature installed "
                           "and not disabled (DEEPINFER_DISABLE_PLUGINS / DEEPINFER_PLUGINS)?")
+
+
+def resolve_num_drafts(requested: int | None, num_mtp_blocks: int) -> int:
+    """Draft tokens per request per step. Unset: DS-DeepInfer's default when the checkpoint carries a
+    drafter (its mtp.* block), else none, said once here. Asked for without one: an error."""
+    if requested is None:
+        if num_mtp_blocks:
+            return DEFAULT_NUM_DRAFTS
+        log.info("the checkpoint has no drafter tensors (mtp.*): decoding without speculation "
+                 "(DEEPINFER_USE_NEXTN_DECODE=0 says so explicitly)")
+        return 0
+    if requested and not num_mtp_blocks:
+        raise ValueError(f"num_speculative_tokens={requested} (DEEPINFER_USE_NEXTN_DECODE) asks for MTP drafts, "
+                         "but the checkpoint has no mtp.* tensors; set it to 0 to decode without speculation")
+    return requested
 
 
 @dataclass
@@ -128,6 +143,7 @@ class ModelRunner:
         self.device = self.loaded.ctx.device
         self.dtype = self.loaded.ctx.torch_dtype
         self.backtrack = config.cache.max_backtracking_tokens
+        self.num_drafts = resolve_num_drafts(config.speculative.num_speculative_tokens, len(self.model.mtp))
         self.enforce_eager = config.model.enforce_eager
         self.kv_fp8 = resolve_kv_fp8(config.cache.kv_cache_dtype, self.dtype, config.model.simulate_qat)
         self.graphs: DecodeGraphs | None = None
@@ -221,6 +237,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak)
 
+    def make_speculator(self):
+        """The engine's drafter and verifier, or None without speculation (num_drafts == 0)."""
+        if not self.num_drafts:
+            return None
+        from ..speculative.engine_step import Speculator
+        return Speculator(self.model, self.num_drafts)
+
     # ---- forward --------------------------------------------------------------------------------
     @torch.no_grad()
     def forward_batch(self, token_ids: list[list[int]], seqs: list[SequenceState],
@@ -259,13 +282,25 @@ class ModelRunner:
             logits = self.graphs.run_step(batch.ids, batch.starts, batch.slots)
             if logits is not None:
                 return logits
-        t = len(batch.ids)
+        fb = self._forward_batch(batch)
+        return self.model(fb).logits
+
+    @torch.no_grad()
+    def execute_with_streams(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        """An engine step whose rows also feed a drafter: (logits of `batch.logit_rows`, the final
+        streams of every row, the ForwardBatch that ran). Eager (graphs keep only the logits)."""
+        self._apply_updates(batch.updates)
+        fb = self._forward_batch(batch)
+        out = self.model(fb)
+        return out.logits, out.streams, fb
+
+    def _forward_batch(self, batch: StepBatch) -> ForwardBatch:
+        n, t = len(batch.slots), len(batch.ids)
         positions = batch.starts if t == n else [p for s, k in zip(batch.starts, batch.lens) for p in range(s, s + k)]
         staged = to_device(batch.ids + positions + batch.logit_rows, torch.int64, self.device)  # one copy
         ids = self.slot_tables.resolve_ids(staged[:t]) if batch.pending else staged[:t]
-        fb = ForwardBatch(ids, staged[t:2 * t], batch.starts, batch.lens, [self.slot_states[s] for s in batch.slots],
-                          staged[2 * t:], slot_ids=batch.slots, slot_tables=self.slot_tables)
-        return self.model(fb).logits
+        return ForwardBatch(ids, staged[t:2 * t], batch.starts, batch.lens, [self.slot_states[s] for s in batch.slots],
+                            staged[2 * t:], slot_ids=batch.slots, slot_tables=self.slot_tables)
 
     def _apply_updates(self, updates) -> None:
         """Newly bound slots get fresh states (tails reset in one op per pool); new blocks go into

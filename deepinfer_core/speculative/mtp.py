@@ -55,9 +55,11 @@ class MTPDrafter:
         return logits, u.index_select(0, rows)
 
     def propose(self, logits: torch.Tensor, streams: torch.Tensor, batch_states: list, last_positions: Sequence[int],
-                params: Sequence[Any], seeds: Sequence[int]) -> Drafts:
+                params: Sequence[Any], seeds: Sequence[int], slot_ids: list[int] | None = None,
+                slot_tables: Any = None) -> Drafts:
         """k drafts per request. `logits`, `streams` [requests, ...]: the MTP outputs of each request's
-        last committed row, at position `last_positions[i]` (its first draft goes to that + 2)."""
+        last committed row, at position `last_positions[i]` (its first draft goes to that + 2).
+        `slot_ids`, `slot_tables`: the engine's per-slot tables, as in its target batches."""
         n, dev = logits.shape[0], logits.device
         ids, probs = [], []
         greedy = all(p.temperature < GREEDY_EPS for p in params)
@@ -70,7 +72,7 @@ class MTPDrafter:
             # one position on: the block's own streams as h, the draft as the next token
             pos = [p + 1 + step for p in last_positions]
             batch = ForwardBatch(tok, to_device(pos, torch.int64, dev), pos, [1] * n, batch_states,
-                                 torch.arange(n, device=dev))
+                                 torch.arange(n, device=dev), slot_ids=slot_ids, slot_tables=slot_tables)
             logits, streams = self.model.mtp_step(streams, tok, batch)
         return Drafts(torch.stack(ids, 1), None if greedy else torch.stack(probs, 1))
 

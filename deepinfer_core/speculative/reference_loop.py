@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..api.outputs import SpecMetrics
 from ..api.sampling_params import SamplingParams
 from ..model.forward_batch import ForwardBatch
 from ..ops.transfer import to_device
@@ -23,26 +24,9 @@ from .mtp import Drafts, MTPDrafter
 
 
 @dataclass
-class SpecStats:
-    """Acceptance counts over every verify step of every request."""
-
-    accepted_at: list[int]          # [k]: verify steps that accepted draft i (0-based)
-    steps: int = 0                  # verify steps (one per request per step)
-    accepted: int = 0               # drafts accepted
-
-    @property
-    def acceptance_length(self) -> float:
-        """tau: tokens committed per verify step (accepted drafts + the one verification adds)."""
-        return (self.accepted + self.steps) / max(self.steps, 1)
-
-    def per_position(self) -> list[float]:
-        return [a / max(self.steps, 1) for a in self.accepted_at]
-
-
-@dataclass
 class SpecResult:
     token_ids: list[list[int]]
-    stats: SpecStats
+    stats: SpecMetrics
 
 
 @torch.no_grad()
@@ -60,7 +44,7 @@ def speculative_generate(runner, prompts: Sequence[Sequence[int]], params: Seque
     seeds = list(seeds) if seeds is not None else [0] * len(prompts)
     states = [runner.new_sequence() for _ in prompts]
     out: list[list[int]] = [[] for _ in prompts]
-    stats = SpecStats(accepted_at=[0] * num_drafts)
+    stats = SpecMetrics(accepted_per_position=[0] * num_drafts)
     try:
         # prefill: the first token from the target, then the MTP block over every prompt row
         for st, p in zip(states, prompts):
@@ -88,7 +72,7 @@ def speculative_generate(runner, prompts: Sequence[Sequence[int]], params: Seque
 
 
 def _verify_step(runner, drafter: MTPDrafter, live: list[int], states, anchors: torch.Tensor, drafts: Drafts,
-                 params, seeds, out, stats: SpecStats, eos_token_id):
+                 params, seeds, out, stats: SpecMetrics, eos_token_id):
     """One verify step of the `live` requests (indices into the full request list; `anchors`,
     `drafts` hold one row per live request). Returns the next step's (anchors, drafts, live)."""
     k, dev = drafter.num_drafts, anchors.device
@@ -117,10 +101,7 @@ def _verify_step(runner, drafter: MTPDrafter, live: list[int], states, anchors: 
     for n, (i, st, s, j) in enumerate(zip(live, sts, starts, verdict.accepted)):
         st.rollback(s + 1 + j)                                           # the anchor and j drafts stay
         out[i].extend(token_ids[n][1:1 + j] + [extra[n]])
-        stats.steps += 1
-        stats.accepted += j
-        for a in range(j):
-            stats.accepted_at[a] += 1
+        stats.record(k, j)
     new_drafts = drafter.propose(logits, streams, sts, [s + j for s, j in zip(starts, verdict.accepted)], pr, sd)
     keep = [n for n, i in enumerate(live) if not _done(out[i], params[i], eos_token_id)]
     return *_select(verdict.tokens, new_drafts, keep), [live[n] for n in keep]

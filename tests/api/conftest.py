@@ -73,6 +73,9 @@ class FakeRunner:
             self._cache = (shape, SimpleNamespace(allocator=BlockAllocator(*shape)))
         return self._cache[1]
 
+    def make_speculator(self) -> None:
+        return None
+
     def execute(self, batch) -> torch.Tensor:
         for slot in batch.updates.bound_slots:
             self._in_slot[slot] = FakeSeq()

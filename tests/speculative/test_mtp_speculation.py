@@ -56,7 +56,7 @@ def test_greedy_speculation_is_lossless(runner, prompts_and_reference, k):
     prompts, reference = prompts_and_reference
     result = speculative_generate(runner, prompts, [GREEDY] * len(prompts), k)
     assert result.token_ids == reference
-    assert result.stats.steps > 0 and result.stats.accepted > 0
+    assert result.stats.num_steps > 0 and result.stats.num_accepted_tokens > 0
     assert len(result.stats.per_position()) == k
 
 

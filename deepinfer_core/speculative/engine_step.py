@@ -1,0 +1,156 @@
+"""Speculative decoding inside an engine step: verify the drafts of the step's verify chunks, then
+run the MTP block over every row the target just ran and draft the next step's tokens.
+
+The step executor calls `Speculator.run` once per step, right after the target forward and the
+ordinary sampling of the other rows. A verify chunk is `[last token, x_1..x_k]` of one sequence
+(scheduler.py plans it from `Sequence.draft_ids`); `ops.verify` accepts a prefix of the drafts and
+adds one token (lossless: the argmax rule for greedy requests, speculative sampling otherwise, every
+uniform keyed by (seed, position, purpose)). The rows a verification rejects need no undo: every
+state is addressed by position (rings and tails hold window + backtrack slots; compressed rows are
+rewritten when real tokens complete their block), so the engine only moves the sequence's next
+position back to the accepted prefix.
+
+The MTP block must see every committed position, so it runs over every row of the step (prefill
+chunks included; row t's next token is the prompt's, the sampled token, or the verified one), and
+drafts from the last committed row of each sequence that speculates. Drafts of a sampled request keep
+their distributions q on the device until its next verify step (keyed by slot).
+
+What verification does not apply yet keeps a request out of speculation (it decodes one token per
+step, as before): grammars (the draft masks), logprobs, and penalties.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.scheduler import ScheduledChunk
+from ..engine.sequence import Sequence
+from ..model.deepseek_v4 import DeepseekV4Model
+from ..model.forward_batch import ForwardBatch
+from ..ops.sampler import GREEDY_EPS
+from ..ops.transfer import to_device, to_host
+from ..ops.verify import verify
+from .mtp import MTPDrafter
+
+
+@dataclass
+class SpecOutcome:
+    """What one step's speculation leaves for the engine's post-processing (host tensors)."""
+
+    verified: list[ScheduledChunk] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)       # drafts accepted per verified chunk
+    tokens: torch.Tensor | None = None                      # [verified] the token each verification adds
+    draft_seqs: list[Sequence] = field(default_factory=list)
+    drafts: torch.Tensor | None = None                      # [draft_seqs, k] their next drafts
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether `seq` drafts: not while verification lacks its grammar masks, logprobs or penalties."""
+    return seq.request.constraint is None and not seq.wants_logprobs and not seq.penalised
+
+
+class Speculator:
+    def __init__(self, model: DeepseekV4Model, num_drafts: int):
+        self.drafter = MTPDrafter(model, num_drafts)
+        self.num_drafts = num_drafts
+        self._probs: dict[int, torch.Tensor] = {}       # slot -> [k, V] q of its sampled drafts
+
+    def run(self, logits: torch.Tensor, streams: torch.Tensor, fb: ForwardBatch, chunks: list[ScheduledChunk],
+            logit_starts: list[int], sampled_tokens: torch.Tensor | None, last_token: torch.Tensor) -> SpecOutcome:
+        """`logits`: the step's logits rows (`logit_starts[i]`: chunk i's first); `streams`: the target's
+        final streams of every row of `fb`; `sampled_tokens`: the tokens sampled for the chunks that
+        sample and do not verify, in chunk order."""
+        out = SpecOutcome(verified=[c for c in chunks if c.num_drafts])
+        extra = self._verify(logits, chunks, logit_starts, out, last_token) if out.verified else None
+        if any(speculates(c.seq) for c in chunks):
+            self._draft(streams, fb, chunks, sampled_tokens, extra, out)
+        return out
+
+    # ---- verification ------------------------------------------------------------------------
+    def _verify(self, logits, chunks, logit_starts, out: SpecOutcome, last_token) -> torch.Tensor:
+        rows, ids, ks = [], [], []
+        for c, lo in zip(chunks, logit_starts):
+            if c.num_drafts:
+                rows.extend(range(lo, lo + c.num_tokens))
+                ids.extend(c.seq.draft_ids[:c.num_drafts])
+                ks.append(c.num_drafts)
+        dev = logits.device
+        seqs = [c.seq for c in out.verified]
+        params = [s.params for s in seqs]
+        probs = None
+        if any(p.temperature >= GREEDY_EPS for p in params):
+            probs = torch.cat([self._probs[s.slot][:k] if p.temperature >= GREEDY_EPS else self._one_hot(s, k, logits)
+                               for s, p, k in zip(seqs, params, ks)])
+        verdict = verify(logits.index_select(0, to_device(rows, torch.long, dev)), ks,
+                         to_device(ids, torch.long, dev), probs, params, [c.start + 1 for c in out.verified],
+                         [s.seed for s in seqs])
+        last_token.index_copy_(0, to_device([s.slot for s in seqs], torch.long, dev), verdict.tokens)
+        out.accepted, out.tokens = verdict.accepted, to_host(verdict.tokens)
+        return verdict.tokens
+
+    @staticmethod
+    def _one_hot(seq: Sequence, k: int, logits: torch.Tensor) -> torch.Tensor:
+        """q of a greedy request's drafts: its argmax drafts, one-hot (verification of mixed batches)."""
+        q = torch.zeros(k, logits.shape[-1], dtype=torch.float64, device=logits.device)
+        q[torch.arange(k, device=logits.device), to_device(seq.draft_ids[:k], torch.long, logits.device)] = 1.0
+        return q
+
+    # ---- drafting ----------------------------------------------------------------------------
+    def _draft(self, streams, fb: ForwardBatch, chunks, sampled_tokens, extra, out: SpecOutcome) -> None:
+        """The MTP block over every row (row t's next token at t + 1), drafts from the last committed
+        row of every sequence that speculates."""
+        next_ids, fix_rows, rows, positions, seqs, states, slots = [], [], [], [], [], [], []
+        verified = iter(out.accepted)
+        off = 0
+        for i, c in enumerate(chunks):
+            seq, n = c.seq, c.num_tokens
+            if c.num_drafts:                    # rows past the accepted ones are rolled back anyway
+                j = next(verified)
+                next_ids += seq.draft_ids[:c.num_drafts] + [0]
+                last = off + j
+            else:
+                next_ids += seq.token_slice(c.start + 1, c.start + n + 1)
+                last = off + n - 1
+                if c.samples:
+                    next_ids.append(0)
+            if c.samples:
+                fix_rows.append(last)
+                if speculates(seq):
+                    rows.append(last)
+                    positions.append(c.start + last - off)
+                    seqs.append(seq)
+                    states.append(fb.states[i])
+                    slots.append(seq.slot)
+            off += n
+        dev = streams.device
+        ids = to_device(next_ids, torch.long, dev)
+        if fix_rows:       # the tokens sampled or verified this step, in chunk order
+            plain = [c for c in chunks if c.samples and not c.num_drafts]
+            by_chunk = _interleave(chunks, sampled_tokens if plain else None, extra)
+            ids[to_device(fix_rows, torch.long, dev)] = by_chunk
+        logits, mtp_streams = self.drafter.observe(fb, streams, ids, to_device(rows, torch.long, dev))
+        if not seqs:
+            return
+        params = [s.params for s in seqs]
+        drafts = self.drafter.propose(logits, mtp_streams, states, positions, params, [s.seed for s in seqs],
+                                      slot_ids=slots, slot_tables=fb.slot_tables)
+        if drafts.probs is not None:
+            for i, (s, p) in enumerate(zip(seqs, params)):
+                if p.temperature >= GREEDY_EPS:
+                    self._probs[s.slot] = drafts.probs[i]
+        out.draft_seqs, out.drafts = seqs, to_host(drafts.ids)
+
+
+def _interleave(chunks, sampled: torch.Tensor | None, verified: torch.Tensor | None) -> torch.Tensor:
+    """One token per sampling chunk in chunk order, from the plain-sampled and the verified ones."""
+    kinds = [bool(c.num_drafts) for c in chunks if c.samples]
+    if all(kinds):
+        return verified
+    if not any(kinds):
+        return sampled
+    dev = (sampled if sampled is not None else verified).device
+    order = torch.empty(len(kinds), dtype=torch.long, device=dev)
+    order[to_device([i for i, k in enumerate(kinds) if not k], torch.long, dev)] = sampled
+    order[to_device([i for i, k in enumerate(kinds) if k], torch.long, dev)] = verified
+    return order
