@@ -14,35 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_core import LLM, SamplingParams
+from deepinfer_core import SamplingParams
 from deepinfer_core.cache.budget import CacheRequest
 from deepinfer_core.model.forward_batch import ForwardBatch
 from deepinfer_core.runner.model_runner import ModelRunner
 from deepinfer_core.speculative import mtp
 from deepinfer_core.speculative.mtp import MTPDrafter
 from deepinfer_core.speculative.reference_loop import speculative_generate
-from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
-
-PROMPTS = ["HAMLET.\nTo be, or not to be,", "KING.\nMy lord, the", "ROMEO.\nBut soft, what light",
-           "First Citizen.\nWhat say you to", "Enter a Messenger.\n\nMESSENGER.\n", "QUEEN.\nAlas, my lord,",
-           "ACT II.\n\nScene I.", "DUKE.\nGood morrow, gentle", "LADY.\nI pray you, sir,", "FOOL.\nNuncle,",
-           "OTHELLO.\nIt is the cause,", "PORTIA.\nThe quality of mercy"]
-TOKENS = 24
-GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def trained_dir(tmp_path_factory):
-    return str(make_trained_checkpoint(tmp_path_factory.mktemp("trained") / "ckpt", ARTIFACT))
-
-
-@pytest.fixture(scope="module")
-def prompts_and_reference(trained_dir):
-    llm = LLM(model=trained_dir, dtype="float32", device="cpu", batch_invariant=True, max_model_len=256)
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
-    return prompts, [o.outputs[0].token_ids for o in outs]
-
+from spec_cases import GREEDY, PROMPTS, TOKENS  # noqa: E402
 
 @pytest.fixture(scope="module")
 def runner(trained_dir):

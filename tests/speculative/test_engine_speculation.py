@@ -1,0 +1,131 @@
+"""MTP speculative decoding through the engine (`LLM.generate`, issue 17) on the bundled trained model,
+float32 on the CPU with batch-invariant ops:
+
+- lossless: greedy outputs with MTP-1 and MTP-3 equal non-speculative ones token for token; seeded
+  sampled outputs equal the reference loop's (whose distribution `benchmarks/spec_distribution.py`
+  checks) and do not depend on the batch;
+- with preemption, chunked prefill, a short token budget, requests that do not draft (logprobs,
+  penalties, grammars, min_tokens) and ones that stop early (stop strings, max_tokens): still
+  token-identical;
+- the metrics (per request and per engine), the default gamma and the errors that name the variable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+from spec_cases import GREEDY, OPTIONS, TOKENS  # noqa: E402
+
+from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.engine_config import EngineConfig  # noqa: E402
+from deepinfer_core.runner.model_runner import ModelRunner, resolve_num_drafts  # noqa: E402
+from deepinfer_core.speculative.reference_loop import speculative_generate  # noqa: E402
+
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=[1, 3])
+def spec_llm(request, trained_dir):
+    return LLM(model=trained_dir, num_speculative_tokens=request.param, **OPTIONS)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def test_greedy_outputs_equal_non_speculative_ones(spec_llm, prompts_and_reference):
+    prompts, reference = prompts_and_reference
+    outs = spec_llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert tokens(outs) == reference
+    k = spec_llm.runner.num_drafts
+    per_request = [o.metrics.spec for o in outs]
+    assert all(m is not None and m.num_steps > 0 for m in per_request)
+    assert all(len(m.accepted_per_position) == k for m in per_request)
+    assert all(m.num_verified_tokens <= m.num_drafted_tokens for m in per_request)
+    # every output token after the prefill's came from a verify step (accepted drafts + one each), but
+    # the last when a single token was left (nothing to draft for)
+    assert all(TOKENS - 2 <= m.num_accepted_tokens + m.num_steps <= TOKENS - 1 for m in per_request)
+    total = spec_llm.engine.spec_metrics
+    assert total.acceptance_length > 1.3     # the trained MTP block drafts acceptable tokens
+    assert total.num_steps >= sum(m.num_steps for m in per_request)
+
+
+def test_seeded_samples_equal_the_reference_loop_and_ignore_the_batch(spec_llm, prompts_and_reference):
+    prompts, _ = prompts_and_reference
+    prompts = prompts[:6]
+    seeds = [100 + i for i in range(len(prompts))]
+    params = [dataclasses.replace(SAMPLED, seed=s) if i % 2 else GREEDY for i, s in enumerate(seeds)]
+    batched = tokens(spec_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
+    k = spec_llm.runner.num_drafts
+    loop = speculative_generate(spec_llm.runner, prompts, params, k, seeds=seeds).token_ids
+    # The loop verifies k drafts at every step; the engine none past max_tokens, so its last k tokens
+    # may be drawn at other steps (with other uniforms) than the loop's
+    assert [t[:-k] for t in batched] == [t[:-k] for t in loop]
+    assert batched[0::2] == loop[0::2]                           # greedy: all of them
+    alone = [tokens(spec_llm.generate(prompt_token_ids=[p], sampling_params=sp, use_tqdm=False))[0]
+             for p, sp in zip(prompts[1::2], params[1::2])]
+    assert alone == batched[1::2]
+
+
+def test_preemption_chunking_and_requests_that_do_not_draft(trained_dir, reference_llm, prompts_and_reference):
+    """A cache too small for every request (preemption), a 24-token budget (chunked prefill; verify
+    chunks cut short), and requests with logprobs, penalties, a grammar, min_tokens, a stop string,
+    n=2 and a short max_tokens: the same tokens (and logprobs) as the roomy non-speculative engine."""
+    prompts, _ = prompts_and_reference
+    params = [GREEDY,
+              SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, max_tokens=TOKENS, ignore_eos=True, repetition_penalty=1.3, seed=7),
+              SamplingParams(temperature=0.0, max_tokens=TOKENS, so_args={"schema_type": "regex", "schema": "[a-z ]{3,12}"}),
+              SamplingParams(temperature=0.0, max_tokens=TOKENS, min_tokens=12),
+              SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, stop=[" the"]),
+              SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, n=2),
+              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+              GREEDY, GREEDY]
+    prompts = prompts[:len(params)]
+    for i in (0, 6, 8):          # ~110-token prompts: their outputs cross into a second cache block
+        prompts[i] = (prompts[i] * 20)[:110]
+    reference = reference_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    tight = LLM(model=trained_dir, num_speculative_tokens=3, num_cache_blocks=4, max_num_seqs=4,
+                max_num_batched_tokens=24, **OPTIONS)
+    outs = tight.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tokens(outs) == tokens(reference)
+    assert [c.text for o in outs for c in o.outputs] == [c.text for o in reference for c in o.outputs]
+    assert outs[1].outputs[0].logprobs == reference[1].outputs[0].logprobs
+    assert [o.metrics.spec is None for o in outs[1:4]] == [True, True, True]   # they never drafted
+    assert outs[4].metrics.spec is not None                                  # after its min_tokens
+
+
+def test_async_scheduling_runs_speculative_steps_synchronously(trained_dir, prompts_and_reference, caplog):
+    prompts, reference = prompts_and_reference
+    with caplog.at_level(logging.INFO, logger="deepinfer_core.engine.engine"):
+        llm = LLM(model=trained_dir, num_speculative_tokens=2, async_scheduling=True, **OPTIONS)
+        outs = llm.generate(prompt_token_ids=prompts[:4], sampling_params=GREEDY, use_tqdm=False)
+    assert not llm.engine.async_scheduling and "run synchronously" in caplog.text
+    assert tokens(outs) == reference[:4]
+
+
+def test_default_gamma_follows_ds_deepinfer_and_the_checkpoint(trained_dir, tiny_ckpt_dir, monkeypatch, caplog):
+    monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")
+    config = EngineConfig.from_options()
+    assert config.speculative.num_speculative_tokens is None and config.cache.max_backtracking_tokens == 6
+    assert ModelRunner(trained_dir, dtype="float32", device="cpu").num_drafts == 5
+    with caplog.at_level(logging.INFO, logger="deepinfer_core.runner.model_runner"):
+        assert resolve_num_drafts(None, num_mtp_blocks=0) == 0
+    assert caplog.text.count("no drafter tensors") == 1
+    assert resolve_num_drafts(0, num_mtp_blocks=0) == 0 and resolve_num_drafts(2, num_mtp_blocks=1) == 2
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
+    config = EngineConfig.from_options()
+    assert config.speculative.num_speculative_tokens == 2 and config.cache.max_backtracking_tokens == 3
+
+
+def test_bad_speculative_settings_name_the_variable():
+    with pytest.raises(ValueError, match="num_speculative_tokens=1 .*DEEPINFER_USE_NEXTN_DECODE.* no mtp"):
+        resolve_num_drafts(1, num_mtp_blocks=0)
+    with pytest.raises(ValueError, match="max_backtracking_tokens >= 6 .*DEEPINFER_MAX_BACKTRACKING_TOKENS"):
+        EngineConfig.from_options(num_speculative_tokens=5, max_backtracking_tokens=3)
+    with pytest.raises(ValueError, match="num_speculative_tokens=-1; allowed: an int >= 0"):
+        EngineConfig.from_options(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="enable_mtp_varlen=True; allowed: False"):
+        EngineConfig.from_options(enable_mtp_varlen=True)
