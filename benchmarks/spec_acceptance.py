@@ -1,13 +1,15 @@
-"""MTP speculative decoding on the bundled trained tiny model (issue 17): is it lossless, and how many
-tokens does a verify step commit (acceptance length tau = accepted drafts + 1)?
+"""MTP speculative decoding through the engine on the bundled trained tiny model (issue 17): is it
+lossless, how many tokens does a verify step commit (acceptance length tau = accepted drafts + 1),
+and what does it do to end-to-end speed?
 
-    python benchmarks/spec_acceptance.py [--prompts 32] [--tokens 64] [--device cuda]
+    python benchmarks/spec_acceptance.py [--prompts 32] [--tokens 64] [--drafts 1,3,5]
+                                         [--device cuda] [--dtype bfloat16]
 
 Held-out prompts (benchmarks/data/heldout_prompts.json: The Tempest / Twelfth Night, never trained
-on), float32 with batch-invariant ops (on the CPU unless --device), through the reference loop
-(`deepinfer_core.speculative.reference_loop`; the engine's scheduler does not draft yet). Greedy runs
-are compared token for token with `LLM.generate` without speculation; T=1 runs (seed = prompt index)
-give tau under sampling. Prints a table, writes benchmarks/results/spec_acceptance_<device>.json.
+on), batch-invariant ops, all prompts in one `LLM.generate` call per setting. Greedy outputs with
+MTP-k are compared token for token with the same engine without speculation; T=1 runs (seed = prompt
+index) give tau under sampling. Output tok/s is end to end (generate's wall time, prefill included).
+Prints a table, writes benchmarks/results/spec_acceptance_<device>_<dtype>.json.
 """
 from __future__ import annotations
 
@@ -18,12 +20,34 @@ import time
 from pathlib import Path
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.cache.budget import CacheRequest
-from deepinfer_core.runner.model_runner import ModelRunner
-from deepinfer_core.speculative.reference_loop import speculative_generate
+from deepinfer_core.api.outputs import SpecMetrics
 from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
 
 HERE = Path(__file__).parent
+
+
+def total(outs) -> SpecMetrics:
+    """The metrics of every request of one generate call, summed."""
+    out = SpecMetrics()
+    for o in outs:
+        m = o.metrics.spec
+        if m is None:
+            continue
+        out.num_steps += m.num_steps
+        out.num_drafted_tokens += m.num_drafted_tokens
+        out.num_verified_tokens += m.num_verified_tokens
+        out.num_accepted_tokens += m.num_accepted_tokens
+        out.accepted_per_position += [0] * (len(m.accepted_per_position) - len(out.accepted_per_position))
+        for i, a in enumerate(m.accepted_per_position):
+            out.accepted_per_position[i] += a
+    return out
+
+
+def run(llm: LLM, prompts, params) -> tuple[list[list[int]], SpecMetrics, float]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return [o.outputs[0].token_ids for o in outs], total(outs), seconds
 
 
 def main() -> None:
@@ -32,40 +56,44 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--drafts", default="1,3", help="k values (MTP-k)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the nvidia backend when installed)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = ap.parse_args()
     texts = json.loads((HERE / "data" / "heldout_prompts.json").read_text())["prompts"][:a.prompts]
     ks = [int(k) for k in a.drafts.split(",")]
+    options = dict(dtype=a.dtype, device=a.device, batch_invariant=True, max_model_len=512)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(make_trained_checkpoint(Path(tmp) / "ckpt", ARTIFACT))
-        llm = LLM(model=ckpt, dtype="float32", device=a.device, batch_invariant=True, max_model_len=512)
-        prompts = [llm.tokenizer.encode(t) for t in texts]
-        greedy = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True)
-        sampled = SamplingParams(temperature=1.0, max_tokens=a.tokens, ignore_eos=True)
-        reference = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=greedy,
-                                                                   use_tqdm=False)]
-        del llm
-        runner = ModelRunner(ckpt, dtype="float32", device=a.device, batch_invariant=True,
-                             max_backtracking_tokens=max(ks) + 1)
-        runner.allocate_cache(CacheRequest(num_slots=len(prompts) + 1, num_blocks=2 * (len(prompts) + 1)))
-        rows = []
-        for k in ks:
+        for k in [0] + ks:
+            llm = LLM(model=ckpt, num_speculative_tokens=k, **options)
+            prompts = [llm.tokenizer.encode(t) for t in texts]
+            seeds = range(len(prompts))
+            sampled = [SamplingParams(temperature=1.0, max_tokens=a.tokens, ignore_eos=True, seed=s) for s in seeds]
+            greedy = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True)
+            run(llm, prompts[:2], greedy)                                       # warm-up
             for name, params in (("greedy", greedy), ("T=1", sampled)):
-                t0 = time.perf_counter()
-                res = speculative_generate(runner, prompts, [params] * len(prompts), k, seeds=list(range(len(prompts))))
-                row = dict(drafter=f"MTP-{k}", sampling=name, tau=res.stats.acceptance_length,
-                           per_position=res.stats.per_position(), verify_steps=res.stats.num_steps,
-                           seconds=round(time.perf_counter() - t0, 1))
+                ids, m, seconds = run(llm, prompts, params)
+                row = dict(drafter=f"MTP-{k}" if k else "none", sampling=name, tau=m.acceptance_length,
+                           per_position=m.per_position(), verify_steps=m.num_steps,
+                           drafted=m.num_drafted_tokens, verified=m.num_verified_tokens,
+                           accepted=m.num_accepted_tokens, seconds=round(seconds, 2),
+                           output_tok_s=round(len(prompts) * a.tokens / seconds, 1))
                 if name == "greedy":
-                    row["identical_to_non_speculative"] = sum(x == y for x, y in zip(res.token_ids, reference))
+                    if k == 0:
+                        reference = ids
+                    row["identical_to_non_speculative"] = sum(x == y for x, y in zip(ids, reference))
                 rows.append(row)
-                print(f"{row['drafter']:6} {name:6} tau {row['tau']:.3f}  per position "
-                      f"{[round(x, 3) for x in row['per_position']]}"
-                      + (f"  identical to non-speculative: {row['identical_to_non_speculative']}/{len(prompts)}"
-                         if name == "greedy" else ""), flush=True)
-    out = HERE / "results" / f"spec_acceptance_{a.device}.json"
-    out.write_text(json.dumps(dict(model="bundled trained tiny model", prompts=len(prompts), tokens=a.tokens,
-                                   device=a.device, linear=type(runner.loaded.ops.linear["fp8"]).__name__,
-                                   dtype="float32", batch_invariant=True, rows=rows), indent=1) + "\n")
+                tau = "-" if row["tau"] is None else f"{row['tau']:.3f}"
+                same = (f"{row['identical_to_non_speculative']}/{len(prompts)}" if name == "greedy" else "-")
+                print(f"{row['drafter']:6} {name:6} tau {tau:>5}  identical {same:>5}  "
+                      f"{row['output_tok_s']:8.1f} tok/s  per position {[round(x, 3) for x in row['per_position']]}",
+                      flush=True)
+            linear = type(llm.runner.loaded.ops.linear["fp8"]).__name__
+            del llm
+    out = HERE / "results" / f"spec_acceptance_{a.device}_{a.dtype}.json"
+    out.write_text(json.dumps(dict(model="bundled trained tiny model", path="LLM.generate", prompts=len(prompts),
+                                   tokens=a.tokens, device=a.device, linear=linear, dtype=a.dtype,
+                                   batch_invariant=True, rows=rows), indent=1) + "\n")
     print(f"wrote {out}")
 
 
