@@ -39,7 +39,8 @@ class _Captured:
     batch: ForwardBatch          # static inputs read by the graph (input_ids, positions, ...)
     inputs: torch.Tensor         # [size*q ids (-1 - slot: its last token) | size*q positions | size slots | extras]
     meta: GraphMetadata          # the backend's static metadata, derived on the device from `inputs`
-    logits: torch.Tensor | None  # static output, overwritten by the next replay
+    logits: torch.Tensor | None  # static outputs, overwritten by the next replay
+    streams: torch.Tensor | None = None
 
 
 def buckets_for(max_seqs: int) -> list[int]:
@@ -48,14 +49,18 @@ def buckets_for(max_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, cache, backend: GraphAttentionBackend, max_seqs: int, max_blocks: int, capture: bool = True,
-                 max_query_len: int | None = None, tables: SlotTables | None = None):
+                 max_query_len: int | None = None, tables: SlotTables | None = None,
+                 per_sequence_output: bool = False):
         """`capture=False` runs the same padded, fixed-shape batches eagerly instead of replaying a
         graph: the padding and static-metadata logic, testable without a GPU. `max_query_len` bounds
         q; by default q = k+1 <= the cache's backtrack room (a verify step of k drafts may roll back
         k tokens, k <= backtrack - 1: see envs.effective_max_backtracking_tokens), at most 8.
         `tables`: the engine's per-slot device tables (block table rows, last tokens); by default
-        a private set over the cache's slots."""
+        a private set over the cache's slots. `model`: any callable of a ForwardBatch whose result has
+        `.logits` and `.streams` (the MTP drafter's graphs pass bodies of their own); with
+        `per_sequence_output` those have one row per sequence instead of one per token."""
         self.model, self.backend, self.max_blocks, self.capture = model, backend, max_blocks, capture
+        self.per_sequence_output = per_sequence_output
         self.buckets = buckets_for(max_seqs)
         self.device = cache.device
         if cache.spare_slot is None:
@@ -101,6 +106,13 @@ class DecodeGraphs:
         return (self.failed is None and 0 < num_seqs <= self.buckets[-1] and num_tokens == num_seqs
                 and num_logit_rows == num_seqs)
 
+    def fits_uniform(self, lens: list[int], num_logit_rows: int) -> bool:
+        """An engine step of q tokens per sequence fits when q <= max_query_len and it wants the
+        logits of every row (q > 1: verification) or of each sequence's one row (q = 1: decode)."""
+        n, q = len(lens), lens[0] if lens else 0
+        return (self.failed is None and 0 < n <= self.buckets[-1] and 1 <= q <= self.max_query_len
+                and all(k == q for k in lens) and num_logit_rows == n * q)
+
     def run(self, token_ids: list[list[int]], seqs) -> torch.Tensor | None:
         """Logits of one step over self-managed states (tests, tools): their block tables are copied
         into the slot tables first. The caller advances `num_tokens` by q."""
@@ -114,16 +126,28 @@ class DecodeGraphs:
         s*q+q-1) for q > 1: a view of the graph's output, valid until the next forward. `ids` may hold
         -1 - slot for a token still on the device (SlotTables.last_token). None when capturing
         failed (the caller runs eagerly)."""
+        out = self.replay(ids, positions, slots, q)
+        return None if out is None else out[0]
+
+    def replay(self, ids: list[int], positions: list[int], slots: list[int], q: int = 1,
+               device_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits, final streams) of one step, views of the graph's outputs (see run_step).
+        `device_ids`: the step's first ids already on the device (they replace `ids`' first entries,
+        no host round trip)."""
         n = len(slots)
         size = next(b for b in self.buckets if b >= n)
         cap = self.graphs.get((size, q)) or self._capture(size, q)
         if cap is None:
             return None
         self._load(cap, q, ids, positions, slots)
+        if device_ids is not None:
+            cap.inputs[:device_ids.numel()].copy_(device_ids)
+        rows = n if self.per_sequence_output else n * q
         if cap.graph is None:
-            return self._body(cap).logits[:n * q]
+            out = self._body(cap)
+            return out.logits[:rows], out.streams[:rows]
         cap.graph.replay()
-        return cap.logits[:n * q]
+        return cap.logits[:rows], cap.streams[:rows]
 
     def _load(self, cap: _Captured, q: int, ids: list[int], positions: list[int], slots: list[int]) -> None:
         """One host->device copy of the step's inputs; padding sequences (token 0 at positions
@@ -176,7 +200,7 @@ class DecodeGraphs:
             log.warning("CUDA graph capture failed, running eagerly from now on: %s", self.failed)
             return None
         self.pool = graph.pool()
-        cap.graph, cap.logits = graph, out.logits
+        cap.graph, cap.logits, cap.streams = graph, out.logits, out.streams
         self.graphs[(size, q)] = cap
         log.info("captured the CUDA graph for batch size %d, %d token(s) per sequence", size, q)
         return cap

@@ -77,6 +77,13 @@ def resolve_num_drafts(requested: int | None, num_mtp_blocks: int) -> int:
     return requested
 
 
+def _positions(batch: StepBatch) -> list[int]:
+    """The position of every row of an engine step."""
+    if len(batch.ids) == len(batch.slots):
+        return batch.starts
+    return [p for s, k in zip(batch.starts, batch.lens) for p in range(s, s + k)]
+
+
 @dataclass
 class LoadedModel:
     model: DeepseekV4Model
@@ -242,7 +249,12 @@ class ModelRunner:
         if not self.num_drafts:
             return None
         from ..speculative.engine_step import Speculator
-        return Speculator(self.model, self.num_drafts)
+        from ..speculative.mtp_graphs import MTPGraphs
+        graphs = None
+        if self.graphs is not None:
+            def graphs(streams, decode=self.graphs):
+                return MTPGraphs(self.model, decode, self.cache, self.loaded.ops.attention, streams)
+        return Speculator(self.model, self.num_drafts, graphs)
 
     # ---- forward --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -288,16 +300,20 @@ class ModelRunner:
     @torch.no_grad()
     def execute_with_streams(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         """An engine step whose rows also feed a drafter: (logits of `batch.logit_rows`, the final
-        streams of every row, the ForwardBatch that ran). Eager (graphs keep only the logits)."""
+        streams of every row, the ForwardBatch of the step). A step of q tokens per sequence that
+        wants every row's logits (a verify step, or decode) replays a CUDA graph when there are graphs."""
         self._apply_updates(batch.updates)
         fb = self._forward_batch(batch)
+        if self.graphs is not None and self.graphs.fits_uniform(batch.lens, len(batch.logit_rows)):
+            out = self.graphs.replay(batch.ids, _positions(batch), batch.slots, batch.lens[0])
+            if out is not None:
+                return out[0], out[1], fb
         out = self.model(fb)
         return out.logits, out.streams, fb
 
     def _forward_batch(self, batch: StepBatch) -> ForwardBatch:
-        n, t = len(batch.slots), len(batch.ids)
-        positions = batch.starts if t == n else [p for s, k in zip(batch.starts, batch.lens) for p in range(s, s + k)]
-        staged = to_device(batch.ids + positions + batch.logit_rows, torch.int64, self.device)  # one copy
+        t = len(batch.ids)
+        staged = to_device(batch.ids + _positions(batch) + batch.logit_rows, torch.int64, self.device)  # one copy
         ids = self.slot_tables.resolve_ids(staged[:t]) if batch.pending else staged[:t]
         return ForwardBatch(ids, staged[t:2 * t], batch.starts, batch.lens, [self.slot_states[s] for s in batch.slots],
                             staged[2 * t:], slot_ids=batch.slots, slot_tables=self.slot_tables)

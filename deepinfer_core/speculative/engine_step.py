@@ -20,6 +20,7 @@ step, as before): grammars (the draft masks), logprobs, and penalties.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,8 @@ from ..model.forward_batch import ForwardBatch
 from ..ops.sampler import GREEDY_EPS
 from ..ops.transfer import to_device, to_host
 from ..ops.verify import verify
-from .mtp import MTPDrafter
+from .mtp import Drafts, MTPDrafter
+from .mtp_graphs import MTPGraphs
 
 
 @dataclass
@@ -51,10 +53,14 @@ def speculates(seq: Sequence) -> bool:
 
 
 class Speculator:
-    def __init__(self, model: DeepseekV4Model, num_drafts: int):
+    def __init__(self, model: DeepseekV4Model, num_drafts: int,
+                 graphs: Callable[[torch.Tensor], MTPGraphs] | None = None):
+        """`graphs`: builds the drafter's CUDA graphs (from the first step's target streams) when
+        the runner has decode graphs; None runs the drafter eagerly."""
         self.drafter = MTPDrafter(model, num_drafts)
         self.num_drafts = num_drafts
         self._probs: dict[int, torch.Tensor] = {}       # slot -> [k, V] q of its sampled drafts
+        self._make_graphs, self._graphs = graphs, None
 
     def run(self, logits: torch.Tensor, streams: torch.Tensor, fb: ForwardBatch, chunks: list[ScheduledChunk],
             logit_starts: list[int], sampled_tokens: torch.Tensor | None, last_token: torch.Tensor) -> SpecOutcome:
@@ -129,17 +135,57 @@ class Speculator:
             plain = [c for c in chunks if c.samples and not c.num_drafts]
             by_chunk = _interleave(chunks, sampled_tokens if plain else None, extra)
             ids[to_device(fix_rows, torch.long, dev)] = by_chunk
-        logits, mtp_streams = self.drafter.observe(fb, streams, ids, to_device(rows, torch.long, dev))
+        params = [s.params for s in seqs]
+        drafts = None
+        if self._make_graphs is not None and len(fix_rows) == len(chunks) and all(
+                p.temperature < GREEDY_EPS for p in params):
+            drafts = self._draft_graphed(streams, ids, chunks, fix_rows, rows, positions, slots)
+        if drafts is None:
+            logits, mtp_streams = self.drafter.observe(fb, streams, ids, to_device(rows, torch.long, dev))
+            if not seqs:
+                return
+            drafts = self.drafter.propose(logits, mtp_streams, states, positions, params, [s.seed for s in seqs],
+                                          slot_ids=slots, slot_tables=fb.slot_tables)
         if not seqs:
             return
-        params = [s.params for s in seqs]
-        drafts = self.drafter.propose(logits, mtp_streams, states, positions, params, [s.seed for s in seqs],
-                                      slot_ids=slots, slot_tables=fb.slot_tables)
         if drafts.probs is not None:
             for i, (s, p) in enumerate(zip(seqs, params)):
                 if p.temperature >= GREEDY_EPS:
                     self._probs[s.slot] = drafts.probs[i]
         out.draft_seqs, out.drafts = seqs, to_host(drafts.ids)
+
+
+    def _draft_graphed(self, streams, ids, chunks, last_rows, rows, positions, slots) -> Drafts | None:
+        """Greedy drafts through the drafter's CUDA graphs, for a step of q rows per sequence that
+        all sample (None: the step does not fit, or capture failed; the caller runs eagerly)."""
+        lens = [c.num_tokens for c in chunks]
+        if self._graphs is None:
+            self._graphs = self._make_graphs(streams)
+        graphs = self._graphs
+        if not graphs.fits(lens):
+            return None
+        q, dev = lens[0], streams.device
+        all_positions = [p for c in chunks for p in range(c.start, c.start + q)]
+        out = graphs.observe(streams, ids, all_positions, [c.seq.slot for c in chunks], q, last_rows)
+        if out is None:
+            return None
+        logits, mtp_streams = out
+        if len(rows) != len(last_rows):            # some sequences do not speculate
+            drafting = set(rows)
+            keep = to_device([i for i, r in enumerate(last_rows) if r in drafting], torch.long, dev)
+            logits, mtp_streams = logits.index_select(0, keep), mtp_streams.index_select(0, keep)
+        if not rows:
+            return Drafts(torch.empty(0, self.num_drafts, dtype=torch.long, device=dev), None)
+        tok = logits.argmax(-1)
+        drafted = [tok]
+        for step in range(self.num_drafts - 1):
+            out = graphs.draft_step(mtp_streams, tok, [p + 1 + step for p in positions], slots)
+            if out is None:
+                return None
+            logits, mtp_streams = out
+            tok = logits.argmax(-1)
+            drafted.append(tok)
+        return Drafts(torch.stack(drafted, 1), None)
 
 
 def _interleave(chunks, sampled: torch.Tensor | None, verified: torch.Tensor | None) -> torch.Tensor:

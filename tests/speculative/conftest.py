@@ -3,11 +3,11 @@ outputs, shared by the speculative-decoding tests (float32, batch-invariant ops,
 from __future__ import annotations
 
 import pytest
-
 from spec_cases import GREEDY, OPTIONS, PROMPTS  # noqa: E402
 
 from deepinfer_core import LLM  # noqa: E402
 from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
+
 
 @pytest.fixture(scope="session")
 def trained_dir(tmp_path_factory):

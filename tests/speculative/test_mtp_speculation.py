@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spec_cases import GREEDY, PROMPTS, TOKENS  # noqa: E402
 
 from deepinfer_core import SamplingParams
 from deepinfer_core.cache.budget import CacheRequest
@@ -21,7 +22,7 @@ from deepinfer_core.runner.model_runner import ModelRunner
 from deepinfer_core.speculative import mtp
 from deepinfer_core.speculative.mtp import MTPDrafter
 from deepinfer_core.speculative.reference_loop import speculative_generate
-from spec_cases import GREEDY, PROMPTS, TOKENS  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def runner(trained_dir):
