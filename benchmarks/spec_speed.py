@@ -2,12 +2,12 @@
 `LLM.generate` per concurrency, without speculation and with MTP-k, with tau beside it.
 
     python benchmarks/spec_speed.py [--device cuda] [--drafts 1,3,5] [--concurrency 1,16,64]
-                                    [--tokens 128] [--profile]
+                                    [--tokens 128] [--profile CONCURRENCY]
 
 Held-out prompts (benchmarks/data/heldout_prompts.json, repeated to fill the concurrency), greedy,
 `ignore_eos`, bf16 on CUDA (float32 on the CPU), CUDA graphs on. Each setting runs once to warm up
-(kernels, the drafter's graphs), then is timed. `--profile` prints the top host functions (cProfile)
-of one MTP-k request at concurrency 1. Writes benchmarks/results/spec_speed_<device>.json.
+(kernels, the drafter's graphs), then is timed. `--profile C` prints the top host functions
+(cProfile) of one MTP-k call at concurrency C. Writes benchmarks/results/spec_speed_<device>.json.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--drafts", default="1,3")
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="CONCURRENCY",
+                    help="print the top host functions (cProfile) of one MTP-k call at this concurrency")
     a = ap.parse_args()
     dtype = "bfloat16" if a.device == "cuda" else "float32"
     texts = json.loads((HERE / "data" / "heldout_prompts.json").read_text())["prompts"]
@@ -60,9 +61,10 @@ def main() -> None:
             if a.profile and k:
                 prof = cProfile.Profile()
                 prof.enable()
-                llm.generate(prompt_token_ids=prompts[:1], sampling_params=params, use_tqdm=False)
+                llm.generate(prompt_token_ids=[prompts[i % len(prompts)] for i in range(a.profile)],
+                             sampling_params=params, use_tqdm=False)
                 prof.disable()
-                pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
             del llm
     base = {r["concurrency"]: r["output_tok_s"] for r in rows if r["drafter"] == "none"}
     for r in rows:

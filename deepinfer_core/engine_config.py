@@ -254,7 +254,7 @@ COMPAT_OPTIONS: dict[str, tuple[tuple[Any, ...], str]] = {
     "disable_custom_all_reduce": ((True, False, None), "one device: there is no all-reduce to customise"),
     "ignore_len": ((False, None), "prompt + output lengths are always held to max_model_len"),
     "tokens_per_block": ((128, None), "state-cache blocks hold 128 positions"),
-    "lookahead_tokens": ((0, None), "no lookahead slots (speculative decoding is not implemented yet)"),
+    "lookahead_tokens": ((0, None), "verify chunks take their blocks when scheduled; no lookahead slots"),
     "compilation_config": ((None,), "CUDA graphs are the engine's own; enforce_eager turns them off"),
     "quantization": ((None,), "weights run in the checkpoint's own FP8/FP4 format"),
     "engine_type": ((None,), "there is one engine type"),

@@ -110,7 +110,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", "bool", False,
            "Confidence-scheduled variable-length verification of draft tokens."),
     EnvVar("DEEPINFER_USE_NEXTN_DECODE", "int", 5,
-           "Maximum draft length per step (gamma); 0 disables speculative decoding.", minimum=0),
+           "Draft tokens per request per step (gamma; MTP-gamma with the checkpoint's mtp.* block); 0 "
+           "disables speculative decoding. Unset: 5 when the checkpoint has mtp.* tensors, else off "
+           "(logged once).", minimum=0),
     EnvVar("DEEPINFER_MAX_BACKTRACKING_TOKENS", "int", 0,
            "Rollback room in the SWA rings; the effective value is max(value, gamma + 1).",
            minimum=0),

@@ -155,6 +155,17 @@ class Engine:
                 self._process(previous)
         return self._outputs()
 
+    def use_speculator(self, speculator: Any, backtrack: int) -> None:
+        """Draft with `speculator` from now on (benchmarks: a replay drafter); `backtrack`: the
+        runner's rollback room, which a verify step of k drafts needs k + 1 of. Only when idle."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("use_speculator: the engine has requests in flight")
+        if backtrack < speculator.num_drafts + 1:
+            raise ValueError(f"{speculator.num_drafts} drafts per step need max_backtracking_tokens >= "
+                             f"{speculator.num_drafts + 1} (DEEPINFER_MAX_BACKTRACKING_TOKENS), the runner has {backtrack}")
+        self.executor.speculator, self.async_scheduling = speculator, False
+        self.spec_metrics = SpecMetrics()
+
     def abort_all(self) -> None:
         """After a failure: drop every request so the cache's slots and blocks return."""
         self._in_flight = None

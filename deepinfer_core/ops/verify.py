@@ -72,21 +72,30 @@ def verify(target_logits: torch.Tensor, num_drafts: Sequence[int], draft_ids: to
         row_request += [i] * (l + 1)
         row_pos += range(positions[i], positions[i] + l + 1)
         off += l + 1
+    rows_t = to_device(target_row, torch.long, dev)
+    if all(greedy):            # argmax rows only: no [rows, vocab] distributions
+        top = target_logits.argmax(-1)
+        flags = (top.index_select(0, rows_t) == draft_ids).tolist()
+        accepted, end_rows, _ = _accepted_prefixes(flags, num_drafts, first)
+        return Verdict(accepted, top.index_select(0, to_device(end_rows, torch.long, dev)))
     row_params = [params[r] for r in row_request]
     row_seeds = [seeds[r] for r in row_request]
-    rows_t = to_device(target_row, torch.long, dev)
     # p of every target row: argmax for greedy rows, processed distributions for sampled ones
     probs = _target_probs(target_logits, row_params, greedy, row_request)
-    # accept flags of every draft (one host read: the scheduler needs the counts anyway)
+    # accept flags of every draft (one host read: the scheduler needs the counts anyway); a greedy
+    # request's q is one-hot at its draft, so u * 1 < p (1 or 0) accepts exactly the argmax
     p_x = probs.index_select(0, rows_t).gather(1, draft_ids[:, None]).squeeze(1)
-    if all(greedy):
-        ok = p_x > 0
-    else:
-        q_x = draft_probs.to(torch.float64).gather(1, draft_ids[:, None]).squeeze(1)
-        u = counter_uniform_tensor([row_seeds[r] for r in target_row], [row_pos[r] for r in target_row], dev,
-                                   case=CASE_ACCEPT)
-        ok = u * q_x < p_x
-    flags = ok.tolist()
+    q_x = draft_probs.to(torch.float64).gather(1, draft_ids[:, None]).squeeze(1)
+    u = counter_uniform_tensor([row_seeds[r] for r in target_row], [row_pos[r] for r in target_row], dev,
+                               case=CASE_ACCEPT)
+    ok = u * q_x < p_x
+    accepted, end_rows, rejected_at = _accepted_prefixes(ok.tolist(), num_drafts, first)
+    return Verdict(accepted, _extra_tokens(probs, draft_probs, end_rows, rejected_at, greedy, row_pos, seeds, dev))
+
+
+def _accepted_prefixes(flags: list[bool], num_drafts: Sequence[int], first: list[int]):
+    """Per request: drafts accepted (up to the first rejection), its end row (the correction's or the
+    bonus's target row), and the rejected draft's index among all drafts (requests that rejected one)."""
     accepted, end_rows, rejected_at = [], [], {}
     d = 0
     for i, l in enumerate(num_drafts):
@@ -94,9 +103,9 @@ def verify(target_logits: torch.Tensor, num_drafts: Sequence[int], draft_ids: to
         accepted.append(j)
         end_rows.append(first[i] + j)
         if j < l:
-            rejected_at[i] = d + j                       # the rejected draft's row of draft_probs
+            rejected_at[i] = d + j
         d += l
-    return Verdict(accepted, _extra_tokens(probs, draft_probs, end_rows, rejected_at, greedy, row_pos, seeds, dev))
+    return accepted, end_rows, rejected_at
 
 
 def _target_probs(logits: torch.Tensor, row_params, greedy: list[bool], row_request: list[int]) -> torch.Tensor:

@@ -34,6 +34,7 @@ from ..ops.transfer import to_device, to_host
 from ..ops.verify import verify
 from .mtp import Drafts, MTPDrafter
 from .mtp_graphs import MTPGraphs
+from .replay import ReplayDrafter
 
 
 @dataclass
@@ -54,10 +55,12 @@ def speculates(seq: Sequence) -> bool:
 
 class Speculator:
     def __init__(self, model: DeepseekV4Model, num_drafts: int,
-                 graphs: Callable[[torch.Tensor], MTPGraphs] | None = None):
+                 graphs: Callable[[torch.Tensor], MTPGraphs] | None = None, replay: ReplayDrafter | None = None):
         """`graphs`: builds the drafter's CUDA graphs (from the first step's target streams) when
-        the runner has decode graphs; None runs the drafter eagerly."""
-        self.drafter = MTPDrafter(model, num_drafts)
+        the runner has decode graphs; None runs the drafter eagerly. `replay`: draft with a
+        ReplayDrafter instead of the MTP block (benchmarks)."""
+        self.replay = replay
+        self.drafter = MTPDrafter(model, num_drafts) if replay is None else None
         self.num_drafts = num_drafts
         self._probs: dict[int, torch.Tensor] = {}       # slot -> [k, V] q of its sampled drafts
         self._make_graphs, self._graphs = graphs, None
@@ -129,6 +132,12 @@ class Speculator:
                     states.append(fb.states[i])
                     slots.append(seq.slot)
             off += n
+        if self.replay is not None:
+            if not seqs:
+                return
+            drafts = self.replay.propose([s.prompt_ids for s in seqs], [s.seed for s in seqs], positions)
+            out.draft_seqs, out.drafts = seqs, torch.tensor(drafts, dtype=torch.long).view(len(seqs), -1)
+            return
         dev = streams.device
         ids = to_device(next_ids, torch.long, dev)
         if fix_rows:       # the tokens sampled or verified this step, in chunk order

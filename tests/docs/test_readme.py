@@ -397,8 +397,8 @@ TABLE: dict[str, Run | Skip] = {
         "a measurement whose numbers the README quotes (4 forwards of the bundled model, ~1 min of CPU), "
         "nothing to assert"),
     "python benchmarks/spec_acceptance.py": Skip(
-        "minutes of CPU (4 x 32 prompts x 64 tokens); tests/speculative runs the same loop on 12 x 24"),
-    "python benchmarks/spec_acceptance.py --device cuda": Skip(GPU),
+        "minutes of CPU (6 x 32 prompts x 64 tokens); tests/speculative runs the same engine on 12 x 24"),
+    "python benchmarks/spec_speed.py --device cuda --drafts 1,3,5 --concurrency 1,16,64": Skip(GPU),
     "python benchmarks/spec_distribution.py": Skip(
         "20k + 20k seeded runs, minutes of CPU; tests/api/test_verify.py runs a chi-square test of "
         "verification itself"),
