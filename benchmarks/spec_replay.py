@@ -1,0 +1,105 @@
+"""Speculative decoding's own cost and speed-up on the V4-Flash-width dummy model (random weights, cut
+to 4 layers as benchmarks/sweep.py cuts it), with the replay drafter (issue 17): it proposes the
+continuation an earlier greedy run of the same prompts produced, each draft right with probability
+--acceptance, so the verify steps run as with a drafter of that quality (drafting itself costs
+nothing here: this measures verification, the scheduler and the host path, not the MTP block).
+
+    python benchmarks/spec_replay.py [--concurrency 1,16,64,256] [--gammas 1,3,5]
+                                     [--acceptance 0.6,0.8] [--input-len 256] [--output-len 128]
+
+Per concurrency: one greedy run without speculation records the outputs and gives the baseline
+output tok/s (CUDA graphs, async scheduling: the engine as users run it); then, per acceptance and
+gamma, the same prompts with the replay drafter (bf16, graphs; speculative steps run synchronously).
+Each setting is warmed up once with the same batch, then timed. Reports output tok/s, the speed-up
+over no speculation and the measured tau (a random model's greedy path can differ between a verify
+chunk and a decode step at near-ties; the drafts then miss and tau drops below the chosen one).
+Writes benchmarks/results/spec_replay_<device>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sweep_model import bench_config, load_base_config  # noqa: E402
+
+from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.speculative.engine_step import Speculator  # noqa: E402
+from deepinfer_core.speculative.replay import ReplayDrafter  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def timed(llm: LLM, prompts, params) -> tuple[list, float]:
+    llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)       # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return outs, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=ints, default=[1, 16, 64, 256])
+    ap.add_argument("--gammas", type=ints, default=[1, 3, 5])
+    ap.add_argument("--acceptance", type=lambda t: [float(x) for x in t.split(",")], default=[0.6, 0.8])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    a = ap.parse_args()
+    base, _ = load_base_config()
+    cfg = bench_config(base, a.layers)
+    cfg["num_nextn_predict_layers"] = 0                 # the replay drafter needs no MTP block
+    tmp = Path(tempfile.mkdtemp(prefix="deepinfer-spec-replay-"))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    gamma_max = max(a.gammas)
+    t0 = time.perf_counter()
+    llm = LLM(model=str(tmp), load_format="dummy", dtype="bfloat16", num_speculative_tokens=0,
+              max_backtracking_tokens=gamma_max + 1, max_num_seqs=max(a.concurrency),
+              max_model_len=a.input_len + a.output_len + 8)
+    print(f"start-up {time.perf_counter() - t0:.1f} s", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True, detokenize=False)
+    rows = []
+    for c in a.concurrency:
+        prompts = torch.randint(1000, int(cfg["vocab_size"]), (c, a.input_len), generator=gen).tolist()
+        llm.engine.executor.speculator = None                      # the plain engine (async on)
+        llm.engine.async_scheduling = llm.config.scheduler.async_scheduling
+        outs, seconds = timed(llm, prompts, params)
+        recorded = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outs)}
+        base_tok_s = c * a.output_len / seconds
+        rows.append(dict(concurrency=c, gamma=0, acceptance=None, output_tok_s=round(base_tok_s, 1), speedup=1.0,
+                         tau=None))
+        print(f"c={c:4} no speculation: {base_tok_s:9.1f} tok/s", flush=True)
+        for acc in a.acceptance:
+            for g in a.gammas:
+                drafter = ReplayDrafter(recorded, [acc] * g, int(cfg["vocab_size"]))
+                llm.engine.use_speculator(Speculator(llm.runner.model, g, replay=drafter), llm.runner.backtrack)
+                outs, seconds = timed(llm, prompts, params)
+                m = llm.engine.spec_metrics
+                tok_s = c * a.output_len / seconds
+                same = sum(o.outputs[0].token_ids == recorded[tuple(p)] for p, o in zip(prompts, outs))
+                rows.append(dict(concurrency=c, gamma=g, acceptance=acc, output_tok_s=round(tok_s, 1),
+                                 speedup=round(tok_s / base_tok_s, 3), tau=round(m.acceptance_length, 3),
+                                 identical=f"{same}/{c}"))
+                print(f"c={c:4} gamma {g} acceptance {acc}: {tok_s:9.1f} tok/s  x{tok_s / base_tok_s:.2f}  "
+                      f"tau {m.acceptance_length:.2f} (two runs)  identical {same}/{c}", flush=True)
+    out = HERE / "results" / f"spec_replay_{torch.device(llm.runner.device).type}.json"
+    out.write_text(json.dumps(dict(model=f"V4-Flash width, {a.layers} layers, random weights (dummy)",
+                                   dtype="bfloat16", input_len=a.input_len, output_len=a.output_len,
+                                   device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                                   rows=rows), indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
