@@ -6,6 +6,7 @@ nothing here: this measures verification, the scheduler and the host path, not t
 
     python benchmarks/spec_replay.py [--concurrency 1,16,64,256] [--gammas 1,3,5]
                                      [--acceptance 0.6,0.8] [--input-len 256] [--output-len 128]
+                                     [--no-batch-invariant]
 
 Per concurrency: one greedy run without speculation records the outputs and gives the baseline
 output tok/s (CUDA graphs, async scheduling: the engine as users run it); then, per acceptance and
@@ -55,6 +56,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="batch-invariant kernels (default on): a verify chunk then computes what decode steps "
+                         "computed, so the target reproduces the recorded run; without them a random model's "
+                         "greedy path flips at near-ties as soon as the step's token count changes the tiles")
     a = ap.parse_args()
     base, _ = load_base_config()
     cfg = bench_config(base, a.layers)
@@ -64,6 +69,7 @@ def main() -> None:
     gamma_max = max(a.gammas)
     t0 = time.perf_counter()
     llm = LLM(model=str(tmp), load_format="dummy", dtype="bfloat16", num_speculative_tokens=0,
+              batch_invariant=a.batch_invariant,
               max_backtracking_tokens=gamma_max + 1, max_num_seqs=max(a.concurrency),
               max_model_len=a.input_len + a.output_len + 8)
     print(f"start-up {time.perf_counter() - t0:.1f} s", flush=True)
@@ -95,7 +101,7 @@ def main() -> None:
                       f"tau {m.acceptance_length:.2f} (two runs)  identical {same}/{c}", flush=True)
     out = HERE / "results" / f"spec_replay_{torch.device(llm.runner.device).type}.json"
     out.write_text(json.dumps(dict(model=f"V4-Flash width, {a.layers} layers, random weights (dummy)",
-                                   dtype="bfloat16", input_len=a.input_len, output_len=a.output_len,
+                                   dtype="bfloat16", batch_invariant=a.batch_invariant, input_len=a.input_len, output_len=a.output_len,
                                    device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                                    rows=rows), indent=1) + "\n")
     print(f"wrote {out}")

@@ -41,11 +41,14 @@ def test_graph_decode_equals_eager_decode(tiny_ckpt_dir):
 
 def test_graph_verify_steps_equal_eager_verify_steps(tiny_ckpt_dir):
     """Verification batches of q = 2 and 4 tokens per sequence (all rows' logits) driven through the
-    runners directly (the engine has no speculative decoding yet): 5 sequences -> bucket 8 (3 padding
+    runners directly: 5 sequences -> bucket 8 (3 padding
     sequences), one of them crossing positions 127/128. Both runners get the same tokens (the eager
     runner's greedy token, then random drafts): same argmax at every row, logprobs within 1e-3."""
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
-    opts = dict(dtype="float32", simulate_qat=False, max_num_seqs=8, kv_cache_memory_bytes=1 << 30)
+    # rollback room for 3 drafts: verify graphs go up to q = max_backtracking_tokens (the suite runs with
+    # DEEPINFER_USE_NEXTN_DECODE=0, whose default room is 1)
+    opts = dict(dtype="float32", simulate_qat=False, max_num_seqs=8, kv_cache_memory_bytes=1 << 30,
+                max_backtracking_tokens=4)
     graphs = LLM(model=str(tiny_ckpt_dir), **opts)
     eager = LLM(model=str(tiny_ckpt_dir), enforce_eager=True, **opts)
     runners = (graphs.runner, eager.runner)
