@@ -331,10 +331,11 @@ class EngineConfig(_Section):
             parts.setdefault(section, {})[name] = value
         top = parts.pop(None, {})
         drafts = parts["speculative"].get("num_speculative_tokens")
-        if drafts is not None and options.get("max_backtracking_tokens") is None:
+        if _is_int(drafts) and drafts >= 0 and options.get("max_backtracking_tokens") is None:
             # the room the env table reserves follows DEEPINFER_USE_NEXTN_DECODE; an option's gamma too
-            cache = parts["cache"]
-            cache["max_backtracking_tokens"] = max(cache["max_backtracking_tokens"], drafts + 1)
+            cache = parts["cache"]        # (a bad value is refused by the section's validation)
+            if _is_int(cache["max_backtracking_tokens"]):
+                cache["max_backtracking_tokens"] = max(cache["max_backtracking_tokens"], drafts + 1)
         return cls(**{s: cls_(**parts.get(s, {})) for s, cls_ in SECTIONS.items()}, **top)
 
     def as_options(self) -> dict[str, Any]:

@@ -61,7 +61,9 @@ def test_every_field_refuses_a_bad_value_naming_the_field(clean_env, name):
                                   "DEEPINFER_ZERO_OVERHEAD_SCHEDULING\\)"),
     ({"tensor_parallel_size": 8}, r"tensor_parallel_size=8; allowed: 1 \(multi-GPU is not implemented yet\)"),
     ({"data_parallel_size": 2}, "data_parallel_size=2; allowed: 1 .*multi-GPU"),
-    ({"speculative_config": {"num_speculative_tokens": 3}}, "speculative_config=.*not implemented yet"),
+    ({"speculative_config": {"num_speculative_tokens": 3}}, "speculative_config=.*use num_speculative_tokens"),
+    ({"num_speculative_tokens": 4, "max_backtracking_tokens": 2},
+     "num_speculative_tokens=4 .*needs max_backtracking_tokens >= 5 .*DEEPINFER_MAX_BACKTRACKING_TOKENS"),
     ({"max_backtracking_tokens": -1}, "max_backtracking_tokens=-1; allowed: an int >= 0"),
 ])
 def test_validation_messages(clean_env, options, message):
@@ -104,7 +106,11 @@ def test_env_defaults_are_resolved_once(clean_env, tmp_path):
 def test_backtracking_default_follows_the_draft_length(clean_env):
     clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
     assert EngineConfig.from_options().cache.max_backtracking_tokens == 3        # max(0, 2 + 1)
-    assert EngineConfig.from_options(max_backtracking_tokens=1).cache.max_backtracking_tokens == 1
+    assert EngineConfig.from_options(num_speculative_tokens=4).cache.max_backtracking_tokens == 5   # the option's
+    with pytest.raises(ValueError, match="needs max_backtracking_tokens >= 3"):     # less room than gamma needs
+        EngineConfig.from_options(max_backtracking_tokens=1)
+    no_drafts = EngineConfig.from_options(num_speculative_tokens=0, max_backtracking_tokens=1)
+    assert no_drafts.cache.max_backtracking_tokens == 1
 
 
 def test_the_environment_is_read_once_per_config(clean_env, monkeypatch):
