@@ -102,9 +102,11 @@ def test_checkpoint_without_tokenizer_files_works_with_token_ids(tiny_ckpt_dir, 
         llm.generate("text needs a tokenizer", greedy_params(), use_tqdm=False)
 
 
-def test_ring_room_for_rollback_comes_from_the_env_table(llm_fp32):
+def test_ring_room_for_rollback_comes_from_the_env_table(llm_fp32, monkeypatch):
     from deepinfer_core.envs import read_settings
-    room = read_settings().effective_max_backtracking_tokens       # max(value, nextn + 1) = 6 by default
+    room = read_settings().effective_max_backtracking_tokens       # max(value, nextn + 1)
     state = llm_fp32.runner.new_sequence()
     cfg = llm_fp32.runner.model_config
-    assert room == 6 and state.layers[0].ring.shape[0] == cfg.sliding_window + room
+    assert state.layers[0].ring.shape[0] == cfg.sliding_window + room
+    monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")       # the suite sets 0 (tests/conftest.py)
+    assert read_settings().effective_max_backtracking_tokens == 6      # the table's: max(0, 5 + 1)

@@ -299,6 +299,12 @@ def check_chat_snippet(r: Result) -> None:
     assert len(replies) == 2 and all(isinstance(ast.literal_eval(t), str) for t in replies), replies
 
 
+def check_speculative_snippet(r: Result) -> None:
+    # tau of one MTP-3 request on the bundled trained model: between 1 and k + 1, well above 1
+    tau = float(r.stdout.strip().splitlines()[-1])
+    assert 1.3 < tau <= 4.0, r.stdout
+
+
 def exits_0(r: Result) -> None:
     """Nothing printed to check: the block builds objects only (it must still run)."""
 
@@ -426,6 +432,7 @@ PYTHON: dict[str, Check] = {
     "llm.chat(messages": check_chat_snippet,
     "StructuredOutputsParams(choice=": exits_0,
     'engine.abort_request("c")': exits_0,
+    "LLM(num_speculative_tokens=3)": check_speculative_snippet,
 }
 
 

@@ -39,8 +39,10 @@ def runner_graphs(runner, graphs):
         runner.graphs = saved
 
 
+# max_backtracking_tokens: room for the q = 3 verify batches below (the suite runs without speculation,
+# whose default room is 1)
 OPTS = dict(dtype="float32", simulate_qat=False, max_num_batched_tokens=96, num_cache_blocks=16,
-            max_num_seqs=4, async_scheduling=False)
+            max_num_seqs=4, async_scheduling=False, max_backtracking_tokens=6)
 
 
 @pytest.fixture(scope="module")
