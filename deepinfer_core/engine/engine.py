@@ -285,7 +285,12 @@ class Engine:
     def _process_speculation(self, spec, now: float) -> None:
         """Verified chunks: back to the accepted prefix, then append the accepted drafts and the added
         token (up to a stop); then every drafting sequence's next drafts."""
-        for c, j, tok in zip(spec.verified, spec.accepted, spec.tokens.tolist() if spec.verified else ()):
+        lp = None
+        if spec.logprobs is not None:
+            vals, ids, slp, ranks = spec.logprobs
+            lp = HostLogprobs([], vals.tolist(), ids.tolist(), slp.tolist(), ranks.tolist())
+        for n, (c, j, tok) in enumerate(zip(spec.verified, spec.accepted,
+                                            spec.tokens.tolist() if spec.verified else ())):
             seq = c.seq
             seq.num_pending -= 1
             if seq.status is SeqStatus.FINISHED:
@@ -296,8 +301,11 @@ class Engine:
             for metrics in (self._spec_metrics(req), self.spec_metrics):
                 metrics.record(c.num_drafts, j)
             stopped = False
-            for t in seq.draft_ids[:j] + [tok]:
+            first = spec.logprob_rows.get(n)
+            for e, t in enumerate(seq.draft_ids[:j] + [tok]):
                 req.metrics.token_times.append(now)
+                if first is not None:
+                    self._add_logprobs(seq, lp, first + e, t)
                 stopped = append_token(seq, t)
                 if stopped:
                     break

@@ -16,7 +16,8 @@ drafts from the last committed row of each sequence that speculates. Drafts of a
 their distributions q on the device until its next verify step (keyed by slot).
 
 What verification does not apply yet keeps a request out of speculation (it decodes one token per
-step, as before): grammars (the draft masks), logprobs, and penalties.
+step, as before): grammars (the draft masks) and penalties. Logprobs of the emitted tokens come from
+the verify rows (raw logits, as the sampler's logprobs).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from ..engine.scheduler import ScheduledChunk
 from ..engine.sequence import Sequence
 from ..model.deepseek_v4 import DeepseekV4Model
 from ..model.forward_batch import ForwardBatch
-from ..ops.sampler import GREEDY_EPS
+from ..ops.sampler import GREEDY_EPS, compute_logprobs
 from ..ops.transfer import to_device, to_host
 from ..ops.verify import verify
 from .mtp import Drafts, MTPDrafter
@@ -46,11 +47,15 @@ class SpecOutcome:
     tokens: torch.Tensor | None = None                      # [verified] the token each verification adds
     draft_seqs: list[Sequence] = field(default_factory=list)
     drafts: torch.Tensor | None = None                      # [draft_seqs, k] their next drafts
+    # logprobs of the emitted tokens of the verified chunks that want them: chunk index in `verified`
+    # -> its first row in `logprobs` (one row per emitted token: accepted drafts, then the added one)
+    logprob_rows: dict[int, int] = field(default_factory=dict)
+    logprobs: tuple | None = None                           # host (top values, top ids, token lp, ranks)
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether `seq` drafts: not while verification lacks its grammar masks, logprobs or penalties."""
-    return seq.request.constraint is None and not seq.wants_logprobs and not seq.penalised
+    """Whether `seq` drafts: not while verification lacks its grammar masks or penalties."""
+    return seq.request.constraint is None and not seq.penalised
 
 
 class Speculator:
@@ -96,7 +101,31 @@ class Speculator:
                          [s.seed for s in seqs])
         last_token.index_copy_(0, to_device([s.slot for s in seqs], torch.long, dev), verdict.tokens)
         out.accepted, out.tokens = verdict.accepted, to_host(verdict.tokens)
+        if any(s.wants_logprobs for s in seqs):
+            self._logprobs(logits, chunks, logit_starts, out, verdict.tokens)
         return verdict.tokens
+
+    @staticmethod
+    def _logprobs(logits, chunks, logit_starts, out: SpecOutcome, extra: torch.Tensor) -> None:
+        """Logprobs of every emitted token (row r of a verify chunk predicts its token r + 1), in one
+        call at the largest k asked for."""
+        starts = {id(c): lo for c, lo in zip(chunks, logit_starts)}
+        rows, targets, extra_at, k = [], [], [], 0
+        for i, (c, j) in enumerate(zip(out.verified, out.accepted)):
+            if not c.seq.wants_logprobs:
+                continue
+            out.logprob_rows[i] = len(rows)
+            rows.extend(range(starts[id(c)], starts[id(c)] + j + 1))
+            targets.extend(c.seq.draft_ids[:j] + [0])
+            extra_at.append((len(targets) - 1, i))
+            k = max(k, c.seq.params.logprobs)
+        dev = logits.device
+        t = to_device(targets, torch.long, dev)
+        t[to_device([a for a, _ in extra_at], torch.long, dev)] = extra.index_select(
+            0, to_device([i for _, i in extra_at], torch.long, dev))
+        res = compute_logprobs(logits.index_select(0, to_device(rows, torch.long, dev)), k, t)
+        out.logprobs = tuple(to_host(x) for x in (res.top_logprobs, res.top_ids, res.sampled_logprobs,
+                                                  res.sampled_ranks))
 
     @staticmethod
     def _one_hot(seq: Sequence, k: int, logits: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ float32 on the CPU with batch-invariant ops:
 - lossless: greedy outputs with MTP-1 and MTP-3 equal non-speculative ones token for token; seeded
   sampled outputs equal the reference loop's (whose distribution `benchmarks/spec_distribution.py`
   checks) and do not depend on the batch;
-- with preemption, chunked prefill, a short token budget, requests that do not draft (logprobs,
-  penalties, grammars, min_tokens) and ones that stop early (stop strings, max_tokens): still
+- with preemption, chunked prefill, a short token budget, logprobs (from the verify rows), requests
+  that do not draft (penalties, grammars; min_tokens until they are out) and ones that stop early (stop strings, max_tokens): still
   token-identical;
 - the metrics (per request and per engine), the default gamma and the errors that name the variable.
 """
@@ -72,7 +72,7 @@ def test_seeded_samples_equal_the_reference_loop_and_ignore_the_batch(spec_llm, 
 def test_preemption_chunking_and_requests_that_do_not_draft(trained_dir, reference_llm, prompts_and_reference):
     """A cache too small for every request (preemption), a 24-token budget (chunked prefill; verify
     chunks cut short), and requests with logprobs, penalties, a grammar, min_tokens, a stop string,
-    n=2 and a short max_tokens: the same tokens (and logprobs) as the roomy non-speculative engine."""
+    n=2 and a short max_tokens: the same tokens, text and logprobs as the roomy non-speculative engine."""
     prompts, _ = prompts_and_reference
     params = [GREEDY,
               SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=2),
@@ -93,8 +93,10 @@ def test_preemption_chunking_and_requests_that_do_not_draft(trained_dir, referen
     assert tight.engine.scheduler.num_preemptions > 0
     assert tokens(outs) == tokens(reference)
     assert [c.text for o in outs for c in o.outputs] == [c.text for o in reference for c in o.outputs]
+    # logprobs of drafted tokens come from the verify rows: the same values as the decode steps'
     assert outs[1].outputs[0].logprobs == reference[1].outputs[0].logprobs
-    assert [o.metrics.spec is None for o in outs[1:4]] == [True, True, True]   # they never drafted
+    assert outs[1].metrics.spec is not None and outs[1].metrics.spec.num_accepted_tokens > 0
+    assert [o.metrics.spec is None for o in outs[2:4]] == [True, True]       # penalties, grammar: no drafts
     assert outs[4].metrics.spec is not None                                  # after its min_tokens
 
 
