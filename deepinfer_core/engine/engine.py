@@ -31,12 +31,7 @@ from ..api.sampling_params import SamplingParams
 from ..contracts import StepRunner, TokenSampler
 from ..ops.sampler import mix_seed
 from .constraints import attach_constraint
-from .output_processor import (
-    append_token,
-    finalize_text,
-    logprobs_entry,
-    start_detokenizer,
-)
+from .output_processor import append_token, finalize_text, logprobs_entry, start_detokenizer
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Request, SeqStatus, Sequence
 from .step_executor import HostLogprobs, InFlight, StepExecutor

@@ -313,7 +313,7 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, compute_dtype: torch.
 
     `compute_dtype`: the run's dtype; float32 keeps float32-stored tensors exact (`_load_dtype`).
     `require_mtp`: refuse a checkpoint without MTP tensors instead of dropping `model.mtp`; for
-    speculative decoding (MTP drafting), which nothing in the engine requests yet.
+    speculative decoding (MTP drafting; the engine drafts when they are present, speculative/engine_step.py).
     """
     t0 = time.perf_counter()
     weight_map, shards = _shard_files(Path(path))

@@ -1,9 +1,9 @@
 """A plain speculative decoding loop over a `ModelRunner`: all requests together, one eager target
 forward per step, MTP drafts, lossless verification, rollback of what was rejected.
 
-It is what the tests and `benchmarks/spec_acceptance.py` use to show that MTP speculation is lossless
-and to measure its acceptance on the bundled model, until the engine's scheduler runs speculative
-steps (issue 17; `LLM.generate` does not draft yet). Per step and request: the target runs
+The engine's own speculative steps are `engine_step.py`; this loop is the independent reference the
+tests compare them with (the engine's seeded outputs equal it) and that
+`benchmarks/spec_distribution.py` checks against the target's exact distribution. Per step and request: the target runs
 [anchor, x_1..x_k], `verify` accepts j drafts and adds one token, the state rolls back to the
 anchor + j drafts, and the MTP block runs over the same rows (next token of row t: the emitted token
 at t + 1) to draft the next step's k tokens from the last committed row.

@@ -120,7 +120,7 @@ def test_the_environment_is_read_once_per_config(clean_env, monkeypatch):
     assert len(calls) == 1
 
 
-def test_mtp_varlen_is_refused_until_speculative_decoding(clean_env):
+def test_mtp_varlen_is_refused_until_it_is_implemented(clean_env):
     clean_env.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     with pytest.raises(ValueError, match="enable_mtp_varlen=True; allowed: False .*ENABLE_MTP_VARLEN"):
         EngineConfig.from_options()

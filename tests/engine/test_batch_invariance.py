@@ -55,9 +55,9 @@ def test_env_variable_turns_it_on(tiny_ckpt_dir, monkeypatch):
                for op in (*ops.linear.values(), ops.attention, ops.moe, ops.mhc, ops.pointwise, llm.sampler))
 
 
-def test_mtp_varlen_is_refused_until_speculative_decoding_lands(tiny_ckpt_dir, monkeypatch):
+def test_mtp_varlen_is_refused_until_it_is_implemented(tiny_ckpt_dir, monkeypatch):
     """Variable-length verification would make the tokens depend on the load (no batch invariance);
-    nothing drafts yet, so the config refuses it with or without invariance."""
+    VARLEN is not implemented yet, so the config refuses it with or without invariance."""
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     for invariant in (True, False):
         with pytest.raises(ValueError, match="enable_mtp_varlen=True; allowed: False .*ENABLE_MTP_VARLEN"):

@@ -6,7 +6,7 @@ from deepinfer_core.hookspecs import hookimpl
 NAME = "dspark"
 DEEPINFER_PLUGIN_INFO = {
     "status": "skeleton",
-    "note": "not implemented yet (nothing drafts): DSpark drafter, confidence-scheduled verification",
+    "note": "not implemented yet (the engine drafts with the MTP block only): DSpark drafter, confidence-scheduled verification",
 }
 
 
