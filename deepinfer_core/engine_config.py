@@ -92,7 +92,6 @@ UTILIZATION = Rule("a number in (0, 1]", lambda v: not isinstance(v, bool) and i
                    and 0 < v <= 1, float)
 SINGLE_GPU = "multi-GPU is not implemented yet"
 NO_SPECULATIVE = "use num_speculative_tokens (DEEPINFER_USE_NEXTN_DECODE): MTP drafts are the only method yet"
-NO_VARLEN = "confidence-scheduled verification is not implemented yet"
 
 
 def validate_utilization(value: Any) -> float:
@@ -211,8 +210,8 @@ class ParallelOptions(_Section):
 
 @dataclass(frozen=True)
 class SpeculativeOptions(_Section):
-    """Speculative decoding with the checkpoint's MTP block as the drafter (static gamma). Batch
-    invariance must refuse enable_mtp_varlen when it lands (the draft length would follow the load)."""
+    """Speculative decoding with the checkpoint's MTP block as the drafter: gamma drafts per step, all
+    verified, or (enable_mtp_varlen) as many as the confidences and the step times make worth it."""
 
     num_speculative_tokens: int | None = _env_if_set(
         "DEEPINFER_USE_NEXTN_DECODE", "draft tokens verified per request per step (gamma, MTP-gamma); 0 = "
@@ -221,9 +220,10 @@ class SpeculativeOptions(_Section):
                                lambda v: v is None or (_is_int(v) and v >= 0)))
     speculative_config: dict[str, Any] | None = _opt(None, "vLLM's speculative-decoding settings",
                                                      _only(None, NO_SPECULATIVE))
-    enable_mtp_varlen: bool = _env("DEEPINFER_ENABLE_MTP_VARLEN", "confidence-scheduled variable-length "
-                                   "verification of draft tokens",
-                                   _only(False, NO_VARLEN + "; unset DEEPINFER_ENABLE_MTP_VARLEN"))
+    enable_mtp_varlen: bool = _env("DEEPINFER_ENABLE_MTP_VARLEN", "confidence-scheduled verification: the "
+                                   "drafts verified per step follow the drafter's confidences and the step times "
+                                   "profiled at start-up (False: every draft)",
+                                   _env_bool("DEEPINFER_ENABLE_MTP_VARLEN"))
 
 
 @dataclass(frozen=True)
@@ -298,6 +298,13 @@ class EngineConfig(_Section):
             raise ValueError(f"kv_cache_dtype='fp8' needs dtype='bfloat16' (the RoPE dims stay bf16), "
                              f"got dtype={self.model.dtype!r}")
         drafts = self.speculative.num_speculative_tokens
+        if self.speculative.enable_mtp_varlen and self.model.batch_invariant:
+            raise ValueError("enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1) with batch_invariant=True "
+                             "(DEEPINFER_BATCH_INVARIANT=1): the verified draft length would follow the load, "
+                             "so a seeded request's tokens would too; turn one of them off")
+        if self.speculative.enable_mtp_varlen and drafts == 0:
+            raise ValueError("enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1) schedules draft verification, "
+                             "but num_speculative_tokens=0 (DEEPINFER_USE_NEXTN_DECODE=0) turns speculation off")
         if drafts is not None and drafts + 1 > self.cache.max_backtracking_tokens:
             raise ValueError(f"num_speculative_tokens={drafts} (DEEPINFER_USE_NEXTN_DECODE) needs "
                              f"max_backtracking_tokens >= {drafts + 1} (DEEPINFER_MAX_BACKTRACKING_TOKENS): a "

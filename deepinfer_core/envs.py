@@ -108,7 +108,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("DEEPINFER_HF_MODEL_DIR", "path", None,
            "Local checkpoint directory (config.json, *.safetensors) used instead of a download."),
     EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", "bool", False,
-           "Confidence-scheduled variable-length verification of draft tokens."),
+           "Confidence-scheduled verification: the drafts verified per step follow the drafter's "
+           "confidences and the step times profiled at start-up; 0 verifies every draft. Refused with "
+           "DEEPINFER_BATCH_INVARIANT=1."),
     EnvVar("DEEPINFER_USE_NEXTN_DECODE", "int", 5,
            "Draft tokens per request per step (gamma; MTP-gamma with the checkpoint's mtp.* block); 0 "
            "disables speculative decoding. Unset: 5 when the checkpoint has mtp.* tensors, else off "

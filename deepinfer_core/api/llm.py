@@ -293,6 +293,8 @@ class LLM:
                 max_model_len=self.config.model.max_model_len, async_scheduling=sched.async_scheduling,
                 seed=self.config.model.seed, logits_processors=self.logits_processors,
                 speculator=self.runner.make_speculator())
+            if self.config.speculative.enable_mtp_varlen:
+                engine.use_varlen(self.runner.varlen_policy(sched.max_num_seqs))
         return engine
 
 

@@ -69,6 +69,7 @@ class Engine:
         self.executor = StepExecutor(runner, sampler, self.eos_token_id, self.vocab_size,
                                      scheduler.blocks.allocator.num_slots, speculator)
         self.spec_metrics = SpecMetrics() if speculator is not None else None   # over every request
+        self.varlen = None                 # VARLEN's policy (use_varlen), None: verify every draft
         self._requests: dict[str, _Tracked] = {}
         self._in_flight: InFlight | None = None
         self._touched: dict[str, _Tracked] = {}       # requests with news for the next step() result
@@ -131,6 +132,7 @@ class Engine:
         returns one RequestOutput per request with news: streamed requests get their deltas,
         the others their whole output once finished."""
         self._refuse_failed_constraints()
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.chunks:
             if self._in_flight is not None:
@@ -144,6 +146,8 @@ class Engine:
         self.num_steps += 1
         if not self.async_scheduling:
             self._process(step)
+            if self.varlen is not None:
+                self._observe_step_time(out.chunks, (time.perf_counter() - t0) * 1e3)
         else:
             previous, self._in_flight = self._in_flight, step
             if previous is not None:
@@ -159,7 +163,28 @@ class Engine:
             raise ValueError(f"{speculator.num_drafts} drafts per step need max_backtracking_tokens >= "
                              f"{speculator.num_drafts + 1} (DEEPINFER_MAX_BACKTRACKING_TOKENS), the runner has {backtrack}")
         self.executor.speculator, self.async_scheduling = speculator, False
+        speculator.want_confidence = self.varlen is not None
         self.spec_metrics = SpecMetrics()
+
+    def use_varlen(self, policy: Any) -> None:
+        """Confidence-scheduled verification (speculative/varlen.py VarlenPolicy), or None: verify
+        every draft. Its max_drafts must be the speculator's. Only when idle."""
+        spec = self.executor.speculator
+        if spec is None:
+            raise ValueError("DEEPINFER_ENABLE_MTP_VARLEN=1 schedules draft verification, but the engine has no "
+                             "drafter (DEEPINFER_USE_NEXTN_DECODE=0 or no mtp.* tensors)")
+        if self.has_unfinished_requests():
+            raise RuntimeError("use_varlen: the engine has requests in flight")
+        if policy is not None and policy.max_drafts != spec.num_drafts:
+            raise ValueError(f"VARLEN policy for {policy.max_drafts} drafts, the drafter proposes {spec.num_drafts}")
+        self.varlen = self.scheduler.draft_length = policy
+        spec.want_confidence = policy is not None
+
+    def _observe_step_time(self, chunks: list[ScheduledChunk], ms: float) -> None:
+        """A step of verify chunks only, all one shape, corrects the VARLEN time table."""
+        rows = chunks[0].num_tokens
+        if all(c.num_drafts and c.num_tokens == rows for c in chunks):
+            self.varlen.observe(len(chunks), rows, ms)
 
     def abort_all(self) -> None:
         """After a failure: drop every request so the cache's slots and blocks return."""
@@ -294,7 +319,7 @@ class Engine:
             seq.num_computed = c.start + 1 + j
             req = seq.request
             for metrics in (self._spec_metrics(req), self.spec_metrics):
-                metrics.record(c.num_drafts, j)
+                metrics.record(c.max_accept, j)
             stopped = False
             first = spec.logprob_rows.get(n)
             for e, t in enumerate(seq.draft_ids[:j] + [tok]):
@@ -310,9 +335,12 @@ class Engine:
                 self._finished(tracked, seq)
             elif req.stream and tracked is not None:
                 self._touched[req.request_id] = tracked
-        for seq, ids in zip(spec.draft_seqs, spec.drafts.tolist() if spec.draft_seqs else ()):
+        conf = spec.confidence.tolist() if spec.confidence is not None else None
+        for i, (seq, ids) in enumerate(zip(spec.draft_seqs, spec.drafts.tolist() if spec.draft_seqs else ())):
             if not seq.finished:
                 seq.draft_ids = ids
+                if conf is not None:
+                    seq.draft_conf = conf[i]
                 for metrics in (self._spec_metrics(seq.request), self.spec_metrics):
                     metrics.num_drafted_tokens += len(ids)
 

@@ -15,6 +15,7 @@ sequence whose next step needs host knowledge of its last token (a grammar's mas
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..cache.block_allocator import BlockAllocator
@@ -35,6 +36,8 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool                          # reaches the last token, so its last row samples a new one
     num_drafts: int = 0                    # a verify chunk: [last token, its first num_drafts drafts]
+    max_accept: int = 0                    # drafts it may accept (<= num_drafts: fewer near max_tokens;
+                                           # the other rows keep the step's graph shape, dropped as rejected)
 
 
 @dataclass
@@ -102,6 +105,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
         self.config = config
         self.blocks = BlockManager(allocator, config.block_size)
+        # confidence-scheduled verification (speculative/varlen.py): the step's common draft length
+        # from the cumulative confidences of the sequences that verify; None verifies every draft
+        self.draft_length: Callable[[list[list[float]]], int] | None = None
         self.waiting: deque[Sequence] = deque()     # finished entries are skipped and dropped lazily
         self.running: dict[int, Sequence] = {}      # seq_id -> sequence, in admission order
         self.num_preemptions = 0
@@ -156,6 +162,7 @@ class Scheduler:
         The common case, a decode inside the blocks it holds, is inline: this loop runs for every
         sequence at every step."""
         block_size, chunks = self.config.block_size, out.chunks
+        limit = self._draft_length() if self.draft_length is not None else None
         for seq in list(self.running.values()):
             if budget == 0:
                 break
@@ -169,9 +176,13 @@ class Scheduler:
             if n <= 0:
                 continue
             samples = start + n == seq.num_tokens + pending
-            drafts = self._num_drafts(seq, budget) if seq.draft_ids and n == 1 else 0
-            n += drafts
+            drafts = accept = 0
+            if seq.draft_ids and n == 1 and len(seq.token_ids) >= seq.min_tokens:
+                drafts, accept = self._num_drafts(seq, start, budget, limit)
+                n += drafts
             if start + n > len(seq.block_ids) * block_size:
+                if drafts > accept and not self.blocks.can_hold(seq, start + n):
+                    n, drafts = n - (drafts - accept), accept      # rows fed for the shape never preempt
                 while not self.blocks.can_hold(seq, start + n):
                     victim = next(reversed(self.running.values()))
                     self._preempt(victim, out)
@@ -180,20 +191,27 @@ class Scheduler:
                 if seq.status is not SeqStatus.RUNNING:
                     continue
                 self.blocks.hold(seq, start + n)
-            chunks.append(ScheduledChunk(seq, start, n, samples, drafts))
+            chunks.append(ScheduledChunk(seq, start, n, samples, drafts, accept))
             seq.num_computed = start + n
             if samples:
                 seq.num_pending = pending + 1
             budget -= n
         return budget
 
-    @staticmethod
-    def _num_drafts(seq: Sequence, budget: int) -> int:
-        """Drafts to verify with the last token: all it holds, but none past max_tokens (a verify step
-        adds accepted + 1 tokens) or the budget, and none before min_tokens are out."""
-        if len(seq.token_ids) < seq.min_tokens:
-            return 0
-        return max(0, min(len(seq.draft_ids), seq.max_tokens - len(seq.token_ids) - 1, budget - 1))
+    def _draft_length(self) -> int:
+        """The common draft length of this step's verify chunks (confidence-scheduled)."""
+        return self.draft_length([s.draft_conf for s in self.running.values()
+                                  if s.draft_ids and s.status is SeqStatus.RUNNING and s.num_computed + 1 == s.num_tokens])
+
+    def _num_drafts(self, seq: Sequence, start: int, budget: int, limit: int | None) -> tuple[int, int]:
+        """(drafts fed, drafts that may be accepted) with the last token: all it holds (or the step's
+        confidence-scheduled length), within the budget; none accepted past max_tokens (a verify step
+        adds accepted + 1 tokens). The rows past max_tokens are still fed, within the blocks the
+        sequence may hold, so every verify chunk of the step has one shape (one CUDA graph)."""
+        fed = min(len(seq.draft_ids), budget - 1) if limit is None else min(len(seq.draft_ids), limit, budget - 1)
+        accept = max(0, min(fed, seq.max_tokens - len(seq.token_ids) - 1))
+        room = self.blocks.blocks_for(seq.max_total_tokens) * self.config.block_size - start - 1
+        return max(accept, min(fed, room)), accept
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Waiting sequences in order while the budget, the slots and the blocks allow; admission
@@ -235,6 +253,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.blocks.free(seq)
         del self.running[seq.seq_id]
-        seq.status, seq.num_computed, seq.draft_ids = SeqStatus.WAITING, 0, []
+        seq.status, seq.num_computed, seq.draft_ids, seq.draft_conf = SeqStatus.WAITING, 0, [], []
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

@@ -50,6 +50,7 @@ class Sequence:
     slot: int = -1                        # state slot while resident (-1: none)
     block_ids: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)   # drafts for the next verify step (speculation)
+    draft_conf: list[float] = field(default_factory=list)  # their cumulative confidences (VARLEN)
     # ---- output (the output processor's) ----
     token_ids: list[int] = field(default_factory=list)
     text: str = ""

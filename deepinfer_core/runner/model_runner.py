@@ -151,6 +151,10 @@ class ModelRunner:
         self.dtype = self.loaded.ctx.torch_dtype
         self.backtrack = config.cache.max_backtracking_tokens
         self.num_drafts = resolve_num_drafts(config.speculative.num_speculative_tokens, len(self.model.mtp))
+        if config.speculative.enable_mtp_varlen and not self.num_drafts:
+            raise ValueError("enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1) schedules the verification of "
+                             "MTP drafts, but the checkpoint has no mtp.* tensors; unset it or use a checkpoint "
+                             "with a drafter")
         self.enforce_eager = config.model.enforce_eager
         self.kv_fp8 = resolve_kv_fp8(config.cache.kv_cache_dtype, self.dtype, config.model.simulate_qat)
         self.graphs: DecodeGraphs | None = None
@@ -255,6 +259,14 @@ class ModelRunner:
             def graphs(streams, decode=self.graphs):
                 return MTPGraphs(self.model, decode, self.cache, self.loaded.ops.attention, streams)
         return Speculator(self.model, self.num_drafts, graphs)
+
+    def varlen_policy(self, max_seqs: int, num_drafts: int | None = None):
+        """VARLEN's policy over a step-time table profiled now (batches up to `max_seqs` sequences of
+        1..num_drafts + 1 rows; default: this runner's drafts)."""
+        from ..speculative.varlen import VarlenPolicy
+        from .step_times import profile_step_times
+        k = self.num_drafts if num_drafts is None else num_drafts
+        return VarlenPolicy(profile_step_times(self, max_seqs, k + 1), k)
 
     # ---- forward --------------------------------------------------------------------------------
     @torch.no_grad()

@@ -33,7 +33,7 @@ from ..model.forward_batch import ForwardBatch
 from ..ops.sampler import GREEDY_EPS, compute_logprobs
 from ..ops.transfer import to_device, to_host
 from ..ops.verify import verify
-from .mtp import Drafts, MTPDrafter
+from .mtp import Drafts, MTPDrafter, draft_confidence
 from .mtp_graphs import MTPGraphs
 from .replay import ReplayDrafter
 
@@ -47,6 +47,7 @@ class SpecOutcome:
     tokens: torch.Tensor | None = None                      # [verified] the token each verification adds
     draft_seqs: list[Sequence] = field(default_factory=list)
     drafts: torch.Tensor | None = None                      # [draft_seqs, k] their next drafts
+    confidence: torch.Tensor | None = None                  # [draft_seqs, k] cumulative (VARLEN only)
     # logprobs of the emitted tokens of the verified chunks that want them: chunk index in `verified`
     # -> its first row in `logprobs` (one row per emitted token: accepted drafts, then the added one)
     logprob_rows: dict[int, int] = field(default_factory=dict)
@@ -67,6 +68,7 @@ class Speculator:
         self.replay = replay
         self.drafter = MTPDrafter(model, num_drafts) if replay is None else None
         self.num_drafts = num_drafts
+        self.want_confidence = False     # VARLEN: the scheduler reads each draft's confidence
         self._probs: dict[int, torch.Tensor] = {}       # slot -> [k, V] q of its sampled drafts
         self._make_graphs, self._graphs = graphs, None
 
@@ -86,9 +88,9 @@ class Speculator:
         rows, ids, ks = [], [], []
         for c, lo in zip(chunks, logit_starts):
             if c.num_drafts:
-                rows.extend(range(lo, lo + c.num_tokens))
-                ids.extend(c.seq.draft_ids[:c.num_drafts])
-                ks.append(c.num_drafts)
+                rows.extend(range(lo, lo + c.max_accept + 1))
+                ids.extend(c.seq.draft_ids[:c.max_accept])
+                ks.append(c.max_accept)
         dev = logits.device
         seqs = [c.seq for c in out.verified]
         params = [s.params for s in seqs]
@@ -166,6 +168,8 @@ class Speculator:
                 return
             drafts = self.replay.propose([s.prompt_ids for s in seqs], [s.seed for s in seqs], positions)
             out.draft_seqs, out.drafts = seqs, torch.tensor(drafts, dtype=torch.long).view(len(seqs), -1)
+            if self.want_confidence:
+                out.confidence = self.replay.cumulative_confidence().expand(len(seqs), -1)
             return
         dev = streams.device
         ids = to_device(next_ids, torch.long, dev)
@@ -183,7 +187,8 @@ class Speculator:
             if not seqs:
                 return
             drafts = self.drafter.propose(logits, mtp_streams, states, positions, params, [s.seed for s in seqs],
-                                          slot_ids=slots, slot_tables=fb.slot_tables)
+                                          slot_ids=slots, slot_tables=fb.slot_tables,
+                                          with_confidence=self.want_confidence)
         if not seqs:
             return
         if drafts.probs is not None:
@@ -191,6 +196,8 @@ class Speculator:
                 if p.temperature >= GREEDY_EPS:
                     self._probs[s.slot] = drafts.probs[i]
         out.draft_seqs, out.drafts = seqs, to_host(drafts.ids)
+        if drafts.confidence is not None:
+            out.confidence = to_host(drafts.confidence.cumprod(1))
 
 
     def _draft_graphed(self, streams, ids, chunks, last_rows, rows, positions, slots) -> Drafts | None:
@@ -215,7 +222,7 @@ class Speculator:
         if not rows:
             return Drafts(torch.empty(0, self.num_drafts, dtype=torch.long, device=dev), None)
         tok = logits.argmax(-1)
-        drafted = [tok]
+        drafted, conf = [tok], [draft_confidence(logits)] if self.want_confidence else None
         for step in range(self.num_drafts - 1):
             out = graphs.draft_step(mtp_streams, tok, [p + 1 + step for p in positions], slots)
             if out is None:
@@ -223,7 +230,9 @@ class Speculator:
             logits, mtp_streams = out
             tok = logits.argmax(-1)
             drafted.append(tok)
-        return Drafts(torch.stack(drafted, 1), None)
+            if conf is not None:
+                conf.append(draft_confidence(logits))
+        return Drafts(torch.stack(drafted, 1), None, None if conf is None else torch.stack(conf, 1))
 
 
 def _interleave(chunks, sampled: torch.Tensor | None, verified: torch.Tensor | None) -> torch.Tensor:

@@ -36,6 +36,15 @@ from ..ops.transfer import to_device
 class Drafts:
     ids: torch.Tensor               # [requests, k] int64
     probs: torch.Tensor | None      # [requests, k, V] the distributions they were drawn from (None: all greedy)
+    confidence: torch.Tensor | None = None   # [requests, k] each draft's confidence (VARLEN), else None
+
+
+def draft_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The MTP block's confidence in its draft at a position: the top probability of its
+    distribution there, a function of the drafts before it only (never of the draft it scores, which
+    would break losslessness: varlen.py). V4's MTP block has no trained confidence head (DSpark's
+    has), so this is a proxy: calibrated for greedy drafts at best, low for sampled ones."""
+    return logits.float().softmax(-1).amax(-1)
 
 
 class MTPDrafter:
@@ -56,17 +65,20 @@ class MTPDrafter:
 
     def propose(self, logits: torch.Tensor, streams: torch.Tensor, batch_states: list, last_positions: Sequence[int],
                 params: Sequence[Any], seeds: Sequence[int], slot_ids: list[int] | None = None,
-                slot_tables: Any = None) -> Drafts:
+                slot_tables: Any = None, with_confidence: bool = False) -> Drafts:
         """k drafts per request. `logits`, `streams` [requests, ...]: the MTP outputs of each request's
         last committed row, at position `last_positions[i]` (its first draft goes to that + 2).
-        `slot_ids`, `slot_tables`: the engine's per-slot tables, as in its target batches."""
+        `slot_ids`, `slot_tables`: the engine's per-slot tables, as in its target batches.
+        `with_confidence`: also each draft's confidence (VARLEN)."""
         n, dev = logits.shape[0], logits.device
-        ids, probs = [], []
+        ids, probs, conf = [], [], []
         greedy = all(p.temperature < GREEDY_EPS for p in params)
         for step in range(self.num_drafts):
             tok, q = _draw(logits, params, [p + 2 + step for p in last_positions], seeds, greedy)
             ids.append(tok)
             probs.append(q)
+            if with_confidence:
+                conf.append(draft_confidence(logits))
             if step + 1 == self.num_drafts:
                 break
             # one position on: the block's own streams as h, the draft as the next token
@@ -74,7 +86,8 @@ class MTPDrafter:
             batch = ForwardBatch(tok, to_device(pos, torch.int64, dev), pos, [1] * n, batch_states,
                                  torch.arange(n, device=dev), slot_ids=slot_ids, slot_tables=slot_tables)
             logits, streams = self.model.mtp_step(streams, tok, batch)
-        return Drafts(torch.stack(ids, 1), None if greedy else torch.stack(probs, 1))
+        return Drafts(torch.stack(ids, 1), None if greedy else torch.stack(probs, 1),
+                      torch.stack(conf, 1) if with_confidence else None)
 
 
 def _draw(logits: torch.Tensor, params: Sequence[Any], positions: list[int], seeds: Sequence[int],

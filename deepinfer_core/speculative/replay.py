@@ -13,7 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ..ops.sampler import counter_uniform
+from .varlen import cumulative
 
 
 @dataclass
@@ -31,6 +34,10 @@ class ReplayDrafter:
         if not self.acceptance or not all(0.0 <= a <= 1.0 for a in self.acceptance):
             raise ValueError(f"ReplayDrafter: acceptance must be k >= 1 probabilities in [0, 1], "
                              f"got {list(self.acceptance)}")
+
+    def cumulative_confidence(self) -> torch.Tensor:
+        """[k] the chance drafts 1..j all pass: exact confidences, for VARLEN scheduling."""
+        return torch.tensor(cumulative(self.acceptance), dtype=torch.float32)
 
     def propose(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                 last_positions: Sequence[int]) -> list[list[int]]:

@@ -120,10 +120,12 @@ def test_the_environment_is_read_once_per_config(clean_env, monkeypatch):
     assert len(calls) == 1
 
 
-def test_mtp_varlen_is_refused_until_it_is_implemented(clean_env):
+def test_mtp_varlen_is_read_from_the_env_and_needs_speculation(clean_env):
     clean_env.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
-    with pytest.raises(ValueError, match="enable_mtp_varlen=True; allowed: False .*ENABLE_MTP_VARLEN"):
-        EngineConfig.from_options()
+    assert EngineConfig.from_options().speculative.enable_mtp_varlen
+    with pytest.raises(ValueError, match="enable_mtp_varlen=True .* num_speculative_tokens=0 "
+                                         r"\(DEEPINFER_USE_NEXTN_DECODE=0\)"):
+        EngineConfig.from_options(num_speculative_tokens=0)
 
 
 @pytest.mark.parametrize("name", sorted(COMPAT_OPTIONS))

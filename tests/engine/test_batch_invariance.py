@@ -55,13 +55,12 @@ def test_env_variable_turns_it_on(tiny_ckpt_dir, monkeypatch):
                for op in (*ops.linear.values(), ops.attention, ops.moe, ops.mhc, ops.pointwise, llm.sampler))
 
 
-def test_mtp_varlen_is_refused_until_it_is_implemented(tiny_ckpt_dir, monkeypatch):
-    """Variable-length verification would make the tokens depend on the load (no batch invariance);
-    VARLEN is not implemented yet, so the config refuses it with or without invariance."""
+def test_mtp_varlen_is_refused_with_batch_invariance(tiny_ckpt_dir, monkeypatch):
+    """Variable-length verification makes a seeded request's tokens depend on the load."""
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
-    for invariant in (True, False):
-        with pytest.raises(ValueError, match="enable_mtp_varlen=True; allowed: False .*ENABLE_MTP_VARLEN"):
-            LLM(model=str(tiny_ckpt_dir), batch_invariant=invariant)
+    with pytest.raises(ValueError, match="enable_mtp_varlen=True .*DEEPINFER_ENABLE_MTP_VARLEN=1.* "
+                                         "batch_invariant=True .*DEEPINFER_BATCH_INVARIANT=1"):
+        LLM(model=str(tiny_ckpt_dir), batch_invariant=True)
 
 
 def test_bad_option_value_names_the_field(tiny_ckpt_dir):

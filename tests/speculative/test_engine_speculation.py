@@ -130,5 +130,7 @@ def test_bad_speculative_settings_name_the_variable():
         EngineConfig.from_options(num_speculative_tokens=5, max_backtracking_tokens=3)
     with pytest.raises(ValueError, match="num_speculative_tokens=-1; allowed: an int >= 0"):
         EngineConfig.from_options(num_speculative_tokens=-1)
-    with pytest.raises(ValueError, match="enable_mtp_varlen=True; allowed: False"):
-        EngineConfig.from_options(enable_mtp_varlen=True)
+    with pytest.raises(ValueError, match="enable_mtp_varlen='yes'; allowed: True, False, None"):
+        EngineConfig.from_options(enable_mtp_varlen="yes")
+    with pytest.raises(ValueError, match="enable_mtp_varlen=True .* batch_invariant=True"):
+        EngineConfig.from_options(enable_mtp_varlen=True, batch_invariant=True)
