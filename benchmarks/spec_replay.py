@@ -6,15 +6,20 @@ nothing here: this measures verification, the scheduler and the host path, not t
 
     python benchmarks/spec_replay.py [--concurrency 1,16,64,256] [--gammas 1,3,5]
                                      [--acceptance 0.6,0.8] [--input-len 256] [--output-len 128]
-                                     [--no-batch-invariant]
+                                     [--no-varlen] [--curve-rows 8] [--no-batch-invariant] [--cprofile]
 
-Per concurrency: one greedy run without speculation records the outputs and gives the baseline
-output tok/s (CUDA graphs, async scheduling: the engine as users run it); then, per acceptance and
-gamma, the same prompts with the replay drafter (bf16, graphs; speculative steps run synchronously).
-Each setting is warmed up once with the same batch, then timed. Reports output tok/s, the speed-up
-over no speculation and the measured tau (a random model's greedy path can differ between a verify
-chunk and a decode step at near-ties; the drafts then miss and tau drops below the chosen one).
-Writes benchmarks/results/spec_replay_<device>.json.
+First the verify step-time curve: a CUDA-graph replay per (batch 1..256, rows per request
+1..--curve-rows), random ids (runner/step_times.py, the table VARLEN profiles at start-up). Then per
+concurrency: one greedy run without speculation records the outputs and gives the baseline output
+tok/s (CUDA graphs, async scheduling: the engine as users run it); then, per acceptance, the same
+prompts with the replay drafter at each static gamma and with VARLEN (confidence-scheduled
+verification up to the largest gamma; the replay drafter's confidences are its true acceptance),
+bf16, graphs, speculative steps synchronous. Batch-invariant kernels for every run (default; the
+engine refuses VARLEN with invariance, so the policy is installed directly here: the kernels are
+the ones the recorded run used, so the drafts land, and static and VARLEN rows compare the same
+kernels). Each setting is warmed up once with the same batch, then timed. Reports output tok/s, the
+speed-up over no speculation, the measured tau and VARLEN's chosen lengths. Writes
+benchmarks/results/spec_replay_<device>.json after every row.
 """
 from __future__ import annotations
 
@@ -31,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from sweep_model import bench_config, load_base_config  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.runner.step_times import profile_step_times  # noqa: E402
 from deepinfer_core.speculative.engine_step import Speculator  # noqa: E402
 from deepinfer_core.speculative.replay import ReplayDrafter  # noqa: E402
+from deepinfer_core.speculative.varlen import VarlenPolicy  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -60,6 +67,10 @@ def main() -> None:
                     help="batch-invariant kernels (default on): a verify chunk then computes what decode steps "
                          "computed, so the target reproduces the recorded run; without them a random model's "
                          "greedy path flips at near-ties as soon as the step's token count changes the tiles")
+    ap.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run confidence-scheduled verification (up to the largest gamma)")
+    ap.add_argument("--curve-rows", type=int, default=8, help="rows per request of the step-time curve (0: none)")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the first speculative run (host path)")
     a = ap.parse_args()
     base, _ = load_base_config()
     cfg = bench_config(base, a.layers)
@@ -68,17 +79,39 @@ def main() -> None:
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     gamma_max = max(a.gammas)
     t0 = time.perf_counter()
+    max_seqs = max(a.concurrency)
     llm = LLM(model=str(tmp), load_format="dummy", dtype="bfloat16", num_speculative_tokens=0,
-              batch_invariant=a.batch_invariant,
-              max_backtracking_tokens=gamma_max + 1, max_num_seqs=max(a.concurrency),
-              max_model_len=a.input_len + a.output_len + 8)
+              batch_invariant=a.batch_invariant, max_backtracking_tokens=max(gamma_max + 1, a.curve_rows),
+              max_num_seqs=max_seqs, max_model_len=a.input_len + a.output_len + 8,
+              num_cache_blocks=max_seqs * -(-(a.input_len + a.output_len + 8) // 128) + 8)
     print(f"start-up {time.perf_counter() - t0:.1f} s", flush=True)
+    device = torch.device(llm.runner.device).type
+    result = dict(model=f"V4-Flash width, {a.layers} layers, random weights (dummy)", dtype="bfloat16",
+                  batch_invariant=a.batch_invariant, input_len=a.input_len, output_len=a.output_len,
+                  device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", rows=[])
+    out = HERE / "results" / f"spec_replay_{device}.json"
+
+    def save() -> None:
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    llm.engine            # the cache and the decode graphs
+    if a.curve_rows:
+        curve = profile_step_times(llm.runner, max_seqs, a.curve_rows)
+        result["step_time_curve"] = curve.table()
+        save()
+        print("verify step time (ms) by batch x rows per request")
+        print("batch " + "".join(f"{q:>8}" for q in range(1, a.curve_rows + 1)))
+        for b, times in zip(curve.buckets, curve.ms):
+            print(f"{b:5} " + "".join(f"{t:8.3f}" for t in times), flush=True)
+    times = profile_step_times(llm.runner, max_seqs, gamma_max + 1) if a.varlen else None
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True, detokenize=False)
-    rows = []
+    rows = result["rows"]
+    profiled = not a.cprofile
     for c in a.concurrency:
         prompts = torch.randint(1000, int(cfg["vocab_size"]), (c, a.input_len), generator=gen).tolist()
         llm.engine.executor.speculator = None                      # the plain engine (async on)
+        llm.engine.varlen = llm.engine.scheduler.draft_length = None
         llm.engine.async_scheduling = llm.config.scheduler.async_scheduling
         outs, seconds = timed(llm, prompts, params)
         recorded = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outs)}
@@ -87,23 +120,35 @@ def main() -> None:
                          tau=None))
         print(f"c={c:4} no speculation: {base_tok_s:9.1f} tok/s", flush=True)
         for acc in a.acceptance:
-            for g in a.gammas:
-                drafter = ReplayDrafter(recorded, [acc] * g, int(cfg["vocab_size"]))
-                llm.engine.use_speculator(Speculator(llm.runner.model, g, replay=drafter), llm.runner.backtrack)
+            for g in a.gammas + (["varlen"] if a.varlen else []):
+                k = gamma_max if g == "varlen" else g
+                drafter = ReplayDrafter(recorded, [acc] * k, int(cfg["vocab_size"]))
+                llm.engine.varlen = llm.engine.scheduler.draft_length = None
+                llm.engine.use_speculator(Speculator(llm.runner.model, k, replay=drafter), llm.runner.backtrack)
+                if g == "varlen":
+                    llm.engine.use_varlen(VarlenPolicy(times, k))
+                if not profiled:
+                    profiled = True
+                    import cProfile
+                    import pstats
+                    with cProfile.Profile() as prof:
+                        timed(llm, prompts, params)
+                    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
                 outs, seconds = timed(llm, prompts, params)
                 m = llm.engine.spec_metrics
                 tok_s = c * a.output_len / seconds
                 same = sum(o.outputs[0].token_ids == recorded[tuple(p)] for p, o in zip(prompts, outs))
-                rows.append(dict(concurrency=c, gamma=g, acceptance=acc, output_tok_s=round(tok_s, 1),
-                                 speedup=round(tok_s / base_tok_s, 3), tau=round(m.acceptance_length, 3),
-                                 identical=f"{same}/{c}"))
+                row = dict(concurrency=c, gamma=g, acceptance=acc, output_tok_s=round(tok_s, 1),
+                           speedup=round(tok_s / base_tok_s, 3), tau=round(m.acceptance_length, 3),
+                           identical=f"{same}/{c}")
+                if g == "varlen":
+                    row["chosen_lengths"] = list(llm.engine.varlen.chosen)
+                    row["offset_ms"] = round(llm.engine.varlen.offset_ms, 3)
+                rows.append(row)
+                save()
+                extra = f"  lengths {row['chosen_lengths']}" if g == "varlen" else ""
                 print(f"c={c:4} gamma {g} acceptance {acc}: {tok_s:9.1f} tok/s  x{tok_s / base_tok_s:.2f}  "
-                      f"tau {m.acceptance_length:.2f} (two runs)  identical {same}/{c}", flush=True)
-    out = HERE / "results" / f"spec_replay_{torch.device(llm.runner.device).type}.json"
-    out.write_text(json.dumps(dict(model=f"V4-Flash width, {a.layers} layers, random weights (dummy)",
-                                   dtype="bfloat16", batch_invariant=a.batch_invariant, input_len=a.input_len, output_len=a.output_len,
-                                   device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                                   rows=rows), indent=1) + "\n")
+                      f"tau {m.acceptance_length:.2f} (two runs)  identical {same}/{c}{extra}", flush=True)
     print(f"wrote {out}")
 
 

@@ -9,7 +9,12 @@ import pytest
 from spec_cases import GREEDY, OPTIONS, TOKENS  # noqa: E402
 
 from deepinfer_core import LLM  # noqa: E402
-from deepinfer_core.speculative.varlen import StepTimes, VarlenPolicy, choose_length, cumulative  # noqa: E402
+from deepinfer_core.speculative.varlen import (  # noqa: E402
+    StepTimes,
+    VarlenPolicy,
+    choose_length,
+    cumulative,
+)
 
 
 def table(fixed: float, per_row: float, buckets=(1, 2, 4, 8), rows: int = 6) -> StepTimes:
