@@ -6,7 +6,8 @@ nothing here: this measures verification, the scheduler and the host path, not t
 
     python benchmarks/spec_replay.py [--concurrency 1,16,64,256] [--gammas 1,3,5]
                                      [--acceptance 0.6,0.8] [--input-len 256] [--output-len 128]
-                                     [--no-varlen] [--curve-rows 8] [--no-batch-invariant] [--cprofile]
+                                     [--no-varlen] [--curve-rows 8] [--no-batch-invariant]
+                                     [--repeats 3] [--cprofile C] [--append]
 
 First the verify step-time curve: a CUDA-graph replay per (batch 1..256, rows per request
 1..--curve-rows), random ids (runner/step_times.py, the table VARLEN profiles at start-up). Then per
@@ -17,13 +18,16 @@ verification up to the largest gamma; the replay drafter's confidences are its t
 bf16, graphs, speculative steps synchronous. Batch-invariant kernels for every run (default; the
 engine refuses VARLEN with invariance, so the policy is installed directly here: the kernels are
 the ones the recorded run used, so the drafts land, and static and VARLEN rows compare the same
-kernels). Each setting is warmed up once with the same batch, then timed. Reports output tok/s, the
+kernels). Each setting is warmed up once with the same batch, then timed (median of --repeats runs;
+every request has a fixed seed, so every run replays the same coins and plans the same steps). Reports output tok/s, the
 speed-up over no speculation, the measured tau and VARLEN's chosen lengths. Writes
 benchmarks/results/spec_replay_<device>.json after every row.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import json
 import sys
 import tempfile
@@ -48,11 +52,16 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-def timed(llm: LLM, prompts, params) -> tuple[list, float]:
+def timed(llm: LLM, prompts, params, repeats: int) -> tuple[list, float]:
+    """One warm-up, then the median seconds of `repeats` runs (fixed seeds: every run plans the same steps)."""
+    params = [dataclasses.replace(params, seed=i) for i in range(len(prompts))]
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)       # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return outs, time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    return outs, statistics.median(times)
 
 
 def main() -> None:
@@ -70,7 +79,11 @@ def main() -> None:
     ap.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
                     help="also run confidence-scheduled verification (up to the largest gamma)")
     ap.add_argument("--curve-rows", type=int, default=8, help="rows per request of the step-time curve (0: none)")
-    ap.add_argument("--cprofile", action="store_true", help="cProfile the first speculative run (host path)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="C",
+                    help="cProfile the largest static gamma and VARLEN at concurrency C, first acceptance")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median)")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows of other concurrencies already in the results file")
     a = ap.parse_args()
     base, _ = load_base_config()
     cfg = bench_config(base, a.layers)
@@ -90,6 +103,11 @@ def main() -> None:
                   batch_invariant=a.batch_invariant, input_len=a.input_len, output_len=a.output_len,
                   device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", rows=[])
     out = HERE / "results" / f"spec_replay_{device}.json"
+    if a.append and out.exists():
+        old = json.loads(out.read_text())
+        result["rows"] = [r for r in old["rows"] if r["concurrency"] not in a.concurrency]
+        if "step_time_curve" in old:
+            result["step_time_curve"] = old["step_time_curve"]
 
     def save() -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
@@ -107,13 +125,12 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True, detokenize=False)
     rows = result["rows"]
-    profiled = not a.cprofile
     for c in a.concurrency:
         prompts = torch.randint(1000, int(cfg["vocab_size"]), (c, a.input_len), generator=gen).tolist()
         llm.engine.executor.speculator = None                      # the plain engine (async on)
         llm.engine.varlen = llm.engine.scheduler.draft_length = None
         llm.engine.async_scheduling = llm.config.scheduler.async_scheduling
-        outs, seconds = timed(llm, prompts, params)
+        outs, seconds = timed(llm, prompts, params, a.repeats)
         recorded = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outs)}
         base_tok_s = c * a.output_len / seconds
         rows.append(dict(concurrency=c, gamma=0, acceptance=None, output_tok_s=round(base_tok_s, 1), speedup=1.0,
@@ -127,14 +144,14 @@ def main() -> None:
                 llm.engine.use_speculator(Speculator(llm.runner.model, k, replay=drafter), llm.runner.backtrack)
                 if g == "varlen":
                     llm.engine.use_varlen(VarlenPolicy(times, k))
-                if not profiled:
-                    profiled = True
+                if a.cprofile == c and acc == a.acceptance[0] and g in (gamma_max, "varlen"):
                     import cProfile
                     import pstats
                     with cProfile.Profile() as prof:
-                        timed(llm, prompts, params)
-                    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
-                outs, seconds = timed(llm, prompts, params)
+                        timed(llm, prompts, params, 1)
+                    print(f"cProfile, gamma {g}, acceptance {acc}, concurrency {c}")
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+                outs, seconds = timed(llm, prompts, params, a.repeats)
                 m = llm.engine.spec_metrics
                 tok_s = c * a.output_len / seconds
                 same = sum(o.outputs[0].token_ids == recorded[tuple(p)] for p, o in zip(prompts, outs))

@@ -287,7 +287,8 @@ class LLM:
                 raise RuntimeError("LLM: the runner's state cache was re-sized by another LLM while this "
                                    "one has requests in flight")
             sched = self.config.scheduler
-            cfg = SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens)
+            cfg = SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+                                  max_model_len=self.config.model.max_model_len)
             engine = self._engine = Engine(
                 self.runner, self.sampler, Scheduler(cfg, allocator), self.tokenizer,
                 max_model_len=self.config.model.max_model_len, async_scheduling=sched.async_scheduling,

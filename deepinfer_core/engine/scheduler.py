@@ -27,6 +27,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 128
+    max_model_len: int | None = None       # positions a block table holds (verify rows fed for shape)
 
 
 @dataclass(slots=True)
@@ -200,8 +201,9 @@ class Scheduler:
 
     def _draft_length(self) -> int:
         """The common draft length of this step's verify chunks (confidence-scheduled)."""
-        return self.draft_length([s.draft_conf for s in self.running.values()
-                                  if s.draft_ids and s.status is SeqStatus.RUNNING and s.num_computed + 1 == s.num_tokens])
+        conf = [s.draft_conf for s in self.running.values()
+                if s.draft_ids and s.status is SeqStatus.RUNNING and s.num_computed + 1 == s.num_tokens]
+        return self.draft_length(conf) if conf else 0
 
     def _num_drafts(self, seq: Sequence, start: int, budget: int, limit: int | None) -> tuple[int, int]:
         """(drafts fed, drafts that may be accepted) with the last token: all it holds (or the step's
@@ -210,7 +212,7 @@ class Scheduler:
         sequence may hold, so every verify chunk of the step has one shape (one CUDA graph)."""
         fed = min(len(seq.draft_ids), budget - 1) if limit is None else min(len(seq.draft_ids), limit, budget - 1)
         accept = max(0, min(fed, seq.max_tokens - len(seq.token_ids) - 1))
-        room = self.blocks.blocks_for(seq.max_total_tokens) * self.config.block_size - start - 1
+        room = self.blocks.blocks_for(self.config.max_model_len or seq.max_total_tokens) * self.config.block_size - start - 1
         return max(accept, min(fed, room)), accept
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:

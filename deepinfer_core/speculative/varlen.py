@@ -96,7 +96,11 @@ def choose_length(cumulative_confidences: Sequence[Sequence[float]], times: Step
 class VarlenPolicy:
     """The scheduler's `draft_length`: the profiled table, corrected online (§7.5, simplified) by
     the median gap between the measured wall time of recent speculative steps (drafting, sampling
-    and host work included) and the table's time for their shape."""
+    and host work included) and the table's time for their shape, one constant per step.
+    DS-DeepInfer charges that gap per row (slope x rows); on the H200 benchmark that drove the length
+    to 0-1 at concurrency 256 (the synchronous host path's per-sequence cost read as per-row cost)
+    and lost up to a third of the throughput, so the constant stays until the profile itself times
+    verification."""
 
     times: StepTimes
     max_drafts: int
