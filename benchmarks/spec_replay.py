@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import json
+import statistics
 import sys
 import tempfile
 import time
