@@ -30,6 +30,44 @@ class YarnScaling:
 
 
 @dataclass(frozen=True)
+class DSparkConfig:
+    """The DSpark drafter of a `*-DSpark` / V4-Flash-0731 checkpoint (dspark.md §3.3): its stages are
+    the `num_nextn_predict_layers` blocks stored under `mtp.*`."""
+
+    block_size: int                    # gamma the drafter was trained for (dspark_block_size)
+    noise_token_id: int                # the mask token filling draft slots 2..gamma
+    target_layer_ids: tuple[int, ...]  # main layers whose attention inputs feed the drafter
+    markov_rank: int                   # r of the Markov head's V x r tables
+    n_routed_experts: int              # the stages' own MoE size (dspark_n_routed_experts, else the target's)
+    num_experts_per_tok: int
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], n_layers: int, n_experts: int, top_k: int) -> "DSparkConfig | None":
+        if "dspark_block_size" not in d and "dspark_target_layer_ids" not in d:
+            return None
+        if not d.get("dspark_target_attn_input", True):
+            raise ConfigError("config.json: dspark_target_attn_input=false is not supported; allowed: [true] (the "
+                              "drafter reads the streams entering each target layer's attention)")
+        ids = tuple(int(i) for i in d.get("dspark_target_layer_ids") or ())
+        bad = [i for i in ids if not 0 <= i < n_layers]
+        if not ids or bad:
+            raise ConfigError(f"config.json: dspark_target_layer_ids={list(ids)}; allowed: a non-empty list of main "
+                              f"layer ids in 0..{n_layers - 1}")
+        out = cls(block_size=int(d.get("dspark_block_size", 5)), noise_token_id=int(d.get("dspark_noise_token_id", 0)),
+                  target_layer_ids=ids, markov_rank=int(d.get("dspark_markov_rank", 256)),
+                  n_routed_experts=int(d.get("dspark_n_routed_experts") or n_experts),
+                  num_experts_per_tok=int(d.get("dspark_num_experts_per_tok") or top_k))
+        for name, value in (("dspark_block_size", out.block_size), ("dspark_markov_rank", out.markov_rank),
+                            ("dspark_n_routed_experts", out.n_routed_experts)):
+            if value < 1:
+                raise ConfigError(f"config.json: {name}={value}; allowed: an int >= 1")
+        if not 1 <= out.num_experts_per_tok <= out.n_routed_experts:
+            raise ConfigError(f"config.json: dspark_num_experts_per_tok={out.num_experts_per_tok}; allowed: "
+                              f"1..{out.n_routed_experts} (dspark_n_routed_experts)")
+        return out
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -68,6 +106,7 @@ class ModelConfig:
     # Quantisation of the checkpoint: None = plain (bf16/f32) weights everywhere.
     weight_block_size: tuple[int, int] | None = (128, 128)
     expert_dtype: str = "fp4"
+    dspark: DSparkConfig | None = None   # the mtp.* stages are a DSpark drafter (else MTP blocks)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived values -------------------------------------------------------------------------
@@ -169,6 +208,7 @@ class ModelConfig:
             eos_token_id=int(d.get("eos_token_id", 1)),
             weight_block_size=block,
             expert_dtype=expert_dtype,
+            dspark=DSparkConfig.from_dict(d, n_layers, int(need("n_routed_experts")), int(need("num_experts_per_tok"))),
             raw=dict(d),
         )
         cfg.validate()
@@ -207,7 +247,7 @@ class ModelConfig:
             if f.name == "raw":
                 continue
             v = getattr(self, f.name)
-            out[f.name] = v.__dict__ if isinstance(v, YarnScaling) else v
+            out[f.name] = v.__dict__ if isinstance(v, (YarnScaling, DSparkConfig)) else v
         return out
 
 

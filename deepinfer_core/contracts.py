@@ -172,6 +172,27 @@ def resolve_sampler(pm: Any, ctx: Any) -> TokenSampler:
     return check_contract(pm.sampler(ctx), TokenSampler, "sampler")
 
 
+class DraftProposer(Protocol):
+    """A drafter from a plugin's `deepinfer_proposer` hook (e.g. DSpark), built by the factory the
+    hook returns: `factory(model, num_drafts, temperatures)`. The speculator calls `observe` with
+    every target forward of a step that drafts (the model's output: logits, streams, features) and
+    `propose` for the sequences that draft, from the token each just committed (the anchor)."""
+
+    num_drafts: int
+
+    def observe(self, batch: Any, target: Any) -> None:
+        """Take what the drafter needs of every row of a target forward."""
+
+    def propose(self, anchors: torch.Tensor, anchor_positions: list[int], states: list, params: Any,
+                seeds: Any) -> Any:
+        """speculative.mtp.Drafts: num_drafts drafts per anchor (ids, q when sampled, confidences)."""
+
+
+def resolve_proposer(pm: Any, ctx: Any) -> Any:
+    """The proposer factory a plugin offers for this checkpoint, or None (the MTP block drafts)."""
+    return pm.proposer(ctx)
+
+
 # ---- the runner (the engine's side) --------------------------------------------------------------
 class StepRunner(Protocol):
     """What the engine's step executor needs of a runner (runner/model_runner.py; test fakes)."""

@@ -37,7 +37,7 @@ class EnvError(ValueError):
 
 @dataclass(frozen=True)
 class EnvVar:
-    """One declared variable. `kind` is bool | int | choice | path | list."""
+    """One declared variable. `kind` is bool | int | choice | path | list | floats."""
 
     name: str
     kind: str
@@ -58,6 +58,8 @@ class EnvVar:
             return "path to an existing directory"
         if self.kind == "list":
             return "comma-separated plugin names (letters, digits, _ . -)"
+        if self.kind == "floats":
+            return "a number > 0, or a comma-separated list of them"
         raise AssertionError(self.kind)
 
     def default_text(self) -> str:
@@ -65,8 +67,8 @@ class EnvVar:
             return "unset"
         if self.kind == "bool":
             return "1" if self.default else "0"
-        if self.kind == "list":
-            return ",".join(self.default) or "unset"
+        if self.kind in ("list", "floats"):
+            return ",".join(map(str, self.default)) or "unset"
         return str(self.default)
 
     def parse(self, raw: str | None) -> Any:
@@ -97,6 +99,13 @@ class EnvVar:
             items = tuple(item.strip() for item in value.split(",") if item.strip())
             if items and all(_PLUGIN_NAME.match(item) for item in items):
                 return items
+        elif self.kind == "floats":
+            try:
+                numbers = tuple(float(item) for item in value.split(","))
+            except ValueError:
+                numbers = ()
+            if numbers and all(x > 0 for x in numbers):
+                return numbers
         raise EnvError(f"{self.name}={raw!r} is invalid; allowed: {self.allowed()}")
 
 
@@ -113,8 +122,11 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "DEEPINFER_BATCH_INVARIANT=1."),
     EnvVar("DEEPINFER_USE_NEXTN_DECODE", "int", 5,
            "Draft tokens per request per step (gamma; MTP-gamma with the checkpoint's mtp.* block); 0 "
-           "disables speculative decoding. Unset: 5 when the checkpoint has mtp.* tensors, else off "
-           "(logged once).", minimum=0),
+           "disables speculative decoding. Unset: the DSpark block size (5) when the checkpoint has a "
+           "DSpark drafter, 5 when it has an MTP block, else off (logged once).", minimum=0),
+    EnvVar("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "floats", (1.0,),
+           "DSpark confidence head: calibration temperature(s), one for every draft position or one "
+           "per position (as many as DEEPINFER_USE_NEXTN_DECODE); each clamped to >= 1e-5."),
     EnvVar("DEEPINFER_MAX_BACKTRACKING_TOKENS", "int", 0,
            "Rollback room in the SWA rings; the effective value is max(value, gamma + 1).",
            minimum=0),
@@ -172,6 +184,7 @@ class Settings:
     hf_model_dir: str | None = None
     enable_mtp_varlen: bool = False
     use_nextn_decode: int = 5
+    dflash_confidence_head_temperature: tuple[float, ...] = (1.0,)
     max_backtracking_tokens: int = 0
     yoco_prefill_truncation_mode: str = "off"
     yoco_prefill_keep_tokens: int = 0

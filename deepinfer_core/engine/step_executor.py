@@ -111,7 +111,8 @@ class StepExecutor:
         if spec is None:
             logits = self.runner.execute(batch)
         else:
-            logits, streams, fb = self.runner.execute_with_streams(batch)
+            out, fb = self.runner.execute_with_streams(batch)
+            logits = out.logits
             sampled = [c for c in sampled if not c.num_drafts]      # verify chunks: the speculator's
         step = InFlight(chunks, sampled, None, None)
         row = 0
@@ -141,7 +142,7 @@ class StepExecutor:
                 plain = logits.index_select(0, to_device(sample_rows, torch.long, logits.device))
             tokens = self._sample(plain, step, previous)
         if spec is not None:
-            step.spec = spec.run(logits, streams, fb, chunks, logit_starts, tokens, self.runner.last_token)
+            step.spec = spec.run(out, fb, chunks, logit_starts, tokens, self.runner.last_token)
         if self.device.type == "cuda":
             step.event = torch.cuda.Event()
             step.event.record()

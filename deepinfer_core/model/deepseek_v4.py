@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import Attention, Numerics
+from .dspark import build_stages
 from .forward_batch import ForwardBatch
 from .layers import Embedding, Linear, RMSNorm, empty, weight_format
 from .moe import MoE
@@ -73,6 +74,7 @@ class MTPBlock(Block):
 class ModelOutput:
     logits: torch.Tensor          # [N, vocab] fp32 for batch.logits_rows
     streams: torch.Tensor         # [T, hc, D] final streams before hc_head (MTP input)
+    features: torch.Tensor | None = None   # [T, m*D] DSpark's target features (capture_layers), else None
 
 
 class DeepseekV4Model(nn.Module):
@@ -89,9 +91,15 @@ class DeepseekV4Model(nn.Module):
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, "bf16", act_quant=False, device=device)
         self.head.compute_dtype = torch.float32
         _hc_params(self, "hc_head", cfg, cfg.hc_mult, device)
-        self.mtp = nn.ModuleList(MTPBlock(cfg, i, device=device) for i in range(cfg.num_nextn_predict_layers))
+        if cfg.dspark is not None:      # mtp.* holds a DSpark drafter's stages (model/dspark.py)
+            self.mtp = build_stages(cfg, Block, _hc_params, device=device)
+        else:
+            self.mtp = nn.ModuleList(MTPBlock(cfg, i, device=device) for i in range(cfg.num_nextn_predict_layers))
         self.numerics = Numerics()
         self.mhc = None   # bound by bind_ops()
+        # layers whose attention input streams, averaged over the mHC streams, the forward returns
+        # as `features` (set by the DSpark drafter)
+        self.capture_layers: tuple[int, ...] = ()
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids).to(self.numerics.dtype)
@@ -104,10 +112,14 @@ class DeepseekV4Model(nn.Module):
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         e = self.embed_tokens(batch.input_ids)
         h = e[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        captured = {}
         for i, layer in enumerate(self.layers):
+            if i in self.capture_layers:
+                captured[i] = h.mean(1)
             h = layer(h, batch, [st.layers[i] for st in batch.states], batch.input_ids)
         x = self.mhc.head(h[batch.logits_rows], self.hc_head_fn, self.hc_head_scale, self.hc_head_base)
-        return ModelOutput(logits=self.lm_head(self.norm(x)), streams=h)
+        features = torch.cat([captured[i] for i in self.capture_layers], -1) if captured else None
+        return ModelOutput(logits=self.lm_head(self.norm(x)), streams=h, features=features)
 
     def forward_mtp(self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
                     mtp_id: int = 0) -> torch.Tensor:

@@ -31,6 +31,14 @@ SINGLE_FILE = "model.safetensors"
 # main ones, so these are skipped (spec §6.3).
 IGNORED_PATTERN = re.compile(r"^mtp\.\d+\.(emb\..+|head\.weight)$")
 
+# Other spellings of a tensor the model names one way: DS-DeepInfer's V4.1 DSpark names for the
+# V4-Flash-0731 ones the model uses (model/dspark.py).
+TENSOR_ALIASES = (
+    (re.compile(r"^(mtp\.\d+\.markov_head)\.embed\.weight$"), r"\1.markov_w1"),
+    (re.compile(r"^(mtp\.\d+\.markov_head)\.head\.weight$"), r"\1.markov_w2"),
+    (re.compile(r"^(mtp\.\d+\.confidence_head\.proj)\.weight$"), r"\1"),
+)
+
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -74,6 +82,7 @@ class _Entry:
     shard: Path
     shape: tuple[int, ...]
     dtype: torch.dtype | str      # str when safetensors reports a dtype torch does not know here
+    stored: str | None = None     # the name in the file when it is an alias (TENSOR_ALIASES)
 
 
 # ---- locating the model ------------------------------------------------------------------------
@@ -184,7 +193,22 @@ def _scan(weight_map: dict[str, Path] | None, shards: list[Path]) -> tuple[dict[
                 problems.append(f"{name}: index says {shard.name}, stored in {entries[name].shard.name}")
         problems += [f"{n}: stored in {e.shard.name} but not listed in the index"
                      for n, e in sorted(entries.items()) if n not in weight_map]
-    return entries, problems
+    return _resolve_aliases(entries, problems), problems
+
+
+def _resolve_aliases(entries: dict[str, _Entry], problems: list[str]) -> dict[str, _Entry]:
+    out: dict[str, _Entry] = {}
+    for name, e in entries.items():
+        for pattern, repl in TENSOR_ALIASES:
+            model_name = pattern.sub(repl, name)
+            if model_name != name:
+                if model_name in entries:
+                    problems.append(f"{name}: stored beside {model_name}, another name of the same tensor")
+                out[model_name] = _Entry(e.shard, e.shape, e.dtype, stored=name)
+                break
+        else:
+            out.setdefault(name, e)
+    return out
 
 
 # ---- matching against the model ----------------------------------------------------------------
@@ -346,7 +370,7 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, compute_dtype: torch.
         with _open(shard) as f:
             for name in names:
                 try:
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(entries[name].stored or name)
                 except Exception as e:
                     raise CheckpointError(f"cannot read {name} from shard {shard}: "
                                           f"{type(e).__name__}: {e}") from None

@@ -98,7 +98,7 @@ class PortableAttentionBackend:
         ring_pos = torch.arange(max(0, start - W + 1), start, device=q.device)
         ring_keys = st.ring[ring_pos % ring_size]
         if st.ring.dtype == torch.uint8:
-            ring_keys = unpack_kv_fp8(ring_keys, kv.shape[1], _ring_rope_dim(st.ring, kv), kv.dtype)
+            ring_keys = unpack_kv_fp8(ring_keys, kv.shape[1], ring_rope_dim(st.ring, kv), kv.dtype)
         keys = torch.cat([ring_keys, kv])
         key_pos = torch.cat([ring_pos, pos])
         if comp_rows is not None and comp_rows.shape[0]:
@@ -124,12 +124,12 @@ class PortableAttentionBackend:
         ring_size, n = st.ring.shape[0], kv.shape[0]
         keep = torch.arange(max(start, start + n - ring_size), start + n, device=kv.device)
         if st.ring.dtype == torch.uint8:
-            st.ring[keep % ring_size] = pack_kv_fp8(kv[keep - start], _ring_rope_dim(st.ring, kv))
+            st.ring[keep % ring_size] = pack_kv_fp8(kv[keep - start], ring_rope_dim(st.ring, kv))
         else:
             st.ring[keep % ring_size] = kv[keep - start].to(st.ring.dtype)
 
 
-def _ring_rope_dim(ring: torch.Tensor, kv: torch.Tensor) -> int:
+def ring_rope_dim(ring: torch.Tensor, kv: torch.Tensor) -> int:
     rope = packed_rope_dim(kv.shape[1], ring.shape[-1])
     if rope is None:
         raise ValueError(f"kv_fp8 ring rows of {ring.shape[-1]} bytes do not hold {kv.shape[1]}-wide keys")

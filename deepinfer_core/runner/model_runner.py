@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,11 +15,19 @@ from ..cache.budget import CacheRequest, resolve_num_blocks
 from ..cache.sequence_state import SequenceState
 from ..cache.state_cache import CacheLayout, StateCache
 from ..config import ModelConfig
-from ..contracts import ModelOps, TokenSampler, resolve_model_ops, resolve_sampler
+from ..contracts import (
+    DraftProposer,
+    ModelOps,
+    TokenSampler,
+    check_contract,
+    resolve_model_ops,
+    resolve_proposer,
+    resolve_sampler,
+)
 from ..engine_config import DEFAULT_NUM_DRAFTS, KV_CACHE_DTYPES, EngineConfig
 from ..model import ForwardBatch, bind_ops, build_model, process_weights
 from ..model.attention import Numerics
-from ..model.deepseek_v4 import DeepseekV4Model
+from ..model.deepseek_v4 import DeepseekV4Model, ModelOutput
 from ..ops.transfer import to_device
 from ..plugin_context import BuildContext
 from ..plugins import get_plugin_manager
@@ -62,19 +70,32 @@ def check_batch_invariant(ops: ModelOps, sampler: TokenSampler) -> None:
                           "and not disabled (DEEPINFER_DISABLE_PLUGINS / DEEPINFER_PLUGINS)?")
 
 
-def resolve_num_drafts(requested: int | None, num_mtp_blocks: int) -> int:
-    """Draft tokens per request per step. Unset: DS-DeepInfer's default when the checkpoint carries a
-    drafter (its mtp.* block), else none, said once here. Asked for without one: an error."""
+def resolve_num_drafts(requested: int | None, num_mtp_blocks: int, dspark_block: int | None = None) -> int:
+    """Draft tokens per request per step. Unset: the DSpark block size when the checkpoint's drafter
+    is DSpark (`dspark_block`), DS-DeepInfer's default when it is an MTP block, else none, said once
+    here. Asked for without a drafter: an error."""
     if requested is None:
         if num_mtp_blocks:
-            return DEFAULT_NUM_DRAFTS
+            return dspark_block or DEFAULT_NUM_DRAFTS
         log.info("the checkpoint has no drafter tensors (mtp.*): decoding without speculation "
                  "(DEEPINFER_USE_NEXTN_DECODE=0 says so explicitly)")
         return 0
     if requested and not num_mtp_blocks:
-        raise ValueError(f"num_speculative_tokens={requested} (DEEPINFER_USE_NEXTN_DECODE) asks for MTP drafts, "
-                         "but the checkpoint has no mtp.* tensors; set it to 0 to decode without speculation")
+        raise ValueError(f"num_speculative_tokens={requested} (DEEPINFER_USE_NEXTN_DECODE) asks for drafts, "
+                         "but the checkpoint has no drafter (mtp.* tensors); set it to 0 to decode without speculation")
     return requested
+
+
+def no_dspark_plugin(requested: int | None) -> int:
+    """A DSpark checkpoint without the dspark feature plugin: no drafter to draft with."""
+    if requested:
+        raise ValueError(f"num_speculative_tokens={requested} (DEEPINFER_USE_NEXTN_DECODE) asks for drafts, but the "
+                         "checkpoint's drafter is DSpark and the deepinfer-dspark feature plugin is not installed "
+                         "or is disabled (DEEPINFER_DISABLE_PLUGINS / DEEPINFER_PLUGINS); set it to 0")
+    if requested is None:
+        log.info("the checkpoint's drafter is DSpark, but the deepinfer-dspark feature plugin is not loaded: "
+                 "decoding without speculation")
+    return 0
 
 
 def _positions(batch: StepBatch) -> list[int]:
@@ -92,6 +113,7 @@ class LoadedModel:
     load_seconds: float
     ops: ModelOps
     logits_processors: list = field(default_factory=list)   # deepinfer_logits_processors, once
+    proposer: Any = None        # deepinfer_proposer's drafter factory for this checkpoint, or None
 
 
 def _config(config: EngineConfig | None, options: dict) -> EngineConfig:
@@ -120,6 +142,7 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, **opti
     if ctx.batch_invariant:
         check_batch_invariant(ops, sampler)
     logits_processors = pm.logits_processors(ctx)
+    proposer = resolve_proposer(pm, ctx)
     if config.model.load_format == "dummy":
         from ..model.dummy_weights import fill_dummy_weights
         model = build_model(cfg, device=device)       # real buffers on the device, filled in place
@@ -134,7 +157,7 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, **opti
     process_weights(model)
     model.to(device)
     return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops,
-                       logits_processors=logits_processors)
+                       logits_processors=logits_processors, proposer=proposer)
 
 
 class ModelRunner:
@@ -150,11 +173,15 @@ class ModelRunner:
         self.device = self.loaded.ctx.device
         self.dtype = self.loaded.ctx.torch_dtype
         self.backtrack = config.cache.max_backtracking_tokens
-        self.num_drafts = resolve_num_drafts(config.speculative.num_speculative_tokens, len(self.model.mtp))
+        dspark = self.model_config.dspark
+        if dspark is not None and self.loaded.proposer is None:
+            self.num_drafts = no_dspark_plugin(config.speculative.num_speculative_tokens)
+        else:
+            self.num_drafts = resolve_num_drafts(config.speculative.num_speculative_tokens, len(self.model.mtp),
+                                                 dspark.block_size if dspark is not None else None)
         if config.speculative.enable_mtp_varlen and not self.num_drafts:
             raise ValueError("enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1) schedules the verification of "
-                             "MTP drafts, but the checkpoint has no mtp.* tensors; unset it or use a checkpoint "
-                             "with a drafter")
+                             "drafts, but the checkpoint has no drafter (mtp.* tensors); unset it")
         self.enforce_eager = config.model.enforce_eager
         self.kv_fp8 = resolve_kv_fp8(config.cache.kv_cache_dtype, self.dtype, config.model.simulate_qat)
         self.graphs: DecodeGraphs | None = None
@@ -258,7 +285,12 @@ class ModelRunner:
         if self.graphs is not None:
             def graphs(streams, decode=self.graphs):
                 return MTPGraphs(self.model, decode, self.cache, self.loaded.ops.attention, streams)
-        return Speculator(self.model, self.num_drafts, graphs)
+        proposer = None
+        if self.loaded.proposer is not None:
+            proposer = check_contract(self.loaded.proposer(self.model, self.num_drafts,
+                                                           self.config.speculative.confidence_head_temperature),
+                                      DraftProposer, "proposer")
+        return Speculator(self.model, self.num_drafts, graphs, proposer=proposer)
 
     def varlen_policy(self, max_seqs: int, num_drafts: int | None = None):
         """VARLEN's policy over a step-time table profiled now (batches up to `max_seqs` sequences of
@@ -310,18 +342,20 @@ class ModelRunner:
         return self.model(fb).logits
 
     @torch.no_grad()
-    def execute_with_streams(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-        """An engine step whose rows also feed a drafter: (logits of `batch.logit_rows`, the final
-        streams of every row, the ForwardBatch of the step). A step of q tokens per sequence that
-        wants every row's logits (a verify step, or decode) replays a CUDA graph when there are graphs."""
+    def execute_with_streams(self, batch: StepBatch) -> tuple[ModelOutput, ForwardBatch]:
+        """An engine step whose rows also feed a drafter: (the model's output: logits of
+        `batch.logit_rows`, the final streams of every row and, for DSpark, the target features; the
+        ForwardBatch of the step). A step of q tokens per sequence that wants every row's logits (a
+        verify step, or decode) replays a CUDA graph when there are graphs and no features are wanted
+        (the graphs do not return them yet)."""
         self._apply_updates(batch.updates)
         fb = self._forward_batch(batch)
-        if self.graphs is not None and self.graphs.fits_uniform(batch.lens, len(batch.logit_rows)):
+        if (self.graphs is not None and not self.model.capture_layers
+                and self.graphs.fits_uniform(batch.lens, len(batch.logit_rows))):
             out = self.graphs.replay(batch.ids, _positions(batch), batch.slots, batch.lens[0])
             if out is not None:
-                return out[0], out[1], fb
-        out = self.model(fb)
-        return out.logits, out.streams, fb
+                return ModelOutput(out[0], out[1]), fb
+        return self.model(fb), fb
 
     def _forward_batch(self, batch: StepBatch) -> ForwardBatch:
         t = len(batch.ids)

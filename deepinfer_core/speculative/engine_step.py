@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..contracts import DraftProposer
 from ..engine.scheduler import ScheduledChunk
 from ..engine.sequence import Sequence
-from ..model.deepseek_v4 import DeepseekV4Model
+from ..model.deepseek_v4 import DeepseekV4Model, ModelOutput
 from ..model.forward_batch import ForwardBatch
 from ..ops.sampler import GREEDY_EPS, compute_logprobs
 from ..ops.transfer import to_device, to_host
@@ -61,26 +62,30 @@ def speculates(seq: Sequence) -> bool:
 
 class Speculator:
     def __init__(self, model: DeepseekV4Model, num_drafts: int,
-                 graphs: Callable[[torch.Tensor], MTPGraphs] | None = None, replay: ReplayDrafter | None = None):
-        """`graphs`: builds the drafter's CUDA graphs (from the first step's target streams) when
-        the runner has decode graphs; None runs the drafter eagerly. `replay`: draft with a
-        ReplayDrafter instead of the MTP block (benchmarks)."""
-        self.replay = replay
-        self.drafter = MTPDrafter(model, num_drafts) if replay is None else None
+                 graphs: Callable[[torch.Tensor], MTPGraphs] | None = None, replay: ReplayDrafter | None = None,
+                 proposer: DraftProposer | None = None):
+        """Drafts with `proposer` (a plugin's, e.g. DSpark) when given, else with the checkpoint's MTP
+        block. `graphs`: builds the MTP drafter's CUDA graphs (from the first step's target streams)
+        when the runner has decode graphs; None runs it eagerly. `replay`: draft with a ReplayDrafter
+        instead (benchmarks)."""
+        self.replay, self.proposer = replay, proposer
+        self.drafter = MTPDrafter(model, num_drafts) if replay is None and proposer is None else None
+        if proposer is not None:
+            graphs = None
         self.num_drafts = num_drafts
         self.want_confidence = False     # VARLEN: the scheduler reads each draft's confidence
         self._probs: dict[int, torch.Tensor] = {}       # slot -> [k, V] q of its sampled drafts
         self._make_graphs, self._graphs = graphs, None
 
-    def run(self, logits: torch.Tensor, streams: torch.Tensor, fb: ForwardBatch, chunks: list[ScheduledChunk],
-            logit_starts: list[int], sampled_tokens: torch.Tensor | None, last_token: torch.Tensor) -> SpecOutcome:
-        """`logits`: the step's logits rows (`logit_starts[i]`: chunk i's first); `streams`: the target's
-        final streams of every row of `fb`; `sampled_tokens`: the tokens sampled for the chunks that
-        sample and do not verify, in chunk order."""
+    def run(self, target: ModelOutput, fb: ForwardBatch, chunks: list[ScheduledChunk], logit_starts: list[int],
+            sampled_tokens: torch.Tensor | None, last_token: torch.Tensor) -> SpecOutcome:
+        """`target`: the step's forward: its logits rows (`logit_starts[i]`: chunk i's first), the final
+        streams of every row of `fb` (and DSpark's features); `sampled_tokens`: the tokens sampled for
+        the chunks that sample and do not verify, in chunk order."""
         out = SpecOutcome(verified=[c for c in chunks if c.num_drafts])
-        extra = self._verify(logits, chunks, logit_starts, out, last_token) if out.verified else None
+        extra = self._verify(target.logits, chunks, logit_starts, out, last_token) if out.verified else None
         if any(speculates(c.seq) for c in chunks):
-            self._draft(streams, fb, chunks, sampled_tokens, extra, out)
+            self._draft(target, fb, chunks, sampled_tokens, extra, out)
         return out
 
     # ---- verification ------------------------------------------------------------------------
@@ -137,9 +142,10 @@ class Speculator:
         return q
 
     # ---- drafting ----------------------------------------------------------------------------
-    def _draft(self, streams, fb: ForwardBatch, chunks, sampled_tokens, extra, out: SpecOutcome) -> None:
-        """The MTP block over every row (row t's next token at t + 1), drafts from the last committed
-        row of every sequence that speculates."""
+    def _draft(self, target: ModelOutput, fb: ForwardBatch, chunks, sampled_tokens, extra, out: SpecOutcome) -> None:
+        """The drafter sees every row (MTP: row t's next token at t + 1; DSpark: row t's features), then
+        drafts from the last committed row of every sequence that speculates."""
+        streams = target.streams
         next_ids, fix_rows, rows, positions, seqs, states, slots = [], [], [], [], [], [], []
         verified = iter(out.accepted)
         off = 0
@@ -179,10 +185,16 @@ class Speculator:
             ids[to_device(fix_rows, torch.long, dev)] = by_chunk
         params = [s.params for s in seqs]
         drafts = None
-        if self._make_graphs is not None and len(fix_rows) == len(chunks) and all(
+        if self.proposer is not None:
+            self.proposer.observe(fb, target)
+            if not seqs:
+                return
+            drafts = self.proposer.propose(ids.index_select(0, to_device(rows, torch.long, dev)),
+                                          [p + 1 for p in positions], states, params, [s.seed for s in seqs])
+        elif self._make_graphs is not None and len(fix_rows) == len(chunks) and all(
                 p.temperature < GREEDY_EPS for p in params):
             drafts = self._draft_graphed(streams, ids, chunks, fix_rows, rows, positions, slots)
-        if drafts is None:
+        if drafts is None and self.proposer is None:
             logits, mtp_streams = self.drafter.observe(fb, streams, ids, to_device(rows, torch.long, dev))
             if not seqs:
                 return
@@ -196,7 +208,7 @@ class Speculator:
                 if p.temperature >= GREEDY_EPS:
                     self._probs[s.slot] = drafts.probs[i]
         out.draft_seqs, out.drafts = seqs, to_host(drafts.ids)
-        if drafts.confidence is not None:
+        if drafts.confidence is not None and self.want_confidence:
             out.confidence = to_host(drafts.confidence.cumprod(1))
 
 

@@ -74,7 +74,7 @@ class MTPDrafter:
         ids, probs, conf = [], [], []
         greedy = all(p.temperature < GREEDY_EPS for p in params)
         for step in range(self.num_drafts):
-            tok, q = _draw(logits, params, [p + 2 + step for p in last_positions], seeds, greedy)
+            tok, q = draw(logits, params, [p + 2 + step for p in last_positions], seeds, greedy)
             ids.append(tok)
             probs.append(q)
             if with_confidence:
@@ -90,7 +90,7 @@ class MTPDrafter:
                       torch.stack(conf, 1) if with_confidence else None)
 
 
-def _draw(logits: torch.Tensor, params: Sequence[Any], positions: list[int], seeds: Sequence[int],
+def draw(logits: torch.Tensor, params: Sequence[Any], positions: list[int], seeds: Sequence[int],
           greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(draft ids [n], their distributions [n, V] or None when every request is greedy)."""
     top = logits.argmax(-1)

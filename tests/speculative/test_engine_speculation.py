@@ -124,7 +124,7 @@ def test_default_gamma_follows_ds_deepinfer_and_the_checkpoint(trained_dir, tiny
 
 
 def test_bad_speculative_settings_name_the_variable():
-    with pytest.raises(ValueError, match="num_speculative_tokens=1 .*DEEPINFER_USE_NEXTN_DECODE.* no mtp"):
+    with pytest.raises(ValueError, match="num_speculative_tokens=1 .*DEEPINFER_USE_NEXTN_DECODE.* no drafter"):
         resolve_num_drafts(1, num_mtp_blocks=0)
     with pytest.raises(ValueError, match="max_backtracking_tokens >= 6 .*DEEPINFER_MAX_BACKTRACKING_TOKENS"):
         EngineConfig.from_options(num_speculative_tokens=5, max_backtracking_tokens=3)

@@ -7,8 +7,8 @@ the position).
 It wraps (pluggy `wrapper=True`) every op hook: whatever op object the backend chose is replaced by its
 batch-invariant version (`variants.invariant_op`). Ops that have none are an error at start-up, never
 a silent fallback. Incompatible settings are refused in `deepinfer_configure`. (DEEPINFER_ENABLE_MTP_VARLEN=1
-would be one, since variable-length verification picks each step's draft length from the load; the
-engine config refuses it for now: confidence-scheduled verification is not implemented.)
+is one, since variable-length verification picks each step's draft length from the load; the engine
+config refuses the pair.)
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.ops.portable_attention import PortableAttentionBackend, _ring_rope_dim
+from deepinfer_core.ops.portable_attention import PortableAttentionBackend, ring_rope_dim
 from deepinfer_core.ops.portable_linear import PortableLinearMethod
 from deepinfer_core.ops.portable_mhc import PortableMHC
 from deepinfer_core.ops.portable_moe import PortableMoE
@@ -131,7 +131,7 @@ class InvariantPortableAttention(PortableAttentionBackend):
         lo = max(0, start - W + 1)
         ring_keys = st.ring[torch.arange(lo, start, device=dev) % ring_size]
         if st.ring.dtype == torch.uint8:
-            ring_keys = unpack_kv_fp8(ring_keys, kv.shape[1], _ring_rope_dim(st.ring, kv), kv.dtype)
+            ring_keys = unpack_kv_fp8(ring_keys, kv.shape[1], ring_rope_dim(st.ring, kv), kv.dtype)
         by_pos = torch.cat([ring_keys, kv])              # row i holds position lo + i
         sink = attn.attn_sink.float()
         out = torch.empty_like(q)

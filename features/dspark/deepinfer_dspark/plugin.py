@@ -1,16 +1,26 @@
-"""Feature plugin `dspark`: registered skeleton, it implements no model hooks yet."""
+"""Feature plugin `dspark`: drafts with a checkpoint's DSpark stages (`deepinfer_proposer`).
+
+The core loads DSpark checkpoints (model/dspark.py: the stages under `mtp.*`, the target-feature
+capture in the forward) and verifies drafts; this plugin supplies the drafter (drafter.py) when the
+checkpoint's config has `dspark_*` keys. Without the plugin such a checkpoint is served without
+speculation.
+"""
 from __future__ import annotations
 
 from deepinfer_core.hookspecs import hookimpl
 
 NAME = "dspark"
 DEEPINFER_PLUGIN_INFO = {
-    "status": "skeleton",
-    "note": "not implemented yet (the engine drafts with the MTP block only): DSpark drafter, confidence-scheduled verification",
+    "status": "partial",
+    "note": "DSpark drafter (eager, portable attention) for checkpoints with dspark_* keys; no CUDA graphs, "
+            "no calibration tool or trained tiny drafter yet",
 }
 
 
 @hookimpl
-def deepinfer_configure(ctx):
-    # Nothing to validate until the feature exists; present so the registration path is exercised.
-    return None
+def deepinfer_proposer(ctx):
+    """A factory `(model, num_drafts, temperatures) -> drafter` for a DSpark checkpoint, else None."""
+    if ctx.model_config.dspark is None:
+        return None
+    from .drafter import DSparkDrafter
+    return DSparkDrafter
