@@ -3,12 +3,15 @@ lossless, how many tokens does a verify step commit (acceptance length tau = acc
 and what does it do to end-to-end speed?
 
     python benchmarks/spec_acceptance.py [--prompts 32] [--tokens 64] [--drafts 1,3,5]
-                                         [--device cuda] [--dtype bfloat16]
+                                         [--device cuda] [--dtype bfloat16] [--varlen]
 
 Held-out prompts (benchmarks/data/heldout_prompts.json: The Tempest / Twelfth Night, never trained
 on), batch-invariant ops, all prompts in one `LLM.generate` call per setting. Greedy outputs with
 MTP-k are compared token for token with the same engine without speculation; T=1 runs (seed = prompt
 index) give tau under sampling. Output tok/s is end to end (generate's wall time, prefill included).
+--varlen adds, per k, a run with confidence-scheduled verification (the step-time table profiled on
+this machine at start-up; the engine refuses VARLEN with batch invariance, so the policy is installed
+directly here, keeping the invariant ops the comparison needs) and writes *_varlen.json.
 Prints a table, writes benchmarks/results/spec_acceptance_<device>_<dtype>.json.
 """
 from __future__ import annotations
@@ -57,15 +60,18 @@ def main() -> None:
     ap.add_argument("--drafts", default="1,3", help="k values (MTP-k)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the nvidia backend when installed)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--varlen", action="store_true", help="also run each k with VARLEN")
     a = ap.parse_args()
     texts = json.loads((HERE / "data" / "heldout_prompts.json").read_text())["prompts"][:a.prompts]
     ks = [int(k) for k in a.drafts.split(",")]
-    options = dict(dtype=a.dtype, device=a.device, batch_invariant=True, max_model_len=512)
+    options = dict(dtype=a.dtype, device=a.device, batch_invariant=True, max_model_len=512, max_num_seqs=a.prompts)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(make_trained_checkpoint(Path(tmp) / "ckpt", ARTIFACT))
-        for k in [0] + ks:
+        for k, varlen in [(0, False)] + [(k, v) for k in ks for v in ((False, True) if a.varlen else (False,))]:
             llm = LLM(model=ckpt, num_speculative_tokens=k, **options)
+            if varlen:
+                llm.engine.use_varlen(llm.runner.varlen_policy(a.prompts))
             prompts = [llm.tokenizer.encode(t) for t in texts]
             seeds = range(len(prompts))
             sampled = [SamplingParams(temperature=1.0, max_tokens=a.tokens, ignore_eos=True, seed=s) for s in seeds]
@@ -73,11 +79,13 @@ def main() -> None:
             run(llm, prompts[:2], greedy)                                       # warm-up
             for name, params in (("greedy", greedy), ("T=1", sampled)):
                 ids, m, seconds = run(llm, prompts, params)
-                row = dict(drafter=f"MTP-{k}" if k else "none", sampling=name, tau=m.acceptance_length,
+                row = dict(drafter=(f"MTP-{k}" + (" VARLEN" if varlen else "")) if k else "none", sampling=name, tau=m.acceptance_length,
                            per_position=m.per_position(), verify_steps=m.num_steps,
                            drafted=m.num_drafted_tokens, verified=m.num_verified_tokens,
                            accepted=m.num_accepted_tokens, seconds=round(seconds, 2),
                            output_tok_s=round(len(prompts) * a.tokens / seconds, 1))
+                if varlen:
+                    row["chosen_lengths"] = list(llm.engine.varlen.chosen)
                 if name == "greedy":
                     if k == 0:
                         reference = ids
@@ -85,12 +93,12 @@ def main() -> None:
                 rows.append(row)
                 tau = "-" if row["tau"] is None else f"{row['tau']:.3f}"
                 same = (f"{row['identical_to_non_speculative']}/{len(prompts)}" if name == "greedy" else "-")
-                print(f"{row['drafter']:6} {name:6} tau {tau:>5}  identical {same:>5}  "
+                print(f"{row['drafter']:13} {name:6} tau {tau:>5}  identical {same:>5}  "
                       f"{row['output_tok_s']:8.1f} tok/s  per position {[round(x, 3) for x in row['per_position']]}",
                       flush=True)
             linear = type(llm.runner.loaded.ops.linear["fp8"]).__name__
             del llm
-    out = HERE / "results" / f"spec_acceptance_{a.device}_{a.dtype}.json"
+    out = HERE / "results" / f"spec_acceptance_{a.device}_{a.dtype}{'_varlen' if a.varlen else ''}.json"
     out.write_text(json.dumps(dict(model="bundled trained tiny model", path="LLM.generate", prompts=len(prompts),
                                    tokens=a.tokens, device=a.device, linear=linear, dtype=a.dtype,
                                    batch_invariant=True, rows=rows), indent=1) + "\n")

@@ -181,9 +181,10 @@ class Engine:
         spec.want_confidence = policy is not None
 
     def _observe_step_time(self, chunks: list[ScheduledChunk], ms: float) -> None:
-        """A step of verify chunks only, all one shape, corrects the VARLEN time table."""
+        """A step of verify chunks of one shape, or of decodes (VARLEN chose no drafts: observing
+        those too keeps a step of drafts from looking free forever), corrects the time table."""
         rows = chunks[0].num_tokens
-        if all(c.num_drafts and c.num_tokens == rows for c in chunks):
+        if all(c.samples and c.num_tokens == rows and (c.num_drafts or rows == 1) for c in chunks):
             self.varlen.observe(len(chunks), rows, ms)
 
     def abort_all(self) -> None:
