@@ -402,6 +402,9 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/qat_divergence.py": Skip(
         "a measurement whose numbers the README quotes (4 forwards of the bundled model, ~1 min of CPU), "
         "nothing to assert"),
+    "python benchmarks/spec_acceptance.py --drafts 3 --varlen": Skip(
+        "minutes of CPU (3 x 2 x 32 prompts x 64 tokens); tests/speculative/test_varlen.py runs VARLEN through the "
+        "engine"),
     "python benchmarks/spec_acceptance.py": Skip(
         "minutes of CPU (6 x 32 prompts x 64 tokens); tests/speculative runs the same engine on 12 x 24"),
     "python benchmarks/spec_speed.py --device cuda --drafts 1,3,5 --concurrency 1,16,64": Skip(GPU),
