@@ -89,7 +89,7 @@ class DSparkDrafter:
         model = self.model
         h = model.embed_tokens(ids)[:, None, :].expand(-1, model.cfg.hc_mult, -1).contiguous()
         for i, stage in enumerate(self.stages):
-            h = self._stage(stage, h, ids, positions, [st.mtp_layers[i] for st in states], k)
+            h = self._stage(stage, h, ids, positions, anchor_positions, [st.mtp_layers[i] for st in states], k)
         last = self.stages[-1]
         hidden = last.mhc.head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base)       # [n*k, D]
         base = model.lm_head(last.norm(hidden)).view(n, k, -1)
@@ -109,13 +109,14 @@ class DSparkDrafter:
             prev = tok
         return Drafts(torch.stack(drafted, 1), None if greedy else torch.stack(dists, 1), torch.stack(conf, 1))
 
-    def _stage(self, stage, h, ids, positions, rings, k: int) -> torch.Tensor:
+    def _stage(self, stage, h, ids, positions, anchors: list[int], rings, k: int) -> torch.Tensor:
         y, post, comb = stage.mhc.pre(h, stage.hc_attn_fn, stage.hc_attn_scale, stage.hc_attn_base)
-        h = stage.mhc.post(self._attention(stage.attn, stage.attn_norm(y), positions, rings, k), h, post, comb)
+        h = stage.mhc.post(self._attention(stage.attn, stage.attn_norm(y), positions, anchors, rings, k), h, post, comb)
         y, post, comb = stage.mhc.pre(h, stage.hc_ffn_fn, stage.hc_ffn_scale, stage.hc_ffn_base)
         return stage.mhc.post(stage.ffn(stage.ffn_norm(y), ids), h, post, comb)
 
-    def _attention(self, attn, x: torch.Tensor, positions: torch.Tensor, rings: list, k: int) -> torch.Tensor:
+    def _attention(self, attn, x: torch.Tensor, positions: torch.Tensor, anchors: list[int], rings: list,
+                   k: int) -> torch.Tensor:
         """Each request's k block rows over [its last `window` main keys ending at the anchor's
         position - 1 | its k block keys], non-causal, with the sink in the softmax denominator."""
         T, pw, eps = x.shape[0], attn.pointwise, attn.cfg.rms_norm_eps
@@ -124,9 +125,8 @@ class DSparkDrafter:
         kv = self._keys(attn, x, positions)
         out = torch.empty_like(q)
         sink = attn.attn_sink.float()
-        for r, st in enumerate(rings):
+        for r, (st, anchor) in enumerate(zip(rings, anchors)):      # host positions: no device sync
             rows = slice(r * k, (r + 1) * k)
-            anchor = int(positions[r * k])
             ring_pos = torch.arange(max(0, anchor - attn.window), anchor, device=x.device)
             main = st.ring[ring_pos % st.ring.shape[0]]
             if st.ring.dtype == torch.uint8:
