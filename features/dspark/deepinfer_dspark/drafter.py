@@ -25,7 +25,7 @@ graphs runs the target eagerly while DSpark drafts (the graphs do not return the
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,24 +60,17 @@ class DSparkDrafter:
         self.noise = model.cfg.dspark.noise_token_id
         self.temperatures = parse_temperatures(temperatures, num_drafts)
         model.capture_layers = model.cfg.dspark.target_layer_ids
+        # set by tools.train_tiny.calibrate: each propose appends its raw confidence logits [N, k] here
+        self.confidence_log: list[torch.Tensor] | None = None
 
-    # ---- context: inject the target rows' keys ---------------------------------------------------
     def observe(self, batch: ForwardBatch, target: ModelOutput) -> None:
         """Write every stage's key of every row of a target forward into that stage's ring."""
-        first = self.stages[0]
-        main_h = first.main_norm(first.main_proj(target.features))
+        main_h = main_features(self.stages, target.features)
         for i, stage in enumerate(self.stages):
-            kv = self._keys(stage.attn, main_h, batch.positions)
+            kv = stage_keys(stage.attn, main_h, batch.positions)
             for sl, start, st in zip(batch.seq_slices(), batch.starts, batch.states):
                 PortableAttentionBackend.write_ring(st.mtp_layers[i], kv[sl], start)
 
-    @staticmethod
-    def _keys(attn, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return attn.pointwise.norm_rope_quant(
-            attn.wkv(x), positions, attn.rope, norm="weighted", weight=attn.kv_norm.weight, eps=attn.cfg.rms_norm_eps,
-            quant="fp8_nope" if attn.numerics.simulate_qat else "none", nope_dim=attn.nope_dim)
-
-    # ---- drafts ----------------------------------------------------------------------------------
     def propose(self, anchors: torch.Tensor, anchor_positions: list[int], states: list, params: Sequence[Any],
                 seeds: Sequence[int]) -> Drafts:
         """gamma drafts per request after its anchor (the token at `anchor_positions[i]`)."""
@@ -87,55 +80,106 @@ class DSparkDrafter:
         ids = ids.flatten()
         positions = torch.tensor([p + j for p in anchor_positions for j in range(k)], dtype=torch.long, device=dev)
         model = self.model
-        h = model.embed_tokens(ids)[:, None, :].expand(-1, model.cfg.hc_mult, -1).contiguous()
-        for i, stage in enumerate(self.stages):
-            h = self._stage(stage, h, ids, positions, anchor_positions, [st.mtp_layers[i] for st in states], k)
+
+        def contexts(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
+            return ring_context([st.mtp_layers[i].ring for st in states], anchor_positions, attn.window,
+                                attn.head_dim)
+
+        hidden = block_hidden(model, ids, positions, contexts, k)                           # [n*k, D]
         last = self.stages[-1]
-        hidden = last.mhc.head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base)       # [n*k, D]
         base = model.lm_head(last.norm(hidden)).view(n, k, -1)
         hidden = hidden.view(n, k, -1)
-        w1, w2 = last.markov_head.markov_w1, last.markov_head.markov_w2.float()
-        proj = last.confidence_head.proj.float()
+        w2, proj = last.markov_head.markov_w2.float(), last.confidence_head.proj.float()
         greedy = all(p.temperature < 1e-5 for p in params)
-        prev, drafted, dists, conf = anchors, [], [], []
+        prev, drafted, dists, zs = anchors, [], [], []
         for j in range(k):
-            e = w1[prev].float()
-            logits = base[:, j] + e @ w2.T
-            z = torch.cat([hidden[:, j].float(), e], -1) @ proj.T
-            conf.append(torch.sigmoid((z.squeeze(-1) / self.temperatures[j]).clamp(-60.0, 60.0)))
+            logits, z = draft_heads(model, hidden[:, j], base[:, j], prev, w2, proj)
+            zs.append(z)
             tok, q = draw(logits, params, [p + 1 + j for p in anchor_positions], seeds, greedy)
             drafted.append(tok)
             dists.append(q)
             prev = tok
-        return Drafts(torch.stack(drafted, 1), None if greedy else torch.stack(dists, 1), torch.stack(conf, 1))
+        z = torch.stack(zs, 1)
+        if self.confidence_log is not None:
+            self.confidence_log.append(z.detach().cpu())
+        temps = torch.tensor(self.temperatures, device=dev)
+        conf = torch.sigmoid((z / temps).clamp(-60.0, 60.0))
+        return Drafts(torch.stack(drafted, 1), None if greedy else torch.stack(dists, 1), conf)
 
-    def _stage(self, stage, h, ids, positions, anchors: list[int], rings, k: int) -> torch.Tensor:
+
+def ring_context(rings: list[torch.Tensor], anchors: list[int], window: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's last `window` main keys ending at its anchor's position - 1, read from its
+    stage ring (host positions: no device sync), as ([N, window, dim], valid [N, window])."""
+    dev = rings[0].device
+    rows = []
+    for ring, anchor in zip(rings, anchors):
+        first = max(0, anchor - window)
+        idx = torch.arange(first, first + window, device=dev)
+        rows.append(ring[idx % ring.shape[0]])                   # rows past anchor - 1 are masked below
+    packed = torch.stack(rows)
+    if packed.dtype == torch.uint8:
+        packed = unpack_kv_fp8(packed, dim, ring_rope_dim(rings[0], packed.new_empty(1, dim)), torch.float32)
+    counts = torch.tensor([min(anchor, window) for anchor in anchors], device=dev)
+    valid = torch.arange(window, device=dev)[None, :] < counts[:, None]
+    # masked rows may be never-written ring memory (NaN bytes): zero them, a 0 weight times NaN is NaN
+    return packed.masked_fill(~valid[..., None], 0.0), valid
+
+
+def stage_keys(attn, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A stage's key (= value) rows for inputs `x` at `positions`: RoPE(kv_norm(wkv(x))), FP8-rounded
+    like a main key under QAT. Main rows inject `main_h` this way; block rows their own states."""
+    return attn.pointwise.norm_rope_quant(
+        attn.wkv(x), positions, attn.rope, norm="weighted", weight=attn.kv_norm.weight, eps=attn.cfg.rms_norm_eps,
+        quant="fp8_nope" if attn.numerics.simulate_qat else "none", nope_dim=attn.nope_dim)
+
+
+def main_features(stages, features: torch.Tensor) -> torch.Tensor:
+    """main_h = main_norm(main_proj(features)): one row per target token."""
+    return stages[0].main_norm(stages[0].main_proj(features))
+
+
+def block_attention(attn, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
+                    context_valid: torch.Tensor, k: int) -> torch.Tensor:
+    """N blocks of k rows (x [N*k, D]); each block's rows attend, non-causally and with the stage's
+    sink in the softmax denominator, to its context keys (context [N, W, d], context_valid [N, W]:
+    the main keys ending at the anchor's position - 1) and to its own k block keys."""
+    T, pw, eps = x.shape[0], attn.pointwise, attn.cfg.rms_norm_eps
+    n = T // k
+    q = pw.norm_rope_quant(attn.wq_b(attn.q_norm(attn.wq_a(x))).view(T, attn.n_heads, attn.head_dim), positions,
+                           attn.rope, norm="head", eps=eps)
+    kv = stage_keys(attn, x, positions)
+    keys = torch.cat([context.to(kv.dtype), kv.view(n, k, -1)], 1)                          # [N, W + k, d]
+    logits = torch.einsum("nthd,nsd->nths", q.view(n, k, attn.n_heads, -1).float(), keys.float()) * attn.scale
+    valid = torch.cat([context_valid, context_valid.new_ones(n, k)], 1)
+    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+    sink = attn.attn_sink.float()[None, None, :, None].expand(n, k, -1, 1)
+    probs = torch.softmax(torch.cat([logits, sink], -1), dim=-1)[..., :-1]
+    out = torch.einsum("nths,nsd->nthd", probs.to(keys.dtype), keys).reshape(T, attn.n_heads, -1).to(q.dtype)
+    o = pw.inverse_rope(out, positions, attn.rope)
+    z = attn.wo_a.method.apply_grouped(attn.wo_a, o.reshape(T, attn.cfg.o_groups, -1))
+    return attn.wo_b(z.flatten(1))
+
+
+def block_hidden(model: DeepseekV4Model, ids: torch.Tensor, positions: torch.Tensor,
+                 contexts: Callable[[int, Any], tuple[torch.Tensor, torch.Tensor]], k: int) -> torch.Tensor:
+    """The parallel stage: blocks of k ids (flat [N*k]) through every stage, `contexts(i, attn)`
+    giving stage i's (context keys, valid) for `block_attention`; returns the collapsed, pre-norm
+    hidden h_k [N*k, D] of the last stage."""
+    h = model.embed_tokens(ids)[:, None, :].expand(-1, model.cfg.hc_mult, -1).contiguous()
+    for i, stage in enumerate(model.mtp):
         y, post, comb = stage.mhc.pre(h, stage.hc_attn_fn, stage.hc_attn_scale, stage.hc_attn_base)
-        h = stage.mhc.post(self._attention(stage.attn, stage.attn_norm(y), positions, anchors, rings, k), h, post, comb)
+        attn = stage.attn
+        h = stage.mhc.post(block_attention(attn, stage.attn_norm(y), positions, *contexts(i, attn), k), h, post, comb)
         y, post, comb = stage.mhc.pre(h, stage.hc_ffn_fn, stage.hc_ffn_scale, stage.hc_ffn_base)
-        return stage.mhc.post(stage.ffn(stage.ffn_norm(y), ids), h, post, comb)
+        h = stage.mhc.post(stage.ffn(stage.ffn_norm(y), ids), h, post, comb)
+    last = model.mtp[-1]
+    return last.mhc.head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base)
 
-    def _attention(self, attn, x: torch.Tensor, positions: torch.Tensor, anchors: list[int], rings: list,
-                   k: int) -> torch.Tensor:
-        """Each request's k block rows over [its last `window` main keys ending at the anchor's
-        position - 1 | its k block keys], non-causal, with the sink in the softmax denominator."""
-        T, pw, eps = x.shape[0], attn.pointwise, attn.cfg.rms_norm_eps
-        q = pw.norm_rope_quant(attn.wq_b(attn.q_norm(attn.wq_a(x))).view(T, attn.n_heads, attn.head_dim), positions,
-                               attn.rope, norm="head", eps=eps)
-        kv = self._keys(attn, x, positions)
-        out = torch.empty_like(q)
-        sink = attn.attn_sink.float()
-        for r, (st, anchor) in enumerate(zip(rings, anchors)):      # host positions: no device sync
-            rows = slice(r * k, (r + 1) * k)
-            ring_pos = torch.arange(max(0, anchor - attn.window), anchor, device=x.device)
-            main = st.ring[ring_pos % st.ring.shape[0]]
-            if st.ring.dtype == torch.uint8:
-                main = unpack_kv_fp8(main, kv.shape[1], ring_rope_dim(st.ring, kv), kv.dtype)
-            keys = torch.cat([main.to(kv.dtype), kv[rows]])
-            logits = torch.einsum("thd,kd->thk", q[rows].float(), keys.float()) * attn.scale
-            both = torch.cat([logits, sink[None, :, None].expand(logits.shape[0], -1, 1)], dim=-1)
-            probs = torch.softmax(both, dim=-1)[..., :-1]
-            out[rows] = torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys).to(q.dtype)
-        o = pw.inverse_rope(out, positions, attn.rope)
-        z = attn.wo_a.method.apply_grouped(attn.wo_a, o.reshape(T, attn.cfg.o_groups, -1))
-        return attn.wo_b(z.flatten(1))
+
+def draft_heads(model: DeepseekV4Model, hidden: torch.Tensor, base: torch.Tensor, prev: torch.Tensor,
+                markov_w2: torch.Tensor, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position k's logits `U_k + markov_w1[prev] @ markov_w2^T` and confidence logit
+    `proj . [h_k ; markov_w1[prev]]` (pre-temperature), in fp32; markov_w2, proj: the last stage's,
+    already fp32 (the caller converts them once per step, not once per position)."""
+    e = model.mtp[-1].markov_head.markov_w1[prev].float()
+    return base.float() + e @ markov_w2.T, (torch.cat([hidden.float(), e], -1) @ proj.T).squeeze(-1)
