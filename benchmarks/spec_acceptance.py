@@ -1,8 +1,9 @@
-"""MTP speculative decoding through the engine on the bundled trained tiny model (issue 17): is it
+"""Speculative decoding through the engine on the bundled trained tiny model (issue 17), with its MTP
+block (MTP-k) and with its trained DSpark drafter (the DSpark variant of the checkpoint): is it
 lossless, how many tokens does a verify step commit (acceptance length tau = accepted drafts + 1),
 and what does it do to end-to-end speed?
 
-    python benchmarks/spec_acceptance.py [--prompts 32] [--tokens 64] [--drafts 1,3,5]
+    python benchmarks/spec_acceptance.py [--prompts 32] [--tokens 64] [--drafts 1,3] [--dspark 5]
                                          [--device cuda] [--dtype bfloat16] [--varlen]
 
 Held-out prompts (benchmarks/data/heldout_prompts.json: The Tempest / Twelfth Night, never trained
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.api.outputs import SpecMetrics
-from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
+from deepinfer_core.tools.trained_model import ARTIFACT, DSPARK_ARTIFACT, make_trained_checkpoint
 
 HERE = Path(__file__).parent
 
@@ -57,19 +58,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--drafts", default="1,3", help="k values (MTP-k)")
+    ap.add_argument("--drafts", default="1,3", help="k values (MTP-k); empty: none")
+    ap.add_argument("--dspark", default="", help="gamma values for the DSpark drafter, e.g. 5; empty: none")
+    ap.add_argument("--drafter", type=Path, default=DSPARK_ARTIFACT, help="the DSpark drafter artifact")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the nvidia backend when installed)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--varlen", action="store_true", help="also run each k with VARLEN")
     a = ap.parse_args()
     texts = json.loads((HERE / "data" / "heldout_prompts.json").read_text())["prompts"][:a.prompts]
-    ks = [int(k) for k in a.drafts.split(",")]
+    settings = [("MTP", int(k)) for k in a.drafts.split(",") if k] + [("DSpark", int(g)) for g in a.dspark.split(",") if g]
     options = dict(dtype=a.dtype, device=a.device, batch_invariant=True, max_model_len=512, max_num_seqs=a.prompts)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = str(make_trained_checkpoint(Path(tmp) / "ckpt", ARTIFACT))
-        for k, varlen in [(0, False)] + [(k, v) for k in ks for v in ((False, True) if a.varlen else (False,))]:
-            llm = LLM(model=ckpt, num_speculative_tokens=k, **options)
+        ckpt = {"MTP": str(make_trained_checkpoint(Path(tmp) / "ckpt", ARTIFACT))}
+        if any(kind == "DSpark" for kind, _ in settings):
+            ckpt["DSpark"] = str(make_trained_checkpoint(Path(tmp) / "dspark", ARTIFACT, drafter=a.drafter))
+        runs = [("MTP", 0, False)] + [(kind, k, v) for kind, k in settings for v in ((False, True) if a.varlen else (False,))]
+        for kind, k, varlen in runs:
+            llm = LLM(model=ckpt[kind], num_speculative_tokens=k, **options)
             if varlen:
                 llm.engine.use_varlen(llm.runner.varlen_policy(a.prompts))
             prompts = [llm.tokenizer.encode(t) for t in texts]
@@ -79,7 +85,7 @@ def main() -> None:
             run(llm, prompts[:2], greedy)                                       # warm-up
             for name, params in (("greedy", greedy), ("T=1", sampled)):
                 ids, m, seconds = run(llm, prompts, params)
-                row = dict(drafter=(f"MTP-{k}" + (" VARLEN" if varlen else "")) if k else "none", sampling=name, tau=m.acceptance_length,
+                row = dict(drafter=(f"{kind}-{k}" + (" VARLEN" if varlen else "")) if k else "none", sampling=name, tau=m.acceptance_length,
                            per_position=m.per_position(), verify_steps=m.num_steps,
                            drafted=m.num_drafted_tokens, verified=m.num_verified_tokens,
                            accepted=m.num_accepted_tokens, seconds=round(seconds, 2),
@@ -93,7 +99,7 @@ def main() -> None:
                 rows.append(row)
                 tau = "-" if row["tau"] is None else f"{row['tau']:.3f}"
                 same = (f"{row['identical_to_non_speculative']}/{len(prompts)}" if name == "greedy" else "-")
-                print(f"{row['drafter']:13} {name:6} tau {tau:>5}  identical {same:>5}  "
+                print(f"{row['drafter']:16} {name:6} tau {tau:>5}  identical {same:>5}  "
                       f"{row['output_tok_s']:8.1f} tok/s  per position {[round(x, 3) for x in row['per_position']]}",
                       flush=True)
             linear = type(llm.runner.loaded.ops.linear["fp8"]).__name__

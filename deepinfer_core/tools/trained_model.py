@@ -6,6 +6,11 @@ experts, bf16, fp32) except the embedding, the LM head and the hash-routing tabl
 the K + 1 rows the model was trained with: rows 0..K-1 are the token ids in `vocab.kept`, row K is
 shared by every other id. Expanding gives each of the 129,280 ids its row, so the checkpoint the
 engine loads computes exactly what was trained (the training loss counts the shared row's copies).
+
+The DSpark drafter trained against it (tools/train_tiny/dspark.py) ships as a second artifact: its
+stages (`mtp.*`, with compact Markov tables) and config keys. With `drafter=` the checkpoint is the
+DSpark variant (as DeepSeek ships V4-Flash-DSpark beside V4-Flash): the target with the drafter's
+stages in place of the MTP block.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ import torch
 from .make_tiny_checkpoint import DEFAULT_MAX_SHARD_BYTES, model_tensor_spec, write_checkpoint
 
 ARTIFACT = Path(__file__).parent / "data" / "tiny_v4_shakespeare.safetensors"
-VOCAB_ROWS = ("embed.weight", "head.weight")      # plus every "*.tid2eid"
+DSPARK_ARTIFACT = Path(__file__).parent / "data" / "tiny_v4_shakespeare_dspark.safetensors"
+VOCAB_ROWS = ("embed.weight", "head.weight")      # plus every "*.tid2eid" and the Markov tables
+MARKOV_TABLES = (".markov_head.markov_w1", ".markov_head.markov_w2")
 
 
 def read_artifact(path: str | Path = ARTIFACT) -> tuple[dict, dict[str, torch.Tensor], dict]:
@@ -31,6 +38,17 @@ def read_artifact(path: str | Path = ARTIFACT) -> tuple[dict, dict[str, torch.Te
     return json.loads(meta["config"]), load_file(str(path)), json.loads(meta.get("training", "{}"))
 
 
+def read_drafter(path: str | Path = DSPARK_ARTIFACT) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """(the drafter's config keys, its tensors, its training report)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if "drafter_config" not in meta:
+        raise ValueError(f"{path}: not a drafter artifact (no drafter_config in its metadata)")
+    return json.loads(meta["drafter_config"]), load_file(str(path)), json.loads(meta.get("training", "{}"))
+
+
 def expand_rows(compact: torch.Tensor, kept: torch.Tensor, vocab: int) -> torch.Tensor:
     """[K + 1, ...] -> [vocab, ...]: id kept[i] gets row i, every other id row K."""
     row = torch.full((vocab,), compact.shape[0] - 1, dtype=torch.long)
@@ -39,12 +57,19 @@ def expand_rows(compact: torch.Tensor, kept: torch.Tensor, vocab: int) -> torch.
 
 
 def make_trained_checkpoint(out_dir: str | Path, artifact: str | Path = ARTIFACT,
-                            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+                            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, drafter: str | Path | None = None) -> Path:
+    """The official checkpoint in `out_dir`; `drafter`: a DSpark drafter artifact to serve with it."""
     cfg, tensors, _ = read_artifact(artifact)
     kept, vocab = tensors.pop("vocab.kept"), int(cfg["vocab_size"])
+    if drafter is not None:
+        keys, stages, _ = read_drafter(drafter)
+        if not torch.equal(stages.pop("vocab.kept"), kept):
+            raise ValueError(f"{drafter}: trained against another target (its vocabulary rows differ from {artifact}'s)")
+        cfg = {**cfg, **keys}
+        tensors = {**{n: t for n, t in tensors.items() if not n.startswith("mtp.")}, **stages}
     spec = model_tensor_spec(cfg)
     for name in spec:
-        if name in VOCAB_ROWS or name.endswith(".tid2eid"):
+        if name in VOCAB_ROWS or name.endswith(".tid2eid") or name.endswith(MARKOV_TABLES):
             tensors[name] = expand_rows(tensors[name], kept, vocab).to(spec[name][1])
     unknown = sorted(set(tensors) - set(spec))
     missing = sorted(set(spec) - set(tensors))
