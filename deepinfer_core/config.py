@@ -40,6 +40,9 @@ class DSparkConfig:
     markov_rank: int                   # r of the Markov head's V x r tables
     n_routed_experts: int              # the stages' own MoE size (dspark_n_routed_experts, else the target's)
     num_experts_per_tok: int
+    # per-position confidence temperatures a calibration stored (deepinfer_dspark.calibrate --write-config;
+    # our key, not DeepSeek's): the default of DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE
+    confidence_temperatures: tuple[float, ...] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], n_layers: int, n_experts: int, top_k: int) -> "DSparkConfig | None":
@@ -56,7 +59,8 @@ class DSparkConfig:
         out = cls(block_size=int(d.get("dspark_block_size", 5)), noise_token_id=int(d.get("dspark_noise_token_id", 0)),
                   target_layer_ids=ids, markov_rank=int(d.get("dspark_markov_rank", 256)),
                   n_routed_experts=int(d.get("dspark_n_routed_experts") or n_experts),
-                  num_experts_per_tok=int(d.get("dspark_num_experts_per_tok") or top_k))
+                  num_experts_per_tok=int(d.get("dspark_num_experts_per_tok") or top_k),
+                  confidence_temperatures=_temperatures(d.get("dspark_confidence_temperatures")))
         for name, value in (("dspark_block_size", out.block_size), ("dspark_markov_rank", out.markov_rank),
                             ("dspark_n_routed_experts", out.n_routed_experts)):
             if value < 1:
@@ -65,6 +69,16 @@ class DSparkConfig:
             raise ConfigError(f"config.json: dspark_num_experts_per_tok={out.num_experts_per_tok}; allowed: "
                               f"1..{out.n_routed_experts} (dspark_n_routed_experts)")
         return out
+
+
+def _temperatures(value: Any) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if not (isinstance(value, list) and value and all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in value)):
+        raise ConfigError(f"config.json: dspark_confidence_temperatures={value!r}; allowed: a non-empty list of "
+                          f"numbers > 0 (one per draft position)")
+    return tuple(float(t) for t in value)
 
 
 @dataclass(frozen=True)

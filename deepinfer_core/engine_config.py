@@ -83,7 +83,9 @@ def _only(value: Any, why: str) -> Rule:
 
 
 def _dtype(value: Any) -> str:
-    from .plugin_context import normalize_dtype      # lazy: plugin_context imports this module
+    from .plugin_context import (
+        normalize_dtype,  # lazy: plugin_context imports this module
+    )
     return normalize_dtype(value)
 
 
@@ -220,12 +222,14 @@ class SpeculativeOptions(_Section):
                                lambda v: v is None or (_is_int(v) and v >= 0)))
     speculative_config: dict[str, Any] | None = _opt(None, "vLLM's speculative-decoding settings",
                                                      _only(None, NO_SPECULATIVE))
-    confidence_head_temperature: tuple[float, ...] = _env(
+    confidence_head_temperature: tuple[float, ...] | None = _env_if_set(
         "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "DSpark confidence head calibration temperature(s): one, or "
-        "one per draft position", Rule("a tuple of numbers > 0 (one, or one per draft position)",
-                                       lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(
+        "one per draft position", Rule("None (= DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE when set, else the "
+                                       "checkpoint's dspark_confidence_temperatures, else 1.0), or a tuple of numbers "
+                                       "> 0 (one, or one per draft position)",
+                                       lambda v: v is None or isinstance(v, (tuple, list)) and len(v) > 0 and all(
                                            isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-                                           for x in v), tuple))
+                                           for x in v), lambda v: v if v is None else tuple(v)))
     enable_mtp_varlen: bool = _env("DEEPINFER_ENABLE_MTP_VARLEN", "confidence-scheduled verification: the "
                                    "drafts verified per step follow the drafter's confidences and the step times "
                                    "profiled at start-up (False: every draft)",

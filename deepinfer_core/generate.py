@@ -285,7 +285,7 @@ def choose_model(model: str | None) -> str:
     else the bundled model."""
     if model:
         return model
-    from .model.weights import CheckpointError, resolve_model_path   # never downloads
+    from .model.weights import CheckpointError, resolve_model_path  # never downloads
     for repo_id in KNOWN_REPO_IDS:
         try:
             path = resolve_model_path(repo_id)

@@ -43,7 +43,9 @@ class Tokenizer:
     @classmethod
     def from_path(cls, path: str | os.PathLike) -> "Tokenizer":
         """Load from a directory holding tokenizer.json (+ tokenizer_config.json) or from the file."""
-        from tokenizers import Tokenizer as HFTokenizer  # lazy: keep `import deepinfer_core` light
+        from tokenizers import (
+            Tokenizer as HFTokenizer,  # lazy: keep `import deepinfer_core` light
+        )
 
         path = Path(path).expanduser()
         file = path / TOKENIZER_FILE if path.is_dir() else path

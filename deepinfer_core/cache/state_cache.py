@@ -22,7 +22,13 @@ import torch
 from ..ops.kv_fp8 import kv_row_bytes as packed_row_bytes
 from ..ops.transfer import to_device
 from .block_allocator import BlockAllocator
-from .sequence_state import BlockTable, CompressorState, LayerPools, LayerState, SequenceState
+from .sequence_state import (
+    BlockTable,
+    CompressorState,
+    LayerPools,
+    LayerState,
+    SequenceState,
+)
 
 BLOCK_SIZE = 128     # a multiple of every compression ratio, so no row straddles two blocks
 _FP32 = 4

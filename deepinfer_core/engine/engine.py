@@ -31,7 +31,12 @@ from ..api.sampling_params import SamplingParams
 from ..contracts import StepRunner, TokenSampler
 from ..ops.sampler import mix_seed
 from .constraints import attach_constraint
-from .output_processor import append_token, finalize_text, logprobs_entry, start_detokenizer
+from .output_processor import (
+    append_token,
+    finalize_text,
+    logprobs_entry,
+    start_detokenizer,
+)
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Request, SeqStatus, Sequence
 from .step_executor import HostLogprobs, InFlight, StepExecutor
@@ -70,6 +75,7 @@ class Engine:
                                      scheduler.blocks.allocator.num_slots, speculator)
         self.spec_metrics = SpecMetrics() if speculator is not None else None   # over every request
         self.varlen = None                 # VARLEN's policy (use_varlen), None: verify every draft
+        self.acceptance_log: list[tuple[list[float], int]] | None = None   # record_acceptance
         self._requests: dict[str, _Tracked] = {}
         self._in_flight: InFlight | None = None
         self._touched: dict[str, _Tracked] = {}       # requests with news for the next step() result
@@ -163,7 +169,7 @@ class Engine:
             raise ValueError(f"{speculator.num_drafts} drafts per step need max_backtracking_tokens >= "
                              f"{speculator.num_drafts + 1} (DEEPINFER_MAX_BACKTRACKING_TOKENS), the runner has {backtrack}")
         self.executor.speculator, self.async_scheduling = speculator, False
-        speculator.want_confidence = self.varlen is not None
+        speculator.want_confidence = self.varlen is not None or self.acceptance_log is not None
         self.spec_metrics = SpecMetrics()
 
     def use_varlen(self, policy: Any) -> None:
@@ -178,7 +184,17 @@ class Engine:
         if policy is not None and policy.max_drafts != spec.num_drafts:
             raise ValueError(f"VARLEN policy for {policy.max_drafts} drafts, the drafter proposes {spec.num_drafts}")
         self.varlen = self.scheduler.draft_length = policy
-        spec.want_confidence = policy is not None
+        spec.want_confidence = policy is not None or self.acceptance_log is not None
+
+    def record_acceptance(self, log: list | None) -> None:
+        """From now on every verification appends (the cumulative confidences of the drafts it could
+        accept, drafts accepted) to `log` (calibration: deepinfer_dspark.calibrate); None stops."""
+        spec = self.executor.speculator
+        if spec is None:
+            raise ValueError("record_acceptance: the engine has no drafter (DEEPINFER_USE_NEXTN_DECODE=0 or no "
+                             "mtp.* tensors)")
+        self.acceptance_log = log
+        spec.want_confidence = log is not None or self.varlen is not None
 
     def _observe_step_time(self, chunks: list[ScheduledChunk], ms: float) -> None:
         """A step of verify chunks of one shape, or of decodes (VARLEN chose no drafts: observing
@@ -321,6 +337,8 @@ class Engine:
             req = seq.request
             for metrics in (self._spec_metrics(req), self.spec_metrics):
                 metrics.record(c.max_accept, j)
+            if self.acceptance_log is not None and seq.draft_conf:
+                self.acceptance_log.append((seq.draft_conf[:c.max_accept], j))
             stopped = False
             first = spec.logprob_rows.get(n)
             for e, t in enumerate(seq.draft_ids[:j] + [tok]):

@@ -179,6 +179,8 @@ class ModelRunner:
         else:
             self.num_drafts = resolve_num_drafts(config.speculative.num_speculative_tokens, len(self.model.mtp),
                                                  dspark.block_size if dspark is not None else None)
+        if self.loaded.proposer is not None and self.num_drafts:
+            self.confidence_temperatures()                    # a wrong-length list fails at start-up
         if config.speculative.enable_mtp_varlen and not self.num_drafts:
             raise ValueError("enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1) schedules the verification of "
                              "drafts, but the checkpoint has no drafter (mtp.* tensors); unset it")
@@ -287,10 +289,27 @@ class ModelRunner:
                 return MTPGraphs(self.model, decode, self.cache, self.loaded.ops.attention, streams)
         proposer = None
         if self.loaded.proposer is not None:
-            proposer = check_contract(self.loaded.proposer(self.model, self.num_drafts,
-                                                           self.config.speculative.confidence_head_temperature),
+            proposer = check_contract(self.loaded.proposer(self.model, self.num_drafts, self.confidence_temperatures()),
                                       DraftProposer, "proposer")
         return Speculator(self.model, self.num_drafts, graphs, proposer=proposer)
+
+    def confidence_temperatures(self) -> tuple[float, ...]:
+        """The option (DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE) when set, else the calibration the
+        checkpoint stores (dspark_confidence_temperatures: its first gamma values), else 1.0."""
+        chosen = self.config.speculative.confidence_head_temperature
+        if chosen is not None:
+            if len(chosen) not in (1, self.num_drafts):
+                raise ValueError(f"DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE has {len(chosen)} values; allowed: 1 "
+                                 f"or {self.num_drafts} (DEEPINFER_USE_NEXTN_DECODE)")
+            return tuple(chosen)
+        stored = self.model.cfg.dspark.confidence_temperatures if self.model.cfg.dspark else None
+        if stored is None:
+            return (1.0,)
+        if 1 < len(stored) < self.num_drafts:
+            raise ValueError(f"config.json: dspark_confidence_temperatures has {len(stored)} values for "
+                             f"{self.num_drafts} drafts (DEEPINFER_USE_NEXTN_DECODE); set "
+                             f"DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE (1 or {self.num_drafts} values)")
+        return stored if len(stored) == 1 else stored[:self.num_drafts]
 
     def varlen_policy(self, max_seqs: int, num_drafts: int | None = None):
         """VARLEN's policy over a step-time table profiled now (batches up to `max_seqs` sequences of

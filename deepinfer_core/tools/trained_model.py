@@ -19,7 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .make_tiny_checkpoint import DEFAULT_MAX_SHARD_BYTES, model_tensor_spec, write_checkpoint
+from .make_tiny_checkpoint import (
+    DEFAULT_MAX_SHARD_BYTES,
+    model_tensor_spec,
+    write_checkpoint,
+)
 
 ARTIFACT = Path(__file__).parent / "data" / "tiny_v4_shakespeare.safetensors"
 DSPARK_ARTIFACT = Path(__file__).parent / "data" / "tiny_v4_shakespeare_dspark.safetensors"

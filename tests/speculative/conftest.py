@@ -6,12 +6,19 @@ import pytest
 from spec_cases import GREEDY, OPTIONS, PROMPTS  # noqa: E402
 
 from deepinfer_core import LLM  # noqa: E402
-from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
+from deepinfer_core.tools.trained_model import ARTIFACT, DSPARK_ARTIFACT, make_trained_checkpoint
 
 
 @pytest.fixture(scope="session")
 def trained_dir(tmp_path_factory):
     return str(make_trained_checkpoint(tmp_path_factory.mktemp("trained") / "ckpt", ARTIFACT))
+
+
+@pytest.fixture(scope="session")
+def dspark_trained_dir(tmp_path_factory):
+    """The bundled DSpark variant: the same target with its trained DSpark drafter."""
+    return str(make_trained_checkpoint(tmp_path_factory.mktemp("trained") / "dspark", ARTIFACT,
+                                       drafter=DSPARK_ARTIFACT))
 
 
 @pytest.fixture(scope="session")

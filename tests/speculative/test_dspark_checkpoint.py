@@ -111,6 +111,8 @@ def test_damaged_dspark_checkpoints_name_the_tensor(dspark_dir, tmp_path):
     (dict(dspark_target_layer_ids=[5, 8]), r"dspark_target_layer_ids=\[5, 8\]; allowed: .* 0..7"),
     (dict(dspark_target_attn_input=False), "dspark_target_attn_input=false is not supported"),
     (dict(dspark_num_experts_per_tok=5), r"dspark_num_experts_per_tok=5; allowed: 1..4"),
+    (dict(dspark_confidence_temperatures=[1.0, 0]), r"dspark_confidence_temperatures=\[1.0, 0\]; allowed: .* > 0"),
+    (dict(dspark_confidence_temperatures=0.5), r"dspark_confidence_temperatures=0.5; allowed: a non-empty list"),
 ])
 def test_bad_dspark_config_names_the_field(change, message):
     with pytest.raises(ConfigError, match=message):

@@ -129,9 +129,8 @@ def test_temperature_lists_are_checked_against_gamma(dspark_dir, monkeypatch):
     assert parse_temperatures((2.0,), 3) == [2.0] * 3
     assert parse_temperatures((1.0, 0.0, 3.0), 3) == [1.0, 1e-5, 3.0]
     monkeypatch.setenv("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "1.0,2.0")
-    llm = LLM(model=str(dspark_dir), num_speculative_tokens=3, **OPTIONS)
     with pytest.raises(ValueError, match="DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE has 2 values; allowed: 1 or 3"):
-        llm.engine
+        LLM(model=str(dspark_dir), num_speculative_tokens=3, **OPTIONS)
 
 
 def test_without_the_plugin_no_drafts(dspark_dir, monkeypatch, caplog):

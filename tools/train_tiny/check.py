@@ -35,7 +35,10 @@ def engine_nll(llm, windows: list[list[int]]) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     from deepinfer_core import LLM, SamplingParams
-    from deepinfer_core.tools.trained_model import make_trained_checkpoint, read_artifact
+    from deepinfer_core.tools.trained_model import (
+        make_trained_checkpoint,
+        read_artifact,
+    )
     ap = argparse.ArgumentParser(prog="python -m tools.train_tiny.check", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="the training tool's OUT_DIR")
     ap.add_argument("corpus", type=Path)

@@ -29,13 +29,18 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from deepinfer_dspark.drafter import (
+    block_hidden,
+    draft_heads,
+    main_features,
+    stage_keys,
+)
 
 from deepinfer_core.model import ForwardBatch
 from deepinfer_core.model.layers import Linear
 from deepinfer_core.ops import portable_attention
 from deepinfer_core.ops.quant import dequant_fp4, dequant_fp8_block
 from deepinfer_core.tools.trained_model import ARTIFACT, read_artifact
-from deepinfer_dspark.drafter import block_hidden, draft_heads, main_features, stage_keys
 
 from . import model as M
 from .export import checkpoint_tensors
