@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contracts import AttentionBackend, GraphAttentionBackend, GraphMetadata
-from ..model import ForwardBatch
+from ..model import ForwardBatch, ModelOutput
 from ..ops.transfer import copy_into
 from .slot_tables import SlotTables
 
@@ -41,6 +41,7 @@ class _Captured:
     meta: GraphMetadata          # the backend's static metadata, derived on the device from `inputs`
     logits: torch.Tensor | None  # static outputs, overwritten by the next replay
     streams: torch.Tensor | None = None
+    features: torch.Tensor | None = None   # DSpark's target features, when the model captured them
 
 
 def buckets_for(max_seqs: int) -> list[int]:
@@ -134,6 +135,13 @@ class DecodeGraphs:
         """(logits, final streams) of one step, views of the graph's outputs (see run_step).
         `device_ids`: the step's first ids already on the device (they replace `ids`' first entries,
         no host round trip)."""
+        out = self.replay_output(ids, positions, slots, q, device_ids)
+        return None if out is None else (out.logits, out.streams)
+
+    def replay_output(self, ids: list[int], positions: list[int], slots: list[int], q: int = 1,
+                      device_ids: torch.Tensor | None = None) -> ModelOutput | None:
+        """As `replay`, with the target features (DSpark) when the model captured them at capture
+        time (else features is None)."""
         n = len(slots)
         size = next(b for b in self.buckets if b >= n)
         cap = self.graphs.get((size, q)) or self._capture(size, q)
@@ -145,9 +153,11 @@ class DecodeGraphs:
         rows = n if self.per_sequence_output else n * q
         if cap.graph is None:
             out = self._body(cap)
-            return out.logits[:rows], out.streams[:rows]
-        cap.graph.replay()
-        return cap.logits[:rows], cap.streams[:rows]
+            logits, streams, features = out.logits, out.streams, getattr(out, "features", None)
+        else:
+            cap.graph.replay()
+            logits, streams, features = cap.logits, cap.streams, cap.features
+        return ModelOutput(logits[:rows], streams[:rows], None if features is None else features[:rows])
 
     def _load(self, cap: _Captured, q: int, ids: list[int], positions: list[int], slots: list[int]) -> None:
         """One host->device copy of the step's inputs; padding sequences (token 0 at positions
@@ -201,6 +211,7 @@ class DecodeGraphs:
             return None
         self.pool = graph.pool()
         cap.graph, cap.logits, cap.streams = graph, out.logits, out.streams
+        cap.features = getattr(out, "features", None)
         self.graphs[(size, q)] = cap
         log.info("captured the CUDA graph for batch size %d, %d token(s) per sequence", size, q)
         return cap

@@ -181,6 +181,8 @@ class ModelRunner:
                                                  dspark.block_size if dspark is not None else None)
         if self.loaded.proposer is not None and self.num_drafts:
             self.confidence_temperatures()                    # a wrong-length list fails at start-up
+            if dspark is not None:                            # before any CUDA graph is captured: the
+                self.model.capture_layers = dspark.target_layer_ids     # graphs then return the features
         if config.speculative.enable_mtp_varlen and not self.num_drafts:
             raise ValueError("enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1) schedules the verification of "
                              "drafts, but the checkpoint has no drafter (mtp.* tensors); unset it")
@@ -365,15 +367,16 @@ class ModelRunner:
         """An engine step whose rows also feed a drafter: (the model's output: logits of
         `batch.logit_rows`, the final streams of every row and, for DSpark, the target features; the
         ForwardBatch of the step). A step of q tokens per sequence that wants every row's logits (a
-        verify step, or decode) replays a CUDA graph when there are graphs and no features are wanted
-        (the graphs do not return them yet)."""
+        verify step, or decode) replays a CUDA graph when there are graphs (captured with the features
+        when a DSpark drafter drafts)."""
         self._apply_updates(batch.updates)
         fb = self._forward_batch(batch)
-        if (self.graphs is not None and not self.model.capture_layers
-                and self.graphs.fits_uniform(batch.lens, len(batch.logit_rows))):
-            out = self.graphs.replay(batch.ids, _positions(batch), batch.slots, batch.lens[0])
+        if self.graphs is not None and self.graphs.fits_uniform(batch.lens, len(batch.logit_rows)):
+            out = self.graphs.replay_output(batch.ids, _positions(batch), batch.slots, batch.lens[0])
             if out is not None:
-                return ModelOutput(out[0], out[1]), fb
+                if self.model.capture_layers and out.features is None:
+                    raise RuntimeError("a CUDA graph captured before the DSpark feature capture was set up")
+                return out, fb
         return self.model(fb), fb
 
     def _forward_batch(self, batch: StepBatch) -> ForwardBatch:

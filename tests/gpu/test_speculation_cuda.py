@@ -46,3 +46,32 @@ def test_graphed_speculation_is_lossless_and_drafts_as_eager(trained, k):
     assert graphed == reference and eager == reference
     assert [(m.num_steps, m.num_accepted_tokens) for m in graphed_metrics] == \
         [(m.num_steps, m.num_accepted_tokens) for m in eager_metrics]
+
+
+@pytest.fixture(scope="module")
+def trained_dspark(tmp_path_factory):
+    from deepinfer_core.tools.trained_model import DSPARK_ARTIFACT
+    return str(make_trained_checkpoint(tmp_path_factory.mktemp("trained") / "dspark", ARTIFACT,
+                                       drafter=DSPARK_ARTIFACT))
+
+
+def test_graphed_dspark_is_lossless_and_drafts_as_eager(trained, trained_dspark, monkeypatch):
+    """The DSpark variant: verify steps replay the decode graphs, which return the target features the
+    drafter injects; outputs equal the non-speculative ones bit for bit and the drafts the eager run's."""
+    from deepinfer_core.runner import model_runner
+    replays = []
+    real = model_runner.DecodeGraphs.replay_output
+
+    def counting(self, *a, **kw):
+        out = real(self, *a, **kw)
+        replays.append(out is not None and out.features is not None)
+        return out
+
+    reference, _, _ = _run(trained, 0, eager=False)
+    monkeypatch.setattr(model_runner.DecodeGraphs, "replay_output", counting)
+    graphed, graphed_metrics, has_graphs = _run(trained_dspark, 5, eager=False)
+    eager, eager_metrics, _ = _run(trained_dspark, 5, eager=True)
+    assert has_graphs and replays and all(replays)
+    assert graphed == reference and eager == reference
+    assert [(m.num_steps, m.num_accepted_tokens) for m in graphed_metrics] == \
+        [(m.num_steps, m.num_accepted_tokens) for m in eager_metrics]

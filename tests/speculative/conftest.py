@@ -6,7 +6,11 @@ import pytest
 from spec_cases import GREEDY, OPTIONS, PROMPTS  # noqa: E402
 
 from deepinfer_core import LLM  # noqa: E402
-from deepinfer_core.tools.trained_model import ARTIFACT, DSPARK_ARTIFACT, make_trained_checkpoint
+from deepinfer_core.tools.trained_model import (
+    ARTIFACT,
+    DSPARK_ARTIFACT,
+    make_trained_checkpoint,
+)
 
 
 @pytest.fixture(scope="session")
