@@ -126,7 +126,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "DSpark drafter, 5 when it has an MTP block, else off (logged once).", minimum=0),
     EnvVar("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "floats", (1.0,),
            "DSpark confidence head: calibration temperature(s), one for every draft position or one "
-           "per position (as many as DEEPINFER_USE_NEXTN_DECODE); each clamped to >= 1e-5."),
+           "per position (as many as DEEPINFER_USE_NEXTN_DECODE); each clamped to >= 1e-5. Unset: the "
+           "checkpoint's dspark_confidence_temperatures (python -m deepinfer_dspark.calibrate "
+           "--write-config), else 1.0."),
     EnvVar("DEEPINFER_MAX_BACKTRACKING_TOKENS", "int", 0,
            "Rollback room in the SWA rings; the effective value is max(value, gamma + 1).",
            minimum=0),

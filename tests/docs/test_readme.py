@@ -405,6 +405,20 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/spec_acceptance.py --drafts 3 --varlen": Skip(
         "minutes of CPU (3 x 2 x 32 prompts x 64 tokens); tests/speculative/test_varlen.py runs VARLEN through the "
         "engine"),
+    "python benchmarks/spec_acceptance.py --drafts 1,3 --dspark 5 --varlen": Skip(
+        "minutes of CPU (11 x 32 prompts x 64 tokens); tests/speculative/test_dspark_trained.py runs the trained "
+        "DSpark drafter through the engine"),
+    "python -m deepinfer_core.tools.bundled_model --variant dspark": Skip(
+        "writes into the user cache; tests/speculative/test_dspark_trained.py builds the same checkpoint "
+        "(trained_model.make_trained_checkpoint with the drafter)"),
+    "python -m tools.train_tiny.dspark corpus.npz dspark_run --device cuda --minutes 5 --eval-every 50": Skip(
+        GPU + "; tests/train_tiny/test_train_dspark.py trains a few CPU steps with the same code"),
+    "python -m tools.train_tiny.calibrate dspark_run/drafter.safetensors": Skip(
+        "needs a training run's output (4 min of CPU); tests/speculative/test_dspark_trained.py calibrates through "
+        "the same code"),
+    "python -m deepinfer_dspark.calibrate --model /path/to/V4-Flash-DSpark --prompts prompts.json --write-config": Skip(
+        "a placeholder checkpoint path; tests/speculative/test_dspark_trained.py runs calibrate() on the tiny one"),
+    "python -m deepinfer_dspark.calibrate": Skip("needs --model and --prompts (its usage is the next line)"),
     "python benchmarks/spec_acceptance.py": Skip(
         "minutes of CPU (6 x 32 prompts x 64 tokens); tests/speculative runs the same engine on 12 x 24"),
     "python benchmarks/spec_speed.py --device cuda --drafts 1,3,5 --concurrency 1,16,64": Skip(GPU),

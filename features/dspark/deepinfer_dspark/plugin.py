@@ -12,8 +12,8 @@ from deepinfer_core.hookspecs import hookimpl
 NAME = "dspark"
 DEEPINFER_PLUGIN_INFO = {
     "status": "partial",
-    "note": "DSpark drafter (eager, portable attention) for checkpoints with dspark_* keys; no CUDA graphs, "
-            "no calibration tool or trained tiny drafter yet",
+    "note": "DSpark drafter for checkpoints with dspark_* keys (the target's steps graphed, the drafter eager "
+            "with portable attention), calibration tool (deepinfer_dspark.calibrate); no drafter CUDA graphs yet",
 }
 
 
