@@ -31,26 +31,24 @@ VOCAB_ROWS = ("embed.weight", "head.weight")      # plus every "*.tid2eid" and t
 MARKOV_TABLES = (".markov_head.markov_w1", ".markov_head.markov_w2")
 
 
-def read_artifact(path: str | Path = ARTIFACT) -> tuple[dict, dict[str, torch.Tensor], dict]:
-    """(config with the real vocabulary size, tensors, training report)."""
+def _read(path: str | Path, config_key: str, what: str) -> tuple[dict, dict[str, torch.Tensor], dict]:
     from safetensors import safe_open
     from safetensors.torch import load_file
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
-    if "config" not in meta:
-        raise ValueError(f"{path}: not a trained-model artifact (no config in its metadata)")
-    return json.loads(meta["config"]), load_file(str(path)), json.loads(meta.get("training", "{}"))
+    if config_key not in meta:
+        raise ValueError(f"{path}: not a {what} (no {config_key} in its metadata)")
+    return json.loads(meta[config_key]), load_file(str(path)), json.loads(meta.get("training", "{}"))
+
+
+def read_artifact(path: str | Path = ARTIFACT) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """(config with the real vocabulary size, tensors, training report)."""
+    return _read(path, "config", "trained-model artifact")
 
 
 def read_drafter(path: str | Path = DSPARK_ARTIFACT) -> tuple[dict, dict[str, torch.Tensor], dict]:
     """(the drafter's config keys, its tensors, its training report)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-    if "drafter_config" not in meta:
-        raise ValueError(f"{path}: not a drafter artifact (no drafter_config in its metadata)")
-    return json.loads(meta["drafter_config"]), load_file(str(path)), json.loads(meta.get("training", "{}"))
+    return _read(path, "drafter_config", "drafter artifact")
 
 
 def expand_rows(compact: torch.Tensor, kept: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -9,13 +9,11 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from test_train_tiny import HELD_TEXT, TRAIN_TEXT  # noqa: E402
+from test_train_tiny import write_corpus  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.tools.make_tiny_checkpoint import tokenizer_dir
 from deepinfer_core.tools.trained_model import (
     ARTIFACT,
     make_trained_checkpoint,
@@ -23,16 +21,13 @@ from deepinfer_core.tools.trained_model import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))      # the repository root: tools/
-from tools.train_tiny import corpus, dspark  # noqa: E402
+from tools.train_tiny import dspark  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_dspark")
-    arrays = corpus.tokenize({"sonnets_gut.txt": TRAIN_TEXT, corpus.HELD_OUT[0]: HELD_TEXT},
-                             tokenizer_dir() / "tokenizer.json")
-    np.savez(root / "corpus.npz", files=np.asarray(["sonnets_gut.txt"]), **arrays)
-    args = dspark.parse([str(root / "corpus.npz"), str(root / "out"), "--device", "cpu", "--steps", "2",
+    args = dspark.parse([str(write_corpus(root)), str(root / "out"), "--device", "cpu", "--steps", "2",
                          "--batch", "2", "--length", "40", "--anchors", "6", "--warmup", "1", "--eval-every", "2",
                          "--eval-windows", "2"])
     return root, dspark.train(args)

@@ -45,12 +45,18 @@ That flesh is heir to.
 """
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_tiny")
+def write_corpus(root: Path) -> Path:
+    """root/corpus.npz: the two texts above tokenized as the corpus tool does."""
     arrays = corpus.tokenize({"sonnets_gut.txt": TRAIN_TEXT, corpus.HELD_OUT[0]: HELD_TEXT},
                              tokenizer_dir() / "tokenizer.json")
     np.savez(root / "corpus.npz", files=np.asarray(["sonnets_gut.txt"]), **arrays)
+    return root / "corpus.npz"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_tiny")
+    write_corpus(root)
     args = train.parse([str(root / "corpus.npz"), str(root / "out"), "--device", "cpu", "--steps", "3",
                         "--batch", "2", "--length", "48", "--warmup", "1", "--eval-every", "3",
                         "--eval-windows", "2", "--vocab-rows", "64"])

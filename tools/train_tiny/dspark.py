@@ -44,7 +44,7 @@ from deepinfer_core.tools.trained_model import ARTIFACT, read_artifact
 
 from . import model as M
 from .export import checkpoint_tensors
-from .train import heldout_starts, windows_at
+from .train import heldout_starts, learning_rate, optimizer_step, run_parser, windows_at
 
 # the drafter's config keys (dspark.md §3.3), scaled to the tiny target: three stages like V4's, fed by
 # the last three target layers, gamma 5, the real noise token id
@@ -195,16 +195,12 @@ def train(a: argparse.Namespace) -> dict:
     held = heldout_starts(len(held_rows), a.length, a.eval_windows)
     curve, best, t0, step = [], None, time.perf_counter(), 0
     while step < a.steps and time.perf_counter() - t0 < a.minutes * 60:
-        progress = max(step / a.steps, (time.perf_counter() - t0) / (a.minutes * 60))
         for group in opt.param_groups:
-            group["lr"] = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * max(0.0, 1 - progress))
+            group["lr"] = learning_rate(a, step, time.perf_counter() - t0)
         starts = rng.integers(0, len(train_rows) - a.length, a.batch)
         loss, stats = drafter_losses(model, windows_at(train_rows, starts, a.length, a.device),
                                      anchors_for(rng, a.batch, a.anchors, a.length, k, a.device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, params, loss)
         step += 1
         if step % a.eval_every == 0 or step == a.steps:
             point = {"step": step, "seconds": round(time.perf_counter() - t0, 1), "loss": round(loss.item(), 5),
@@ -234,14 +230,8 @@ def train(a: argparse.Namespace) -> dict:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m tools.train_tiny.dspark", description=__doc__.split("\n\n")[0])
-    ap.add_argument("corpus", type=Path, help="the .npz of tools.train_tiny.corpus")
-    ap.add_argument("out", type=Path)
+    ap = run_parser("dspark", __doc__)
     ap.add_argument("--target", type=Path, default=ARTIFACT, help="the target's artifact (default: the bundled one)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=2000, help="learning-rate schedule length (and the most steps)")
-    ap.add_argument("--minutes", type=float, default=1e9, help="stop after this long")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--anchors", type=int, default=256, help="anchors drafted per window")

@@ -48,6 +48,20 @@ def evaluate(model, rows: np.ndarray, starts: np.ndarray, length: int, device: s
     return {k: v / len(starts) for k, v in sums.items()}
 
 
+def learning_rate(a: argparse.Namespace, step: int, seconds: float) -> float:
+    """Linear warm-up, then linear decay to 10% over the steps or the time budget, whichever ends first."""
+    progress = max(step / a.steps, seconds / (a.minutes * 60))
+    return a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * max(0.0, 1 - progress))
+
+
+def optimizer_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], loss: torch.Tensor) -> None:
+    """One step on `loss`, gradients clipped to norm 1."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
 def train(a: argparse.Namespace) -> dict:
     torch.manual_seed(a.seed)
     cuda = a.device.startswith("cuda")
@@ -71,18 +85,13 @@ def train(a: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     step = 0
     while step < a.steps and time.perf_counter() - t0 < a.minutes * 60:
-        # linear warm-up, then linear decay to 10% over the steps or the time budget, whichever ends first
-        progress = max(step / a.steps, (time.perf_counter() - t0) / (a.minutes * 60))
-        lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * max(0.0, 1 - progress))
+        lr = learning_rate(a, step, time.perf_counter() - t0)
         for group in opt.param_groups:
             group["lr"] = lr
         starts = rng.integers(0, len(train_rows) - a.length, a.batch)
         main, mtp, stats = M.forward_losses(model, windows_at(train_rows, starts, a.length, a.device))
         loss = main if mtp is None else main + a.mtp_weight * mtp
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, params, loss)
         step += 1
         if step % a.eval_every == 0 or step == a.steps:
             point = {"step": step, "seconds": round(time.perf_counter() - t0, 1), "lr": lr,
@@ -112,14 +121,20 @@ def train(a: argparse.Namespace) -> dict:
     return info
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m tools.train_tiny.train", description=__doc__.split("\n\n")[0])
+def run_parser(tool: str, doc: str) -> argparse.ArgumentParser:
+    """The arguments every training tool here takes (corpus, output, device, seed, step and time budget)."""
+    ap = argparse.ArgumentParser(prog=f"python -m tools.train_tiny.{tool}", description=doc.split("\n\n")[0])
     ap.add_argument("corpus", type=Path, help="the .npz of tools.train_tiny.corpus")
     ap.add_argument("out", type=Path)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=2000, help="learning-rate schedule length (and the most steps)")
     ap.add_argument("--minutes", type=float, default=1e9, help="stop after this long")
+    return ap
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = run_parser("train", __doc__)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--lr", type=float, default=2e-3)
