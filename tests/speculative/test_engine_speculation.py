@@ -69,10 +69,15 @@ def test_seeded_samples_equal_the_reference_loop_and_ignore_the_batch(spec_llm, 
     assert alone == batched[1::2]
 
 
-def test_preemption_chunking_and_requests_that_do_not_draft(trained_dir, reference_llm, prompts_and_reference):
+@pytest.mark.parametrize("drafter, model_fixture, gamma", [("MTP-3", "trained_dir", 3),
+                                                            ("DSpark-5", "dspark_trained_dir", 5)])
+def test_preemption_chunking_and_requests_that_do_not_draft(drafter, model_fixture, gamma, request, reference_llm,
+                                                            prompts_and_reference):
     """A cache too small for every request (preemption), a 24-token budget (chunked prefill; verify
     chunks cut short), and requests with logprobs, penalties, a grammar, min_tokens, a stop string,
-    n=2 and a short max_tokens: the same tokens, text and logprobs as the roomy non-speculative engine."""
+    n=2 and a short max_tokens: the same tokens, text and logprobs as the roomy non-speculative engine,
+    with the MTP block and with the trained DSpark drafter (the same target)."""
+    model = request.getfixturevalue(model_fixture)
     prompts, _ = prompts_and_reference
     params = [GREEDY,
               SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=2),
@@ -87,7 +92,7 @@ def test_preemption_chunking_and_requests_that_do_not_draft(trained_dir, referen
     for i in (0, 6, 8):          # ~110-token prompts: their outputs cross into a second cache block
         prompts[i] = (prompts[i] * 20)[:110]
     reference = reference_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    tight = LLM(model=trained_dir, num_speculative_tokens=3, num_cache_blocks=4, max_num_seqs=4,
+    tight = LLM(model=model, num_speculative_tokens=gamma, num_cache_blocks=4, max_num_seqs=4,
                 max_num_batched_tokens=24, **OPTIONS)
     outs = tight.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
