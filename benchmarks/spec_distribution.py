@@ -2,6 +2,11 @@
 fixed prompt, drawn with MTP speculation over many seeds, follow the target's own distribution.
 
     python benchmarks/spec_distribution.py [--runs 20000] [--control-runs 5000] [--drafts 1]
+    python benchmarks/spec_distribution.py --dspark [--device cuda]
+
+--dspark draws through the engine itself (`LLM.generate`, one seeded request per run) with the trained
+DSpark drafter (the bundled model's DSpark variant, gamma 5: token 2 verifies its first draft), and
+writes spec_distribution_<device>_dspark.json; the control then patches the engine's verifier.
 
 Bundled trained tiny model, float32, CPU, T=1 (the full softmax). Token 1 comes from the prefill's
 sampler, token 2 from verification (the MTP draft accepted with min(1, p/q), else the correction
@@ -51,6 +56,50 @@ def chi_square(counts: Counter, expected: dict, total: int) -> dict:
     return dict(chi2=stat, df=df, p_value=p_value, passes=p_value > SIGNIFICANCE)
 
 
+def draw_engine(llm, prompt: list[int], runs: int, batch: int) -> Counter:
+    """The first two tokens of `runs` seeded requests through LLM.generate, `batch` requests a call."""
+    pairs: Counter = Counter()
+    for first in range(0, runs, batch):
+        n = min(batch, runs - first)
+        params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=s) for s in range(first, first + n)]
+        outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params, use_tqdm=False)
+        pairs.update(tuple(o.outputs[0].token_ids) for o in outs)
+        print(f"  {first + n} / {runs} runs", flush=True)
+    return pairs
+
+
+def dspark_rows(a: argparse.Namespace, tmp: str) -> tuple[dict, float, dict]:
+    """(rows, seconds, drafting stats) of the engine run with the DSpark drafter and its control."""
+    from deepinfer_core import LLM
+    from deepinfer_core.speculative import engine_step
+    from deepinfer_core.tools.trained_model import DSPARK_ARTIFACT
+    ckpt = make_trained_checkpoint(Path(tmp) / "dspark", ARTIFACT, drafter=DSPARK_ARTIFACT)
+    llm = LLM(model=str(ckpt), dtype="float32", device=a.device, num_speculative_tokens=5, max_num_seqs=a.batch,
+              max_model_len=64)
+    prompt = llm.tokenizer.encode(PROMPT)
+    t0 = time.perf_counter()
+    spec = draw_engine(llm, prompt, a.runs, a.batch)
+    seconds = time.perf_counter() - t0
+    stats = dict(verify_steps=llm.engine.spec_metrics.num_steps, accepted=llm.engine.spec_metrics.num_accepted_tokens)
+    original = engine_step.verify
+
+    def accept_everything(target_logits, num_drafts, draft_ids, *args, **kw):
+        verdict = original(target_logits, num_drafts, draft_ids, *args, **kw)
+        verdict.accepted = list(num_drafts)            # broken on purpose: every draft passes
+        return verdict
+
+    engine_step.verify = accept_everything
+    try:
+        broken = draw_engine(llm, prompt, a.control_runs, a.batch)
+    finally:
+        engine_step.verify = original
+    runner = llm.runner
+    truth = exact(runner, prompt, 5 / max(a.runs, a.control_runs))
+    rows = {"speculative (DSpark, gamma 5, through the engine)": chi_square(spec, truth, a.runs),
+            "control: a verifier that accepts every draft": chi_square(broken, truth, a.control_runs)}
+    return rows, seconds, stats
+
+
 def draw(runner, prompt: list[int], runs: int, k: int, batch: int) -> Counter:
     params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
     pairs: Counter = Counter()
@@ -88,7 +137,16 @@ def main() -> None:
     ap.add_argument("--drafts", type=int, default=1)
     ap.add_argument("--control-runs", type=int, default=5000, help="runs of the broken-verifier control")
     ap.add_argument("--batch", type=int, default=500)
+    ap.add_argument("--dspark", action="store_true", help="the trained DSpark drafter, through LLM.generate")
+    ap.add_argument("--device", default="cpu", help="with --dspark: cpu or cuda")
     a = ap.parse_args()
+    if a.dspark:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows, seconds, stats = dspark_rows(a, tmp)
+        report(rows, Path(__file__).parent / "results" / f"spec_distribution_{a.device}_dspark.json",
+               dict(prompt=PROMPT, runs=a.runs, control_runs=a.control_runs, drafter="DSpark gamma 5", temperature=1.0,
+                    device=a.device, dtype="float32", significance=SIGNIFICANCE, seconds=round(seconds, 1), **stats))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_trained_checkpoint(Path(tmp) / "ckpt", ARTIFACT)
         prompt = load_tokenizer(ckpt).encode(PROMPT)
@@ -114,12 +172,16 @@ def main() -> None:
         verify_all = chi_square(broken, truth, a.control_runs)
         result = chi_square(spec, truth, a.runs)
     rows = {"speculative (MTP-%d)" % a.drafts: result, "control: a verifier that accepts every draft": verify_all}
+    report(rows, Path(__file__).parent / "results" / "spec_distribution_cpu.json",
+           dict(prompt=PROMPT, runs=a.runs, control_runs=a.control_runs, drafts=a.drafts, temperature=1.0,
+                significance=SIGNIFICANCE, seconds=round(seconds, 1)))
+
+
+def report(rows: dict, out: Path, info: dict) -> None:
     for name, r in rows.items():
-        print(f"{name:46} chi2 {r['chi2']:9.1f}  df {r['df']:4d}  p {r['p_value']:.3g}  "
+        print(f"{name:52} chi2 {r['chi2']:9.1f}  df {r['df']:4d}  p {r['p_value']:.3g}  "
               f"{'matches the target' if r['passes'] else 'differs from the target'} (significance {SIGNIFICANCE})")
-    out = Path(__file__).parent / "results" / "spec_distribution_cpu.json"
-    out.write_text(json.dumps(dict(prompt=PROMPT, runs=a.runs, control_runs=a.control_runs, drafts=a.drafts, temperature=1.0,
-                                   significance=SIGNIFICANCE, seconds=round(seconds, 1), rows=rows), indent=1) + "\n")
+    out.write_text(json.dumps(dict(info, rows=rows), indent=1) + "\n")
     print(f"wrote {out}")
 
 
