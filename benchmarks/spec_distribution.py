@@ -57,13 +57,16 @@ def chi_square(counts: Counter, expected: dict, total: int) -> dict:
 
 
 def draw_engine(llm, prompt: list[int], runs: int, batch: int) -> Counter:
-    """The first two tokens of `runs` seeded requests through LLM.generate, `batch` requests a call."""
+    """The first two tokens of `runs` seeded requests through LLM.generate, `batch` requests a call.
+    max_tokens is 3: a verify step always adds a token of its own, so with only token 2 left to
+    generate it could accept no draft (token 2 would be plain target sampling, a test of nothing);
+    with 3, token 2 is draft 1 accepted with min(1, p/q) or the correction."""
     pairs: Counter = Counter()
     for first in range(0, runs, batch):
         n = min(batch, runs - first)
-        params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=s) for s in range(first, first + n)]
+        params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s) for s in range(first, first + n)]
         outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params, use_tqdm=False)
-        pairs.update(tuple(o.outputs[0].token_ids) for o in outs)
+        pairs.update(tuple(o.outputs[0].token_ids[:2]) for o in outs)
         print(f"  {first + n} / {runs} runs", flush=True)
     return pairs
 
