@@ -56,7 +56,7 @@ def chi_square(counts: Counter, expected: dict, total: int) -> dict:
     return dict(chi2=stat, df=df, p_value=p_value, passes=p_value > SIGNIFICANCE)
 
 
-def draw_engine(llm, prompt: list[int], runs: int, batch: int) -> Counter:
+def draw_engine(llm, prompt: list[int], runs: int, batch: int, first_seed: int = 0) -> Counter:
     """The first two tokens of `runs` seeded requests through LLM.generate, `batch` requests a call.
     max_tokens is 3: a verify step always adds a token of its own, so with only token 2 left to
     generate it could accept no draft (token 2 would be plain target sampling, a test of nothing);
@@ -64,7 +64,8 @@ def draw_engine(llm, prompt: list[int], runs: int, batch: int) -> Counter:
     pairs: Counter = Counter()
     for first in range(0, runs, batch):
         n = min(batch, runs - first)
-        params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s) for s in range(first, first + n)]
+        params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=first_seed + s)
+                  for s in range(first, first + n)]
         outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params, use_tqdm=False)
         pairs.update(tuple(o.outputs[0].token_ids[:2]) for o in outs)
         print(f"  {first + n} / {runs} runs", flush=True)
@@ -81,7 +82,7 @@ def dspark_rows(a: argparse.Namespace, tmp: str) -> tuple[dict, float, dict]:
               max_model_len=64)
     prompt = llm.tokenizer.encode(PROMPT)
     t0 = time.perf_counter()
-    spec = draw_engine(llm, prompt, a.runs, a.batch)
+    spec = draw_engine(llm, prompt, a.runs, a.batch, a.first_seed)
     seconds = time.perf_counter() - t0
     stats = dict(verify_steps=llm.engine.spec_metrics.num_steps, accepted=llm.engine.spec_metrics.num_accepted_tokens)
     original = engine_step.verify
@@ -93,7 +94,7 @@ def dspark_rows(a: argparse.Namespace, tmp: str) -> tuple[dict, float, dict]:
 
     engine_step.verify = accept_everything
     try:
-        broken = draw_engine(llm, prompt, a.control_runs, a.batch)
+        broken = draw_engine(llm, prompt, a.control_runs, a.batch, a.first_seed)
     finally:
         engine_step.verify = original
     runner = llm.runner
@@ -142,12 +143,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--dspark", action="store_true", help="the trained DSpark drafter, through LLM.generate")
     ap.add_argument("--device", default="cpu", help="with --dspark: cpu or cuda")
+    ap.add_argument("--first-seed", type=int, default=0, help="with --dspark: run i uses seed first_seed + i")
     a = ap.parse_args()
     if a.dspark:
         with tempfile.TemporaryDirectory() as tmp:
             rows, seconds, stats = dspark_rows(a, tmp)
-        report(rows, Path(__file__).parent / "results" / f"spec_distribution_{a.device}_dspark.json",
-               dict(prompt=PROMPT, runs=a.runs, control_runs=a.control_runs, drafter="DSpark gamma 5", temperature=1.0,
+        suffix = f"_seed{a.first_seed}" if a.first_seed else ""
+        report(rows, Path(__file__).parent / "results" / f"spec_distribution_{a.device}_dspark{suffix}.json",
+               dict(prompt=PROMPT, first_seed=a.first_seed, runs=a.runs, control_runs=a.control_runs, drafter="DSpark gamma 5", temperature=1.0,
                     device=a.device, dtype="float32", significance=SIGNIFICANCE, seconds=round(seconds, 1), **stats))
         return
     with tempfile.TemporaryDirectory() as tmp:
