@@ -424,6 +424,7 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/spec_speed.py --device cuda --drafts 1,3,5 --concurrency 1,16,64": Skip(GPU),
     "python benchmarks/spec_replay.py": Skip(
         GPU + " (a V4-Flash-width model: minutes to build on a CPU)"),
+    "python benchmarks/spec_distribution.py --dspark --device cuda": Skip(GPU + " (20k + 5k requests through the engine)"),
     "python benchmarks/spec_distribution.py": Skip(
         "20k + 20k seeded runs, minutes of CPU; tests/api/test_verify.py runs a chi-square test of "
         "verification itself"),
