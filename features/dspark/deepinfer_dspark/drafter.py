@@ -81,8 +81,10 @@ class DSparkDrafter:
         positions = torch.tensor([p + j for p in anchor_positions for j in range(k)], dtype=torch.long, device=dev)
         model = self.model
 
+        slots = [st.slot for st in states]
+
         def contexts(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
-            return ring_context([st.mtp_layers[i].ring for st in states], anchor_positions, attn.window,
+            return ring_context([st.mtp_layers[i] for st in states], slots, anchor_positions, attn.window,
                                 attn.head_dim)
 
         hidden = block_hidden(model, ids, positions, contexts, k)                           # [n*k, D]
@@ -107,21 +109,27 @@ class DSparkDrafter:
         return Drafts(torch.stack(drafted, 1), None if greedy else torch.stack(dists, 1), conf)
 
 
-def ring_context(rings: list[torch.Tensor], anchors: list[int], window: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_context(layers: list, slots: list[int], anchors: list[int], window: int,
+                 dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's last `window` main keys ending at its anchor's position - 1, read from its
-    stage ring (host positions: no device sync), as ([N, window, dim], valid [N, window])."""
-    dev = rings[0].device
-    rows = []
-    for ring, anchor in zip(rings, anchors):
-        first = max(0, anchor - window)
-        idx = torch.arange(first, first + window, device=dev)
-        rows.append(ring[idx % ring.shape[0]])                   # rows past anchor - 1 are masked below
-    packed = torch.stack(rows)
+    stage ring (`layers`: the requests' LayerStates of one stage), as ([N, window, dim], valid
+    [N, window]). States of one cache (the engine's) are read in one gather from the pool, with
+    positions from the host (no device sync); others (standalone states) one by one."""
+    ring = layers[0].ring
+    dev, size = ring.device, ring.shape[0]
+    first = [max(0, anchor - window) for anchor in anchors]
+    offsets = torch.tensor(first, device=dev)[:, None] + torch.arange(window, device=dev)[None, :]
+    pool = layers[0].pools.ring if layers[0].pools is not None else None
+    if pool is not None and min(slots) >= 0 and all(layer.pools is not None and layer.pools.ring is pool
+                                                    for layer in layers):
+        packed = pool[torch.tensor(slots, device=dev)[:, None], offsets % size]
+    else:
+        packed = torch.stack([layer.ring[row % size] for layer, row in zip(layers, offsets)])
     if packed.dtype == torch.uint8:
-        packed = unpack_kv_fp8(packed, dim, ring_rope_dim(rings[0], packed.new_empty(1, dim)), torch.float32)
+        packed = unpack_kv_fp8(packed, dim, ring_rope_dim(ring, packed.new_empty(1, dim)), torch.float32)
     counts = torch.tensor([min(anchor, window) for anchor in anchors], device=dev)
     valid = torch.arange(window, device=dev)[None, :] < counts[:, None]
-    # masked rows may be never-written ring memory (NaN bytes): zero them, a 0 weight times NaN is NaN
+    # rows past anchor - 1 may be never-written ring memory (NaN bytes): zero them, 0 x NaN is NaN
     return packed.masked_fill(~valid[..., None], 0.0), valid
 
 
