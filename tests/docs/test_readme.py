@@ -402,9 +402,6 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/qat_divergence.py": Skip(
         "a measurement whose numbers the README quotes (4 forwards of the bundled model, ~1 min of CPU), "
         "nothing to assert"),
-    "python benchmarks/spec_acceptance.py --drafts 3 --varlen": Skip(
-        "minutes of CPU (3 x 2 x 32 prompts x 64 tokens); tests/speculative/test_varlen.py runs VARLEN through the "
-        "engine"),
     "python benchmarks/spec_acceptance.py --drafts 1,3 --dspark 5 --varlen": Skip(
         "minutes of CPU (11 x 32 prompts x 64 tokens); tests/speculative/test_dspark_trained.py runs the trained "
         "DSpark drafter through the engine"),
