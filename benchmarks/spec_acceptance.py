@@ -25,7 +25,11 @@ from pathlib import Path
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.api.outputs import SpecMetrics
-from deepinfer_core.tools.trained_model import ARTIFACT, DSPARK_ARTIFACT, make_trained_checkpoint
+from deepinfer_core.tools.trained_model import (
+    ARTIFACT,
+    DSPARK_ARTIFACT,
+    make_trained_checkpoint,
+)
 
 HERE = Path(__file__).parent
 
