@@ -20,8 +20,9 @@ each drawn draft), its confidence `sigmoid(proj . [h_k ; markov_w1[prev]] / T_k)
 DS-DeepInfer feeds it), and the draft is drawn with the request's own parameters (mtp.draw: argmax, or
 a sample of the processed distribution with the "draft" uniform of (seed, position)).
 
-This path is portable PyTorch, run per request for the attention, and eager only: a runner with CUDA
-graphs runs the target eagerly while DSpark drafts (the graphs do not return the features yet).
+The drafter is portable PyTorch and eager (every request's block in one batched attention; the
+target's steps replay the runner's CUDA graphs, which return the features). Its pieces
+(`stage_keys`, `block_hidden`, `draft_heads`) are what tools/train_tiny/dspark.py trains through.
 """
 from __future__ import annotations
 
@@ -60,8 +61,11 @@ class DSparkDrafter:
         self.noise = model.cfg.dspark.noise_token_id
         self.temperatures = parse_temperatures(temperatures, num_drafts)
         model.capture_layers = model.cfg.dspark.target_layer_ids
-        # set by tools.train_tiny.calibrate: each propose appends its raw confidence logits [N, k] here
-        self.confidence_log: list[torch.Tensor] | None = None
+        # fp32 copies made once (at V4 size markov_w2 is 129,280 x 256: converting it per step would
+        # move 132 MB per step); the same tensors when the model runs in float32
+        last = model.mtp[-1]
+        self.markov_w2 = last.markov_head.markov_w2.float()
+        self.confidence_proj = last.confidence_head.proj.float()
 
     def observe(self, batch: ForwardBatch, target: ModelOutput) -> None:
         """Write every stage's key of every row of a target forward into that stage's ring."""
@@ -91,19 +95,16 @@ class DSparkDrafter:
         last = self.stages[-1]
         base = model.lm_head(last.norm(hidden)).view(n, k, -1)
         hidden = hidden.view(n, k, -1)
-        w2, proj = last.markov_head.markov_w2.float(), last.confidence_head.proj.float()
         greedy = all(p.temperature < 1e-5 for p in params)
         prev, drafted, dists, zs = anchors, [], [], []
         for j in range(k):
-            logits, z = draft_heads(model, hidden[:, j], base[:, j], prev, w2, proj)
+            logits, z = draft_heads(model, hidden[:, j], base[:, j], prev, self.markov_w2, self.confidence_proj)
             zs.append(z)
             tok, q = draw(logits, params, [p + 1 + j for p in anchor_positions], seeds, greedy)
             drafted.append(tok)
             dists.append(q)
             prev = tok
         z = torch.stack(zs, 1)
-        if self.confidence_log is not None:
-            self.confidence_log.append(z.detach().cpu())
         temps = torch.tensor(self.temperatures, device=dev)
         conf = torch.sigmoid((z / temps).clamp(-60.0, 60.0))
         return Drafts(torch.stack(drafted, 1), None if greedy else torch.stack(dists, 1), conf)
