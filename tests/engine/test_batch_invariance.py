@@ -22,18 +22,25 @@ def _targets(llm, n=8):
     return random_prompts(n, random.Random(7), 12, 72, llm.vocab_size)
 
 
+# float32 runs every scenario; bfloat16 (the same invariant kernels, another dtype) a subset, to keep
+# CI within its time: an odd small batch, the largest one, one tiny and one large prefill chunk
+SCENARIOS = {"float32": ((2, 3, 8, 64, 256), (1, 5, 64, 512)), "bfloat16": ((3, 256), (5, 64))}
+
+
 def test_logprobs_bitwise_equal_across_batches_and_chunks(invariant_llm):
-    report = run_check(invariant_llm, _targets(invariant_llm), batch_sizes=(2, 3, 8, 64, 256),
-                       chunk_sizes=(1, 5, 64, 512), max_tokens=4, filler_len=(1, 48))
+    batch_sizes, chunk_sizes = SCENARIOS[str(invariant_llm.dtype).removeprefix("torch.")]
+    report = run_check(invariant_llm, _targets(invariant_llm), batch_sizes=batch_sizes, chunk_sizes=chunk_sizes,
+                       max_tokens=4, filler_len=(1, 32))
     print(report.table())
     assert report.batch_invariant
-    assert sum(s.runs for s in report.scenarios) >= 8 * 10
+    tiny = sum(c < 16 for c in chunk_sizes)                        # tiny chunks run half the targets
+    assert sum(s.runs for s in report.scenarios) == 8 * (1 + len(batch_sizes) + len(chunk_sizes) - tiny) + 4 * tiny
     assert report.all_equal, report.table()
 
 
 def test_seeded_request_among_random_traffic_has_one_output(invariant_llm):
-    got = repeat_check(invariant_llm, 12, batch_range=(1, 16), max_tokens=4, filler_len=(1, 48))   # the GPU test runs 1000
-    assert got["runs"] == 12 and got["distinct_outputs"] == 1, got
+    got = repeat_check(invariant_llm, 8, batch_range=(1, 16), max_tokens=4, filler_len=(1, 48))   # the GPU test runs 1000
+    assert got["runs"] == 8 and got["distinct_outputs"] == 1, got
 
 
 def test_without_the_feature_float32_cpu_results_differ(tiny_ckpt_dir):

@@ -114,7 +114,7 @@ def test_varlen_on_the_confidence_head_is_lossless(dspark_llm, reference):
 
 
 def test_seeded_samples_do_not_depend_on_the_batch(dspark_llm):
-    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=40 + i)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=40 + i)
               for i in range(len(PROMPTS))]
     batched = dspark_llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
     alone = [dspark_llm.generate(prompt_token_ids=[p], sampling_params=sp, use_tqdm=False)[0]

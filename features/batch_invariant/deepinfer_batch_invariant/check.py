@@ -138,8 +138,9 @@ def run_check(llm, targets: list[list[int]], *, batch_sizes=(2, 3, 8, 64, 256), 
         # the same runner, prefill chunked at c tokens
         chunked = type(llm).from_runner(llm.runner, llm.tokenizer,
                                         config=llm.config.replace(max_num_batched_tokens=c))
-        if c < 16:            # tiny chunks: one target at a time keeps the step count bounded
-            got = run_alone(chunked, targets, params)
+        if c < 16:            # tiny chunks: one target at a time, half of them, keeps the step count bounded
+            half = max(1, len(targets) // 2)
+            got = run_alone(chunked, targets[:half], params[:half])
         else:
             placement = list(range(len(targets))) + [None] * 4
             rng.shuffle(placement)
