@@ -1,7 +1,8 @@
 """Batch invariance on the CPU backend (`features/batch_invariant`): the same requests give bitwise the
 same tokens and logprobs alone, in batches of 2..256 with random other requests at shuffled positions,
-and with chunked-prefill sizes 1..512, in float32 and bfloat16; a seeded sampled request among random
-traffic gives one output; the settings that would break invariance are refused by name."""
+and with chunked-prefill sizes 1..512 (float32; a subset in bfloat16, see SCENARIOS); a seeded sampled
+request among random traffic gives one output; the settings that would break invariance are refused
+by name."""
 from __future__ import annotations
 
 import random
