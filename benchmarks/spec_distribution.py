@@ -23,6 +23,7 @@ import json
 import tempfile
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -56,6 +57,24 @@ def chi_square(counts: Counter, expected: dict, total: int) -> dict:
     return dict(chi2=stat, df=df, p_value=p_value, passes=p_value > SIGNIFICANCE)
 
 
+@contextmanager
+def broken_verifier(module):
+    """The control: `module.verify` replaced by one that accepts every draft (so the token after a
+    draft follows the drafter, not the target) while the block runs."""
+    original = module.verify
+
+    def accept_everything(target_logits, num_drafts, *args, **kw):
+        verdict = original(target_logits, num_drafts, *args, **kw)
+        verdict.accepted = list(num_drafts)            # broken on purpose: every draft passes
+        return verdict
+
+    module.verify = accept_everything
+    try:
+        yield
+    finally:
+        module.verify = original
+
+
 def draw_engine(llm, prompt: list[int], runs: int, batch: int, first_seed: int = 0) -> Counter:
     """The first two tokens of `runs` seeded requests through LLM.generate, `batch` requests a call.
     max_tokens is 3: a verify step always adds a token of its own, so with only token 2 left to
@@ -85,18 +104,8 @@ def dspark_rows(a: argparse.Namespace, tmp: str) -> tuple[dict, float, dict]:
     spec = draw_engine(llm, prompt, a.runs, a.batch, a.first_seed)
     seconds = time.perf_counter() - t0
     stats = dict(verify_steps=llm.engine.spec_metrics.num_steps, accepted=llm.engine.spec_metrics.num_accepted_tokens)
-    original = engine_step.verify
-
-    def accept_everything(target_logits, num_drafts, draft_ids, *args, **kw):
-        verdict = original(target_logits, num_drafts, draft_ids, *args, **kw)
-        verdict.accepted = list(num_drafts)            # broken on purpose: every draft passes
-        return verdict
-
-    engine_step.verify = accept_everything
-    try:
+    with broken_verifier(engine_step):
         broken = draw_engine(llm, prompt, a.control_runs, a.batch, a.first_seed)
-    finally:
-        engine_step.verify = original
     runner = llm.runner
     truth = exact(runner, prompt, 5 / max(a.runs, a.control_runs))
     rows = {"speculative (DSpark, gamma 5, through the engine)": chi_square(spec, truth, a.runs),
@@ -161,19 +170,8 @@ def main() -> None:
         t0 = time.perf_counter()
         spec = draw(runner, prompt, a.runs, a.drafts, a.batch)
         seconds = time.perf_counter() - t0
-        original = reference_loop.verify
-
-        def accept_everything(target_logits, num_drafts, draft_ids, *args):
-            verdict = original(target_logits, num_drafts, draft_ids, *args)
-            k = num_drafts[0]
-            verdict.accepted = [k] * len(num_drafts)      # broken on purpose: every draft passes
-            return verdict
-
-        reference_loop.verify = accept_everything
-        try:
+        with broken_verifier(reference_loop):
             broken = draw(runner, prompt, a.control_runs, a.drafts, a.batch)
-        finally:
-            reference_loop.verify = original
         truth = exact(runner, prompt, 5 / max(a.runs, a.control_runs))    # expected count >= 5
         verify_all = chi_square(broken, truth, a.control_runs)
         result = chi_square(spec, truth, a.runs)
