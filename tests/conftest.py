@@ -76,6 +76,13 @@ def _audit_reads(event: str, args: tuple) -> None:
 
 def pytest_configure(config) -> None:
     sys.addaudithook(_audit_reads)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # CI runs two pytest workers on two cores: one thread each keeps them from contending (the
+        # suite's shapes are too small for intra-op threads to pay); subprocesses inherit it
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
     # Speculation is on by default for checkpoints that carry an MTP block (DS-DeepInfer's gamma = 5).
     # The suite's tiny random models accept no draft, so MTP-5 would only multiply every decode
     # step's work: tests decode without it unless they ask for it (tests/speculative) or set the
@@ -84,8 +91,17 @@ def pytest_configure(config) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    if _OUTSIDE_READS:
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:                       # a pytest-xdist worker: tell the controller
+        worker_output["outside_reads"] = json.dumps(_OUTSIDE_READS)
+    elif _OUTSIDE_READS:
         session.exitstatus = 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist controller: gather the reads each worker saw."""
+    _OUTSIDE_READS.update(json.loads(getattr(node, "workeroutput", {}).get("outside_reads", "{}")))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

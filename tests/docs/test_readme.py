@@ -358,7 +358,7 @@ TABLE: dict[str, Run | Skip] = {
     # Engine options
     "python -m deepinfer_core.engine_config --markdown": Run(check_options_markdown),
     # Tests
-    'DEEPINFER_ACCELERATOR=cpu ./build.sh --test && python -m pytest -q tests -m "not gpu"': Skip(
+    'DEEPINFER_ACCELERATOR=cpu ./build.sh --test && python -m pytest -q tests -m "not gpu" -n 2 --dist loadfile': Skip(
         "the CI command itself: installs packages, then runs this test among the others"
     ),
     AVX2_SUITE: Skip("the whole CI suite a second time (held to AVX2 kernels), run by hand: CI's"
