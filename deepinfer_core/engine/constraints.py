@@ -57,6 +57,16 @@ class LogitsProcessor(Protocol):
         """Feed each state its sampled token; True where the constraint is complete, which ends
         that completion with finish_reason "stop"."""
 
+    # Optional, for speculative decoding (a processor without it keeps its requests from drafting):
+    # def mask_drafts(self, logits, first_rows, states, drafts) -> list[int]:
+    #     """Mask request i's verify rows first_rows[i] .. + len(drafts[i]) in place: row + j by the
+    #     state after drafts[i][:j], leaving the state as it was; returns how many drafts each allows."""
+
+
+def drafts_under(processor: LogitsProcessor) -> bool:
+    """Whether `processor` can mask speculative verify rows, so its requests may draft."""
+    return callable(getattr(processor, "mask_drafts", None))
+
 
 def attach_constraint(processors: Sequence[LogitsProcessor], params: Any, *, tokenizer: Any,
                       vocab_size: int, eos_token_id: int | None) -> RequestConstraint | None:

@@ -306,9 +306,7 @@ class Engine:
             else:
                 stopped = append_token(seq, tok)
             if seq.constraint_state is not None:
-                done = req.constraint.processor.advance([seq.constraint_state], [tok])[0]
-                if done and not stopped:   # the grammar is complete (its stop token, even with ignore_eos)
-                    seq.finish_reason, seq.stop_reason, stopped = "stop", None, True
+                stopped = _advance_constraint(seq, tok, stopped)
             if stopped:
                 tracked = requests.get(req.request_id)
                 if tracked is not None:
@@ -346,6 +344,8 @@ class Engine:
                 if first is not None:
                     self._add_logprobs(seq, lp, first + e, t)
                 stopped = append_token(seq, t)
+                if seq.constraint_state is not None:
+                    stopped = _advance_constraint(seq, t, stopped)
                 if stopped:
                     break
             tracked = self._requests.get(req.request_id)
@@ -414,3 +414,13 @@ class Engine:
         entries[c.start + 1:end] = [logprobs_entry(vals[r], ids[r], t, slp[r], ranks[r], tok)
                                     for r, t in enumerate(targets)]
         seq.prompt_logprobs = entries
+
+
+def _advance_constraint(seq: Sequence, token: int, stopped: bool) -> bool:
+    """Feed the completion's constraint its new token; whether the completion stops now (a grammar
+    that is complete ends it with "stop", its stop token even with ignore_eos)."""
+    done = seq.request.constraint.processor.advance([seq.constraint_state], [token])[0]
+    if done and not stopped:
+        seq.finish_reason, seq.stop_reason = "stop", None
+        return True
+    return stopped

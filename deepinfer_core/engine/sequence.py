@@ -11,6 +11,7 @@ from typing import Any
 
 from ..api.outputs import CompletionOutput, Logprob, RequestMetrics
 from ..api.sampling_params import SamplingParams
+from .constraints import drafts_under
 
 
 class SeqStatus(Enum):
@@ -67,6 +68,7 @@ class Sequence:
     # ---- facts of the params, resolved once (the step loop reads them for every row) ----
     params: SamplingParams | None = None
     penalised: bool = False               # repetition / presence / frequency penalty
+    may_draft: bool = True                # speculation: its constraint (if any) can mask verify rows
     min_tokens: int = 0
     wants_logprobs: bool = False
 
@@ -75,6 +77,8 @@ class Sequence:
         p = self.params = self.request.params
         self.penalised = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         self.min_tokens = p.min_tokens
+        cons = self.request.constraint
+        self.may_draft = cons is None or drafts_under(cons.processor)
         self.wants_logprobs = p.logprobs is not None
 
     @property

@@ -142,7 +142,9 @@ class StepExecutor:
                 plain = logits.index_select(0, to_device(sample_rows, torch.long, logits.device))
             tokens = self._sample(plain, step, previous)
         if spec is not None:
-            step.spec = spec.run(out, fb, chunks, logit_starts, tokens, self.runner.last_token)
+            if any([c.num_drafts and c.seq.request.constraint is not None for c in chunks]):
+                self._mask_verify_rows(logits, chunks, logit_starts, step, previous)
+            step.spec = spec.run(out, fb, chunks, logit_starts, tokens, self.runner.last_token, self.penalties)
         if self.device.type == "cuda":
             step.event = torch.cuda.Event()
             step.event.record()
@@ -240,6 +242,24 @@ class StepExecutor:
                                                         res.sampled_ranks))
             step.logprob_rows = want
         return tokens
+
+    def _mask_verify_rows(self, logits: torch.Tensor, chunks: list[ScheduledChunk], logit_starts: list[int],
+                          step: InFlight, previous: InFlight | None) -> None:
+        """Grammar masks of the verify rows of constrained requests, in place (row j: the grammar after
+        the first j drafts); a chunk accepts no draft past the first its grammar refuses."""
+        verifying = [(c, lo) for c, lo in zip(chunks, logit_starts) if c.num_drafts]
+        groups = self._constrained([c.seq for c, _ in verifying])
+        if not groups:
+            return
+        if previous is not None and previous.masked:
+            previous.wait()                        # its mask copy reads the processors' host buffers
+        for processor, (idx, states) in groups.items():
+            allowed = processor.mask_drafts(logits, [verifying[i][1] for i in idx], states,
+                                            [verifying[i][0].seq.draft_ids[:verifying[i][0].max_accept]
+                                             for i in idx])
+            for i, n in zip(idx, allowed):
+                verifying[i][0].max_accept = n
+        step.masked = True
 
     def _constrained(self, seqs) -> dict[Any, tuple[list[int], list[Any]]]:
         """processor -> (rows, states) of the sampled rows that carry a constraint."""

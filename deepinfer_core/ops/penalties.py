@@ -156,7 +156,8 @@ class PenaltyState:
         self.counts.view(-1).index_add_(0, lin, torch.ones_like(lin, dtype=torch.int32))
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor | Sequence[int],
-              params: Sequence[Any], *, inplace: bool = False) -> torch.Tensor:
+              params: Sequence[Any], *, inplace: bool = False,
+              preceding: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """`apply_penalties(logits, params, outputs, prompts)` with the counts and prompt masks of
         the rows' slots: returns a new tensor, or `logits` itself when no row asks for penalties.
         With `inplace=True` the penalised rows are written into `logits` and it is returned: saves
@@ -167,6 +168,9 @@ class PenaltyState:
         are penalised is decided from `params` on the host; their batch indices and penalty values
         go to the device in one copy, and all of them are processed together, with the operations
         of `apply_penalties` in the same order and dtypes (so the same bits).
+
+        `preceding[i]`: output tokens row i counts on top of its slot's (speculative verification:
+        row j of a verify chunk follows the chunk's first j drafts, not yet in the counts).
         """
         batch = logits.shape[0]
         if not len(params) == len(slots) == batch:
@@ -197,6 +201,11 @@ class PenaltyState:
 
         x = logits if a == batch else logits.index_select(0, rows)
         cnt = self.counts.index_select(0, sl)
+        if preceding is not None:
+            extra = [j * self.vocab_size + t for j, i in enumerate(active) for t in preceding[i]]
+            if extra:
+                lin = to_device(extra, torch.int64, logits.device)
+                cnt.view(-1).index_add_(0, lin, torch.ones_like(lin, dtype=torch.int32))
         seen_out = cnt > 0
         reps = [p.repetition_penalty != 1.0 for p in sel]
         if any(reps):

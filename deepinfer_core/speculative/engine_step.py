@@ -15,9 +15,12 @@ chunks included; row t's next token is the prompt's, the sampled token, or the v
 drafts from the last committed row of each sequence that speculates. Drafts of a sampled request keep
 their distributions q on the device until its next verify step (keyed by slot).
 
-What verification does not apply yet keeps a request out of speculation (it decodes one token per
-step, as before): grammars (the draft masks) and penalties. Logprobs of the emitted tokens come from
-the verify rows (raw logits, as the sampler's logprobs).
+Requests with a grammar or penalties draft too: the step executor masks a constrained request's
+verify rows by its grammar pushed through the drafts (`mask_drafts`), and verification penalises
+row j by the output counts plus the request's first j drafts, then counts the emitted tokens. The
+drafters propose without either (the verifier's p carries them; any q stays lossless). Logprobs of
+the emitted tokens come from the verify rows (the grammar-masked logits without penalties, as the
+sampler's logprobs); a request whose constraint processor cannot mask drafts does not draft.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from ..engine.scheduler import ScheduledChunk
 from ..engine.sequence import Sequence
 from ..model.deepseek_v4 import DeepseekV4Model, ModelOutput
 from ..model.forward_batch import ForwardBatch
+from ..ops.penalties import PenaltyState
 from ..ops.sampler import GREEDY_EPS, compute_logprobs
 from ..ops.transfer import to_device, to_host
 from ..ops.verify import verify
@@ -55,11 +59,6 @@ class SpecOutcome:
     logprobs: tuple | None = None                           # host (top values, top ids, token lp, ranks)
 
 
-def speculates(seq: Sequence) -> bool:
-    """Whether `seq` drafts: not while verification lacks its grammar masks or penalties."""
-    return seq.request.constraint is None and not seq.penalised
-
-
 class Speculator:
     def __init__(self, model: DeepseekV4Model, num_drafts: int,
                  graphs: Callable[[torch.Tensor], MTPGraphs] | None = None, replay: ReplayDrafter | None = None,
@@ -78,18 +77,23 @@ class Speculator:
         self._make_graphs, self._graphs = graphs, None
 
     def run(self, target: ModelOutput, fb: ForwardBatch, chunks: list[ScheduledChunk], logit_starts: list[int],
-            sampled_tokens: torch.Tensor | None, last_token: torch.Tensor) -> SpecOutcome:
-        """`target`: the step's forward: its logits rows (`logit_starts[i]`: chunk i's first), the final
-        streams of every row of `fb` (and DSpark's features); `sampled_tokens`: the tokens sampled for
-        the chunks that sample and do not verify, in chunk order."""
+            sampled_tokens: torch.Tensor | None, last_token: torch.Tensor,
+            penalties: PenaltyState) -> SpecOutcome:
+        """`target`: the step's forward: its logits rows (`logit_starts[i]`: chunk i's first; verify
+        rows already grammar-masked), the final streams of every row of `fb` (and DSpark's features);
+        `sampled_tokens`: the tokens sampled for the chunks that sample and do not verify, in chunk
+        order; `penalties`: the executor's output counts, read and advanced for penalised requests."""
         out = SpecOutcome(verified=[c for c in chunks if c.num_drafts])
-        extra = self._verify(target.logits, chunks, logit_starts, out, last_token) if out.verified else None
-        if any(speculates(c.seq) for c in chunks):
+        extra = None
+        if out.verified:
+            extra = self._verify(target.logits, chunks, logit_starts, out, last_token, penalties)
+        if any(c.seq.may_draft for c in chunks):
             self._draft(target, fb, chunks, sampled_tokens, extra, out)
         return out
 
     # ---- verification ------------------------------------------------------------------------
-    def _verify(self, logits, chunks, logit_starts, out: SpecOutcome, last_token) -> torch.Tensor:
+    def _verify(self, logits, chunks, logit_starts, out: SpecOutcome, last_token,
+                penalties: PenaltyState) -> torch.Tensor:
         rows, ids, ks = [], [], []
         for c, lo in zip(chunks, logit_starts):
             if c.num_drafts:
@@ -103,14 +107,33 @@ class Speculator:
         if any(p.temperature >= GREEDY_EPS for p in params):
             probs = torch.cat([self._probs[s.slot][:k] if p.temperature >= GREEDY_EPS else self._one_hot(s, k, logits)
                                for s, p, k in zip(seqs, params, ks)])
-        verdict = verify(logits.index_select(0, to_device(rows, torch.long, dev)), ks,
-                         to_device(ids, torch.long, dev), probs, params, [c.start + 1 for c in out.verified],
-                         [s.seed for s in seqs])
-        last_token.index_copy_(0, to_device([s.slot for s in seqs], torch.long, dev), verdict.tokens)
+        target = logits.index_select(0, to_device(rows, torch.long, dev))
+        penalised = any(s.penalised for s in seqs)
+        if penalised:
+            target = self._penalise(target, seqs, ks, penalties)
+        verdict = verify(target, ks, to_device(ids, torch.long, dev), probs, params,
+                         [c.start + 1 for c in out.verified], [s.seed for s in seqs])
+        slots = to_device([s.slot for s in seqs], torch.long, dev)
+        last_token.index_copy_(0, slots, verdict.tokens)
         out.accepted, out.tokens = verdict.accepted, to_host(verdict.tokens)
+        if penalised:     # the emitted tokens join the counts (accepted drafts, then the added one)
+            accepted = [t for s, j in zip(seqs, verdict.accepted) for t in s.draft_ids[:j]]
+            if accepted:
+                penalties.add(to_device([s.slot for s, j in zip(seqs, verdict.accepted) for _ in range(j)],
+                                        torch.long, dev), to_device(accepted, torch.long, dev))
+            penalties.add(slots, verdict.tokens)
         if any(s.wants_logprobs for s in seqs):
             self._logprobs(logits, chunks, logit_starts, out, verdict.tokens)
         return verdict.tokens
+
+    @staticmethod
+    def _penalise(target: torch.Tensor, seqs: list[Sequence], ks: list[int], penalties: PenaltyState) -> torch.Tensor:
+        """Row j of a verify chunk is penalised as a decode step after its first j drafts would be:
+        the output counts plus those drafts (the rows of requests without penalties stay as they are)."""
+        row_slots = [s.slot for s, k in zip(seqs, ks) for _ in range(k + 1)]
+        row_params = [s.params for s, k in zip(seqs, ks) for _ in range(k + 1)]
+        preceding = [s.draft_ids[:j] for s, k in zip(seqs, ks) for j in range(k + 1)]
+        return penalties.apply(target, row_slots, row_params, preceding=preceding, inplace=True)
 
     @staticmethod
     def _logprobs(logits, chunks, logit_starts, out: SpecOutcome, extra: torch.Tensor) -> None:
@@ -162,7 +185,7 @@ class Speculator:
                     next_ids.append(0)
             if c.samples:
                 fix_rows.append(last)
-                if speculates(seq):
+                if seq.may_draft:
                     rows.append(last)
                     positions.append(c.start + last - off)
                     seqs.append(seq)

@@ -125,6 +125,25 @@ def test_subset_of_slots_and_fully_penalised_batch():
     assert same_bits(got[0], want[1]) and same_bits(got[2], want[0]) and same_bits(got[1], big[1])
 
 
+def test_rows_count_their_preceding_tokens_like_the_reference():
+    """Speculative verification: row j of a verify chunk counts the chunk's first j drafts on top of
+    its slot's outputs, as the reference does with those drafts appended (the same bits)."""
+    g = torch.Generator().manual_seed(9)
+    state = PenaltyState(4, 40, "cpu")
+    params = [S(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2), S(), S(frequency_penalty=0.7)]
+    outputs = [[5, 5, 9], [], [1]]
+    state.start([3, 0], [[2, 3], [7]], [outputs[0], outputs[2]])
+    drafts = [[9, 11, 5], [4], [1, 1]]
+    rows = [(i, j) for i, d in enumerate(drafts) for j in range(len(d) + 1)]
+    logits = random_logits(g, len(rows), 40, torch.float32)
+    got = state.apply(logits, [[3, 1, 0][i] for i, _ in rows], [params[i] for i, _ in rows],
+                      preceding=[drafts[i][:j] for i, j in rows])
+    want = apply_penalties(logits, [params[i] for i, _ in rows], [outputs[i] + drafts[i][:j] for i, j in rows],
+                           [[[2, 3], [], [7]][i] for i, _ in rows])
+    assert same_bits(got, want)
+    assert not same_bits(got[1], state.apply(logits[1:2], [3], params[:1])[0])   # the drafts did count
+
+
 def test_exact_values():
     state = PenaltyState(2, 5, "cpu")
     logits = torch.tensor([[1.0, 3.0, -2.0, 0.5, 4.0], [1.0, 3.0, -2.0, 0.5, 4.0]])

@@ -4,15 +4,17 @@ float32 on the CPU with batch-invariant ops:
 - lossless: greedy outputs with MTP-1 and MTP-3 equal non-speculative ones token for token; seeded
   sampled outputs equal the reference loop's (whose distribution `benchmarks/spec_distribution.py`
   checks) and do not depend on the batch;
-- with preemption, chunked prefill, a short token budget, logprobs (from the verify rows), requests
-  that do not draft (penalties, grammars; min_tokens until they are out) and ones that stop early (stop strings, max_tokens): still
-  token-identical;
+- with preemption, chunked prefill, a short token budget, logprobs (from the verify rows), penalties
+  and grammars (verify rows penalised after their drafts, grammar-masked through them), requests that
+  do not draft (min_tokens until they are out) and ones that stop early (stop strings, max_tokens):
+  still token-identical; sampled requests with a grammar or penalties draft and keep the grammar;
 - the metrics (per request and per engine), the default gamma and the errors that name the variable.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 import pytest
 from spec_cases import GREEDY, OPTIONS, TOKENS  # noqa: E402
@@ -23,6 +25,7 @@ from deepinfer_core.runner.model_runner import ModelRunner, resolve_num_drafts  
 from deepinfer_core.speculative.reference_loop import speculative_generate  # noqa: E402
 
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=TOKENS, ignore_eos=True)
+ENGLISH = r"[A-Za-z ,.;:'!?\n]{8,80}"       # a grammar the trained model's own text mostly keeps
 
 
 @pytest.fixture(scope="module", params=[1, 3])
@@ -69,9 +72,26 @@ def test_seeded_samples_equal_the_reference_loop_and_ignore_the_batch(spec_llm, 
     assert alone == batched[1::2]
 
 
+@pytest.mark.parametrize("spec_llm", [3], indirect=True)
+def test_sampled_requests_with_grammars_and_penalties_draft_and_keep_the_grammar(spec_llm, prompts_and_reference):
+    """Their emitted tokens pass through the grammar matcher (which refuses a token its mask forbids),
+    so every accepted draft and every correction kept the grammar; the texts match it too."""
+    prompts, _ = prompts_and_reference
+    grammar = {"schema_type": "regex", "schema": ENGLISH}
+    params = [dataclasses.replace(SAMPLED, seed=3 + i, ignore_eos=False, so_args=grammar) for i in range(3)]
+    params += [dataclasses.replace(SAMPLED, seed=9, presence_penalty=0.5, repetition_penalty=1.2),
+               dataclasses.replace(SAMPLED, seed=10, so_args=grammar, frequency_penalty=0.5, ignore_eos=False)]
+    outs = spec_llm.generate(prompt_token_ids=prompts[:len(params)], sampling_params=params, use_tqdm=False)
+    for o, sp in zip(outs, params):
+        if sp.so_args is not None:
+            assert re.fullmatch(ENGLISH, o.outputs[0].text) or (
+                o.outputs[0].finish_reason == "length" and re.fullmatch(ENGLISH[:-6] + "*", o.outputs[0].text))
+    assert sum(o.metrics.spec.num_accepted_tokens for o in outs) > 0
+
+
 @pytest.mark.parametrize("drafter, model_fixture, gamma", [("MTP-3", "trained_dir", 3),
                                                             ("DSpark-5", "dspark_trained_dir", 5)])
-def test_preemption_chunking_and_requests_that_do_not_draft(drafter, model_fixture, gamma, request, reference_llm,
+def test_preemption_chunking_grammars_penalties_and_early_stops(drafter, model_fixture, gamma, request, reference_llm,
                                                             prompts_and_reference):
     """A cache too small for every request (preemption), a 24-token budget (chunked prefill; verify
     chunks cut short), and requests with logprobs, penalties, a grammar, min_tokens, a stop string,
@@ -81,8 +101,9 @@ def test_preemption_chunking_and_requests_that_do_not_draft(drafter, model_fixtu
     prompts, _ = prompts_and_reference
     params = [GREEDY,
               SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.8, max_tokens=TOKENS, ignore_eos=True, repetition_penalty=1.3, seed=7),
-              SamplingParams(temperature=0.0, max_tokens=TOKENS, so_args={"schema_type": "regex", "schema": "[a-z ]{3,12}"}),
+              SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.3),
+              SamplingParams(temperature=0.0, max_tokens=TOKENS, so_args={"schema_type": "regex", "schema": ENGLISH}),
               SamplingParams(temperature=0.0, max_tokens=TOKENS, min_tokens=12),
               SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, stop=[" the"]),
               SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, n=2),
@@ -101,7 +122,7 @@ def test_preemption_chunking_and_requests_that_do_not_draft(drafter, model_fixtu
     # logprobs of drafted tokens come from the verify rows: the same values as the decode steps'
     assert outs[1].outputs[0].logprobs == reference[1].outputs[0].logprobs
     assert outs[1].metrics.spec is not None and outs[1].metrics.spec.num_accepted_tokens > 0
-    assert [o.metrics.spec is None for o in outs[2:4]] == [True, True]       # penalties, grammar: no drafts
+    assert all(o.metrics.spec.num_accepted_tokens > 0 for o in outs[2:4])   # penalties, grammar: drafted
     assert outs[4].metrics.spec is not None                                  # after its min_tokens
 
 

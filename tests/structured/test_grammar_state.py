@@ -189,6 +189,30 @@ def test_mask_edits_only_constrained_rows(proc, tok):
     assert kept == allowed(gram) and torch.equal(logits[3][list(kept)], before[3][list(kept)])
 
 
+def test_mask_drafts_masks_each_verify_row_by_the_grammar_after_its_drafts(proc, tok):
+    """Speculative verification: two constrained requests' verify rows in one logits batch, beside an
+    unconstrained row; each row kept exactly the tokens its grammar allows after the drafts before
+    it; a draft the grammar refuses caps what that request may accept; the states are unchanged."""
+    regex = "[a-z]{1,3}-[0-9]{1,2}"
+    good, bad = state_for(proc, tok, schema_type="regex", schema=regex), state_for(proc, tok, schema_type="regex",
+                                                                                    schema=regex)
+    drafts = ids(tok, "ab-7")
+    refused = drafts[:1] + ids(tok, "9") + drafts[2:]
+    logits = torch.randn(2 * len(drafts) + 3, V)
+    before = logits.clone()
+    free_row = len(drafts) + 1
+    assert proc.mask_drafts(logits, [0, free_row + 1], [good, bad], [drafts, refused]) == [len(drafts), 1]
+    assert torch.equal(logits[free_row], before[free_row])
+    step = state_for(proc, tok, schema_type="regex", schema=regex)
+    for j in range(len(drafts) + 1):
+        assert set((logits[j] > -torch.inf).nonzero().flatten().tolist()) == allowed(step), j
+        if j < len(drafts):
+            step.accept(drafts[j])
+    first = state_for(proc, tok, schema_type="regex", schema=regex)
+    assert set((logits[free_row + 1] > -torch.inf).nonzero().flatten().tolist()) == allowed(first)
+    assert allowed(good) == allowed(bad) == allowed(first)          # both rolled back
+
+
 # ---- cache and timeout ---------------------------------------------------------------------------
 def test_compiled_grammars_are_cached_per_schema(tok):
     on = StructuredOutputProcessor(ServiceSettings())

@@ -40,8 +40,9 @@ class StructuredOutputProcessor:
         self.service = GrammarService(self.settings)
         self.fill_threads = fill_threads
         self._batch = None
-        self._host: torch.Tensor | None = None
-        self._device: torch.Tensor | None = None
+        # (host, device) bitmask buffers of the sampled rows and of the verify rows: a step masks
+        # both, and a host buffer must not change while its asynchronous copy is queued
+        self._bufs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.stats = MaskStats()
 
     # ---- submission (host) -----------------------------------------------------------------------
@@ -69,15 +70,17 @@ class StructuredOutputProcessor:
         return GrammarConstraint(self, so, future, self.settings.timeout_s)
 
     # ---- the step (executor thread) ----------------------------------------------------------------
-    def _buffers(self, rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(self, rows: int, vocab: int, device: torch.device,
+                 purpose: str = "sample") -> tuple[torch.Tensor, torch.Tensor]:
         words = (vocab + 31) // 32
-        if (self._host is None or self._host.shape[0] < rows or self._host.shape[1] != words
-                or self._device.device != device):
+        host, dev = self._bufs.get(purpose, (None, None))
+        if host is None or host.shape[0] < rows or host.shape[1] != words or dev.device != device:
             cap = max(rows, 64)
             pinned = device.type == "cuda"
-            self._host = torch.empty(cap, words, dtype=torch.int32, pin_memory=pinned)
-            self._device = self._host if not pinned else torch.empty(cap, words, dtype=torch.int32, device=device)
-        return self._host, self._device
+            host = torch.empty(cap, words, dtype=torch.int32, pin_memory=pinned)
+            dev = host if not pinned else torch.empty(cap, words, dtype=torch.int32, device=device)
+            self._bufs[purpose] = host, dev
+        return host, dev
 
     def mask(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[Any]) -> None:
         t0 = time.perf_counter()
@@ -107,6 +110,32 @@ class StructuredOutputProcessor:
         st.calls, st.rows = st.calls + 1, st.rows + len(grammar) + len(forced)
         st.fill_seconds += t1 - t0
         st.total_seconds += time.perf_counter() - t0
+
+    def mask_drafts(self, logits: torch.Tensor, first_rows: Sequence[int], states: Sequence[Any],
+                    drafts: Sequence[Sequence[int]]) -> list[int]:
+        """Speculative verification: request i's rows first_rows[i] .. + len(drafts[i]) get the
+        masks of the token after each prefix of its drafts (the state pushed through them and
+        rolled back, `fill_draft_masks`); returns how many drafts each state allows (a verifier
+        never reads a row past the first refused draft, so those rows stay unmasked)."""
+        import xgrammar as xgr
+
+        t0 = time.perf_counter()
+        n = logits.shape[0]
+        host, dev = self._buffers(n, logits.shape[-1], logits.device, "verify")
+        allowed, masked = [], []
+        for first, state, ids in zip(first_rows, states, drafts):
+            allowed.append(state.fill_draft_masks(list(ids), host, first))
+            masked.extend(range(first, first + len(ids) + 1))
+        t1 = time.perf_counter()
+        if dev is not host:
+            dev[:n].copy_(host[:n], non_blocking=True)
+            masked = to_device(masked, torch.int32, logits.device)
+        xgr.apply_token_bitmask_inplace(logits, dev[:n], vocab_size=logits.shape[-1], indices=masked)
+        st = self.stats
+        st.calls, st.rows = st.calls + 1, st.rows + len(masked)
+        st.fill_seconds += t1 - t0
+        st.total_seconds += time.perf_counter() - t0
+        return allowed
 
     def advance(self, states: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
         done = []
