@@ -187,6 +187,9 @@ class DraftProposer(Protocol):
                 seeds: Any) -> Any:
         """speculative.mtp.Drafts: num_drafts drafts per anchor (ids, q when sampled, confidences)."""
 
+    # Optional: `use_graphs(max_seqs)`, called once when the runner's steps replay CUDA graphs, so the
+    # drafter may replay graphs of its own for batches of up to max_seqs requests.
+
 
 def resolve_proposer(pm: Any, ctx: Any) -> Any:
     """The proposer factory a plugin offers for this checkpoint, or None (the MTP block drafts)."""

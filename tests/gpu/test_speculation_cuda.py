@@ -25,15 +25,24 @@ def trained(tmp_path_factory):
     return str(make_trained_checkpoint(tmp_path_factory.mktemp("trained") / "ckpt", ARTIFACT))
 
 
-def _run(ckpt, k: int, eager: bool):
+def _llm(ckpt, k: int, eager: bool) -> LLM:
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
     gc.collect()
     torch.cuda.empty_cache()
-    llm = LLM(model=ckpt, dtype="bfloat16", device="cuda", batch_invariant=True, num_speculative_tokens=k,
-              enforce_eager=eager, max_model_len=512, kv_cache_memory_bytes=1 << 30)
-    prompts = [llm.tokenizer.encode(t) for t in json.loads(HELDOUT.read_text())["prompts"][:16]]
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    return LLM(model=ckpt, dtype="bfloat16", device="cuda", batch_invariant=True, num_speculative_tokens=k,
+               enforce_eager=eager, max_model_len=512, kv_cache_memory_bytes=1 << 30)
+
+
+def _prompts(llm: LLM, n: int = 16) -> list[list[int]]:
+    return [llm.tokenizer.encode(t) for t in json.loads(HELDOUT.read_text())["prompts"][:n]]
+
+
+def _run(ckpt, k: int, eager: bool, keep: list | None = None):
+    llm = _llm(ckpt, k, eager)
+    outs = llm.generate(prompt_token_ids=_prompts(llm), sampling_params=GREEDY, use_tqdm=False)
     graphed = llm.runner.graphs is not None
+    if keep is not None:
+        keep.append(llm)
     return [o.outputs[0].token_ids for o in outs], [o.metrics.spec for o in outs], graphed
 
 
@@ -57,7 +66,8 @@ def trained_dspark(tmp_path_factory):
 
 def test_graphed_dspark_is_lossless_and_drafts_as_eager(trained, trained_dspark, monkeypatch):
     """The DSpark variant: verify steps replay the decode graphs, which return the target features the
-    drafter injects; outputs equal the non-speculative ones bit for bit and the drafts the eager run's."""
+    drafter injects, and the greedy drafts replay the drafter's own graphs; outputs equal the
+    non-speculative ones bit for bit and the drafts the eager run's."""
     from deepinfer_core.runner import model_runner
     replays = []
     real = model_runner.DecodeGraphs.replay_output
@@ -69,9 +79,31 @@ def test_graphed_dspark_is_lossless_and_drafts_as_eager(trained, trained_dspark,
 
     reference, _, _ = _run(trained, 0, eager=False)
     monkeypatch.setattr(model_runner.DecodeGraphs, "replay_output", counting)
-    graphed, graphed_metrics, has_graphs = _run(trained_dspark, 5, eager=False)
+    kept = []
+    graphed, graphed_metrics, has_graphs = _run(trained_dspark, 5, eager=False, keep=kept)
     eager, eager_metrics, _ = _run(trained_dspark, 5, eager=True)
     assert has_graphs and replays and all(replays)
+    draft_graphs = kept[0].engine.executor.speculator.proposer.graphs
+    assert draft_graphs.failed is None and any(g is not None for g, _ in draft_graphs.graphs.values())
     assert graphed == reference and eager == reference
     assert [(m.num_steps, m.num_accepted_tokens) for m in graphed_metrics] == \
         [(m.num_steps, m.num_accepted_tokens) for m in eager_metrics]
+
+
+def test_grammar_and_penalised_requests_draft_losslessly(trained):
+    """Verify rows masked through the drafts (pinned bitmask copies) and penalised after them, on CUDA
+    with graphs: the same tokens as the non-speculative engine, and those requests accepted drafts."""
+    grammar = {"schema_type": "regex", "schema": r"[A-Za-z ,.;:'!?\n]{8,120}"}
+    params = [SamplingParams(temperature=0.0, max_tokens=48, so_args=grammar),
+              SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.3),
+              SamplingParams(temperature=0.0, max_tokens=48, so_args=grammar, presence_penalty=0.4), GREEDY]
+    results = []
+    for k in (0, 3):
+        llm = _llm(trained, k, eager=False)
+        prompts = _prompts(llm, 8)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=(params * 2)[:len(prompts)], use_tqdm=False)
+        results.append(outs)
+    reference, spec = results
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in reference]
+    assert all(o.metrics.spec.num_accepted_tokens > 0 for o in spec[:3])

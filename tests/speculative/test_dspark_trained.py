@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from deepinfer_dspark.calibrate import calibrate, write_config
 from spec_cases import GREEDY, OPTIONS, PROMPTS  # noqa: E402
 
@@ -35,6 +36,36 @@ def test_greedy_outputs_are_lossless_and_commit_more_than_mtp1_can(dspark_llm, p
     assert [o.outputs[0].token_ids for o in outs] == reference
     tau = dspark_llm.engine.spec_metrics.acceptance_length
     assert tau > 2.0, tau
+
+
+def test_padded_static_draft_batches_equal_eager_drafts(dspark_llm, prompts_and_reference):
+    """The CUDA-graph draft path without a GPU (`capture=False`: the same bucket-padded batches, run
+    eagerly, every input from static device buffers): each greedy draft batch gives the eager
+    drafter's drafts and confidences, and the outputs stay lossless."""
+    prompts, reference = prompts_and_reference
+    drafter = dspark_llm.engine.executor.speculator.proposer
+    drafter.use_graphs(max_seqs=8, capture=False)
+    checked = []
+    static_propose = drafter.propose
+
+    def both(anchors, anchor_positions, states, params, seeds):
+        out = static_propose(anchors, anchor_positions, states, params, seeds)
+        graphs, drafter.graphs = drafter.graphs, None
+        try:
+            eager = static_propose(anchors, anchor_positions, states, params, seeds)
+        finally:
+            drafter.graphs = graphs
+        assert out.ids.tolist() == eager.ids.tolist()
+        assert torch.allclose(out.confidence, eager.confidence, rtol=0, atol=1e-6)
+        checked.append(len(states))
+        return out
+    drafter.propose = both
+    try:
+        outs = dspark_llm.generate(prompt_token_ids=prompts[:7], sampling_params=GREEDY, use_tqdm=False)
+    finally:
+        drafter.propose, drafter.graphs = static_propose, None
+    assert [o.outputs[0].token_ids for o in outs] == reference[:7]
+    assert any(n not in (1, 2, 4, 8) for n in checked), checked        # batches padded to a bucket
 
 
 def test_the_shipped_drafter_carries_its_calibration(dspark_llm):

@@ -20,9 +20,12 @@ each drawn draft), its confidence `sigmoid(proj . [h_k ; markov_w1[prev]] / T_k)
 DS-DeepInfer feeds it), and the draft is drawn with the request's own parameters (mtp.draw: argmax, or
 a sample of the processed distribution with the "draft" uniform of (seed, position)).
 
-The drafter is portable PyTorch and eager (every request's block in one batched attention; the
-target's steps replay the runner's CUDA graphs, which return the features). Its pieces
-(`stage_keys`, `block_hidden`, `draft_heads`) are what tools/train_tiny/dspark.py trains through.
+The drafter is portable PyTorch (every request's block in one batched attention). On a GPU with the
+runner's CUDA graphs the target's steps replay those (they return the features), `observe` writes
+every row's keys with one scatter per stage, and greedy drafting replays a graph of the whole block
+forward and Markov/confidence loop per batch bucket (graphs.py); sampled drafts run eagerly. Its
+pieces (`stage_keys`, `block_hidden`, `draft_heads`) are what tools/train_tiny/dspark.py trains
+through.
 """
 from __future__ import annotations
 
@@ -33,12 +36,15 @@ import torch
 
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model, ModelOutput
 from deepinfer_core.model.forward_batch import ForwardBatch
-from deepinfer_core.ops.kv_fp8 import unpack_kv_fp8
+from deepinfer_core.ops.kv_fp8 import pack_kv_fp8, unpack_kv_fp8
 from deepinfer_core.ops.portable_attention import (
     PortableAttentionBackend,
     ring_rope_dim,
 )
+from deepinfer_core.ops.transfer import to_device
 from deepinfer_core.speculative.mtp import Drafts, draw
+
+from .graphs import ProposeGraphs
 
 
 def parse_temperatures(value: Sequence[float], num_drafts: int) -> list[float]:
@@ -66,11 +72,38 @@ class DSparkDrafter:
         last = model.mtp[-1]
         self.markov_w2 = last.markov_head.markov_w2.float()
         self.confidence_proj = last.confidence_head.proj.float()
+        self.graphs: ProposeGraphs | None = None
+
+    def use_graphs(self, max_seqs: int, capture: bool = True) -> None:
+        """Draft greedy batches of up to `max_seqs` requests by replaying CUDA graphs (the runner
+        calls this when its own steps replay graphs; `capture=False`: the same padded fixed-shape
+        batches, run eagerly, for tests without a GPU)."""
+        self.graphs = ProposeGraphs(self._greedy_block, max_seqs, self.markov_w2.device, capture)
 
     def observe(self, batch: ForwardBatch, target: ModelOutput) -> None:
-        """Write every stage's key of every row of a target forward into that stage's ring."""
+        """Write every stage's key of every row of a target forward into that stage's ring: one
+        scatter per stage into the pool when every state lives in the engine's cache (a chunk longer
+        than the ring keeps its last ring-size rows), else sequence by sequence."""
         main_h = main_features(self.stages, target.features)
+        shared = _one_pool(batch.states)
+        if shared:
+            size, dev = batch.states[0].mtp_layers[0].pools.ring.shape[1], main_h.device
+            rows, slots = [], []
+            for sl, st in zip(batch.seq_slices(), batch.states):
+                keep = range(max(sl.start, sl.stop - size), sl.stop)
+                rows.extend(keep)
+                slots.extend([st.slot] * len(keep))
+            slots_t, positions = to_device(slots, torch.long, dev), batch.positions
+            if len(rows) < main_h.shape[0]:
+                rows_t = to_device(rows, torch.long, dev)
+                positions, main_h = positions.index_select(0, rows_t), main_h.index_select(0, rows_t)
         for i, stage in enumerate(self.stages):
+            if shared:
+                kv = stage_keys(stage.attn, main_h, positions)
+                ring = batch.states[0].mtp_layers[i].pools.ring
+                packed = pack_kv_fp8(kv, ring_rope_dim(ring, kv)) if ring.dtype == torch.uint8 else kv.to(ring.dtype)
+                ring[slots_t, positions % ring.shape[1]] = packed
+                continue
             kv = stage_keys(stage.attn, main_h, batch.positions)
             for sl, start, st in zip(batch.seq_slices(), batch.starts, batch.states):
                 PortableAttentionBackend.write_ring(st.mtp_layers[i], kv[sl], start)
@@ -78,58 +111,103 @@ class DSparkDrafter:
     def propose(self, anchors: torch.Tensor, anchor_positions: list[int], states: list, params: Sequence[Any],
                 seeds: Sequence[int]) -> Drafts:
         """gamma drafts per request after its anchor (the token at `anchor_positions[i]`)."""
-        n, k, dev = anchors.shape[0], self.num_drafts, anchors.device
-        ids = torch.full((n, k), self.noise, dtype=torch.long, device=dev)
-        ids[:, 0] = anchors
-        ids = ids.flatten()
-        positions = torch.tensor([p + j for p in anchor_positions for j in range(k)], dtype=torch.long, device=dev)
-        model = self.model
-
+        greedy = all(p.temperature < 1e-5 for p in params)
         slots = [st.slot for st in states]
+        if greedy and self.graphs is not None and _one_pool(states):
+            pools = tuple(layer.pools.ring for layer in states[0].mtp_layers)
+            out = self.graphs.run(anchors, anchor_positions, slots, pools)
+            if out is not None:
+                return Drafts(out[0], None, self._confidence(out[1]))
+        dev = anchors.device
 
         def contexts(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
             return ring_context([st.mtp_layers[i] for st in states], slots, anchor_positions, attn.window,
                                 attn.head_dim)
 
-        hidden = block_hidden(model, ids, positions, contexts, k)                           # [n*k, D]
-        last = self.stages[-1]
-        base = model.lm_head(last.norm(hidden)).view(n, k, -1)
+        def pick(j: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return draw(logits, params, [p + 1 + j for p in anchor_positions], seeds, greedy)
+
+        drafted, dists, z = self._block(anchors, to_device(anchor_positions, torch.long, dev), contexts, pick)
+        return Drafts(drafted, None if greedy else torch.stack(dists, 1), self._confidence(z))
+
+    def _confidence(self, z: torch.Tensor) -> torch.Tensor:
+        temps = torch.tensor(self.temperatures, device=z.device)
+        return torch.sigmoid((z / temps).clamp(-60.0, 60.0))
+
+    def _block(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, contexts, pick):
+        """The block forward over [anchor, noise x (gamma-1)] at anchor_positions + 0..gamma-1, then
+        the heads left to right, `pick(j, logits)` drawing draft j: (drafts [n, gamma], their
+        distributions (a list, None entries when greedy), confidence logits [n, gamma])."""
+        n, k, model = anchors.shape[0], self.num_drafts, self.model
+        ids = torch.full((n, k), self.noise, dtype=torch.long, device=anchors.device)
+        ids[:, 0] = anchors
+        positions = (anchor_positions[:, None] + torch.arange(k, device=anchors.device)[None, :]).flatten()
+        hidden = block_hidden(model, ids.flatten(), positions, contexts, k)                  # [n*k, D]
+        base = model.lm_head(self.stages[-1].norm(hidden)).view(n, k, -1)
         hidden = hidden.view(n, k, -1)
-        greedy = all(p.temperature < 1e-5 for p in params)
         prev, drafted, dists, zs = anchors, [], [], []
         for j in range(k):
             logits, z = draft_heads(model, hidden[:, j], base[:, j], prev, self.markov_w2, self.confidence_proj)
             zs.append(z)
-            tok, q = draw(logits, params, [p + 1 + j for p in anchor_positions], seeds, greedy)
-            drafted.append(tok)
+            prev, q = pick(j, logits)
+            drafted.append(prev)
             dists.append(q)
-            prev = tok
-        z = torch.stack(zs, 1)
-        temps = torch.tensor(self.temperatures, device=dev)
-        conf = torch.sigmoid((z / temps).clamp(-60.0, 60.0))
-        return Drafts(torch.stack(drafted, 1), None if greedy else torch.stack(dists, 1), conf)
+        return torch.stack(drafted, 1), dists, torch.stack(zs, 1)
+
+    def _greedy_block(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, slots: torch.Tensor,
+                      pools: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the propose graphs record: greedy drafts and confidence logits, every input on the
+        device (the contexts gathered from the stage ring pools of the engine's cache)."""
+
+        def contexts(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
+            return pool_context(pools[i], slots, anchor_positions, attn.window, attn.head_dim)
+
+        drafted, _, z = self._block(anchors, anchor_positions, contexts, lambda j, logits: (logits.argmax(-1), None))
+        return drafted, z
+
+
+def _one_pool(states: list) -> bool:
+    """Whether every state lives in one cache (the engine's), so contexts are one gather per stage."""
+    pools = [st.mtp_layers[0].pools for st in states]
+    return pools[0] is not None and all(p is pools[0] for p in pools) and min(st.slot for st in states) >= 0
+
+
+def pool_context(pool: torch.Tensor, slots: torch.Tensor, anchors: torch.Tensor, window: int,
+                 dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ring_context` for states of one cache, from device tensors: one gather from the stage's
+    ring pool [num_slots, ring_len, row] (no host value, so a CUDA graph can record it)."""
+    first = (anchors - window).clamp_min(0)
+    offsets = first[:, None] + torch.arange(window, device=pool.device)[None, :]
+    packed = pool[slots[:, None], offsets % pool.shape[1]]
+    return _context(packed, pool, anchors.clamp_max(window), window, dim)
 
 
 def ring_context(layers: list, slots: list[int], anchors: list[int], window: int,
                  dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's last `window` main keys ending at its anchor's position - 1, read from its
     stage ring (`layers`: the requests' LayerStates of one stage), as ([N, window, dim], valid
-    [N, window]). States of one cache (the engine's) are read in one gather from the pool, with
-    positions from the host (no device sync); others (standalone states) one by one."""
+    [N, window]). States of one cache (the engine's) are read in one gather from the pool;
+    others (standalone states) one by one."""
     ring = layers[0].ring
     dev, size = ring.device, ring.shape[0]
-    first = [max(0, anchor - window) for anchor in anchors]
-    offsets = torch.tensor(first, device=dev)[:, None] + torch.arange(window, device=dev)[None, :]
     pool = layers[0].pools.ring if layers[0].pools is not None else None
     if pool is not None and min(slots) >= 0 and all(layer.pools is not None and layer.pools.ring is pool
                                                     for layer in layers):
-        packed = pool[torch.tensor(slots, device=dev)[:, None], offsets % size]
-    else:
-        packed = torch.stack([layer.ring[row % size] for layer, row in zip(layers, offsets)])
+        return pool_context(pool, to_device(slots, torch.long, dev), to_device(anchors, torch.long, dev), window,
+                            dim)
+    first = [max(0, anchor - window) for anchor in anchors]
+    offsets = to_device(first, torch.long, dev)[:, None] + torch.arange(window, device=dev)[None, :]
+    packed = torch.stack([layer.ring[row % size] for layer, row in zip(layers, offsets)])
+    counts = to_device([min(anchor, window) for anchor in anchors], torch.long, dev)
+    return _context(packed, ring, counts, window, dim)
+
+
+def _context(packed: torch.Tensor, ring: torch.Tensor, counts: torch.Tensor, window: int,
+             dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpacked context keys and their validity (the first counts[i] rows of request i)."""
     if packed.dtype == torch.uint8:
         packed = unpack_kv_fp8(packed, dim, ring_rope_dim(ring, packed.new_empty(1, dim)), torch.float32)
-    counts = torch.tensor([min(anchor, window) for anchor in anchors], device=dev)
-    valid = torch.arange(window, device=dev)[None, :] < counts[:, None]
+    valid = torch.arange(window, device=packed.device)[None, :] < counts[:, None]
     # rows past anchor - 1 may be never-written ring memory (NaN bytes): zero them, 0 x NaN is NaN
     return packed.masked_fill(~valid[..., None], 0.0), valid
 
