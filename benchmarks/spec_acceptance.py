@@ -4,12 +4,15 @@ lossless, how many tokens does a verify step commit (acceptance length tau = acc
 and what does it do to end-to-end speed?
 
     python benchmarks/spec_acceptance.py [--prompts 32] [--tokens 64] [--drafts 1,3] [--dspark 5]
-                                         [--device cuda] [--dtype bfloat16] [--varlen]
+                                         [--device cuda] [--dtype bfloat16] [--varlen] [--profile]
 
 Held-out prompts (benchmarks/data/heldout_prompts.json: The Tempest / Twelfth Night, never trained
 on), batch-invariant ops, all prompts in one `LLM.generate` call per setting. Greedy outputs with
 MTP-k are compared token for token with the same engine without speculation; T=1 runs (seed = prompt
-index) give tau under sampling. Output tok/s is end to end (generate's wall time, prefill included).
+index) give tau under sampling. Output tok/s is end to end (generate's wall time, prefill included),
+after a warm-up run of the same batch in each sampling mode (so the CUDA graphs of its batch size
+are captured before timing). --profile runs each timed generate under cProfile and prints where the
+host time went (the tok/s of those runs include the profiler's overhead).
 --varlen adds, per k, a run with confidence-scheduled verification (the step-time table profiled on
 this machine at start-up; the engine refuses VARLEN with batch invariance, so the policy is installed
 directly here, keeping the invariant ops the comparison needs) and writes *_varlen.json.
@@ -18,7 +21,9 @@ Prints a table, writes benchmarks/results/spec_acceptance_<device>_<dtype>.json.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -51,10 +56,16 @@ def total(outs) -> SpecMetrics:
     return out
 
 
-def run(llm: LLM, prompts, params) -> tuple[list[list[int]], SpecMetrics, float]:
+def run(llm: LLM, prompts, params, profile: bool = False) -> tuple[list[list[int]], SpecMetrics, float]:
+    prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     seconds = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     return [o.outputs[0].token_ids for o in outs], total(outs), seconds
 
 
@@ -68,6 +79,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the nvidia backend when installed)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--varlen", action="store_true", help="also run each k with VARLEN")
+    ap.add_argument("--profile", action="store_true", help="cProfile each timed run (prints the top functions)")
     a = ap.parse_args()
     texts = json.loads((HERE / "data" / "heldout_prompts.json").read_text())["prompts"][:a.prompts]
     settings = [("MTP", int(k)) for k in a.drafts.split(",") if k] + [("DSpark", int(g)) for g in a.dspark.split(",") if g]
@@ -86,9 +98,9 @@ def main() -> None:
             seeds = range(len(prompts))
             sampled = [SamplingParams(temperature=1.0, max_tokens=a.tokens, ignore_eos=True, seed=s) for s in seeds]
             greedy = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True)
-            run(llm, prompts[:2], greedy)                                       # warm-up
             for name, params in (("greedy", greedy), ("T=1", sampled)):
-                ids, m, seconds = run(llm, prompts, params)
+                run(llm, prompts, params)                                       # warm-up: graphs, kernels
+                ids, m, seconds = run(llm, prompts, params, a.profile)
                 row = dict(drafter=(f"{kind}-{k}" + (" VARLEN" if varlen else "")) if k else "none", sampling=name, tau=m.acceptance_length,
                            per_position=m.per_position(), verify_steps=m.num_steps,
                            drafted=m.num_drafted_tokens, verified=m.num_verified_tokens,

@@ -187,8 +187,9 @@ class DraftProposer(Protocol):
                 seeds: Any) -> Any:
         """speculative.mtp.Drafts: num_drafts drafts per anchor (ids, q when sampled, confidences)."""
 
-    # Optional: `use_graphs(max_seqs)`, called once when the runner's steps replay CUDA graphs, so the
-    # drafter may replay graphs of its own for batches of up to max_seqs requests.
+    # Optional: `use_graphs(max_seqs, pad_slot)`, called once when the runner's steps replay CUDA
+    # graphs, so the drafter may replay graphs of its own for batches of up to max_seqs requests
+    # (pad_slot: the cache's spare slot, which no sequence owns, for padding rows to write into).
 
 
 def resolve_proposer(pm: Any, ctx: Any) -> Any:

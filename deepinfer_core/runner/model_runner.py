@@ -294,7 +294,7 @@ class ModelRunner:
             proposer = check_contract(self.loaded.proposer(self.model, self.num_drafts, self.confidence_temperatures()),
                                       DraftProposer, "proposer")
             if self.graphs is not None and callable(getattr(proposer, "use_graphs", None)):
-                proposer.use_graphs(self.graphs.buckets[-1])      # the drafter's own graphs (optional)
+                proposer.use_graphs(self.graphs.buckets[-1], self.cache.spare_slot)   # its own graphs (optional)
         return Speculator(self.model, self.num_drafts, graphs, proposer=proposer)
 
     def confidence_temperatures(self) -> tuple[float, ...]:

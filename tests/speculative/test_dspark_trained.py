@@ -38,34 +38,41 @@ def test_greedy_outputs_are_lossless_and_commit_more_than_mtp1_can(dspark_llm, p
     assert tau > 2.0, tau
 
 
-def test_padded_static_draft_batches_equal_eager_drafts(dspark_llm, prompts_and_reference):
-    """The CUDA-graph draft path without a GPU (`capture=False`: the same bucket-padded batches, run
-    eagerly, every input from static device buffers): each greedy draft batch gives the eager
-    drafter's drafts and confidences, and the outputs stay lossless."""
+def test_padded_static_graph_batches_draft_as_eager(dspark_llm, prompts_and_reference):
+    """The drafter's CUDA-graph paths without a GPU (`capture=False`: the same bucket-padded batches,
+    run eagerly, every input from static device buffers; padding rows of observe steps write into a
+    slot no sequence owns): the same drafts and confidences, step after step, as the eager drafter,
+    and the outputs stay lossless."""
     prompts, reference = prompts_and_reference
     drafter = dspark_llm.engine.executor.speculator.proposer
-    drafter.use_graphs(max_seqs=8, capture=False)
-    checked = []
-    static_propose = drafter.propose
+    real = drafter.propose
 
-    def both(anchors, anchor_positions, states, params, seeds):
-        out = static_propose(anchors, anchor_positions, states, params, seeds)
-        graphs, drafter.graphs = drafter.graphs, None
+    def drafts(static: bool):
+        record = []
+
+        def spy(anchors, anchor_positions, states, params, seeds):
+            out = real(anchors, anchor_positions, states, params, seeds)
+            record.append((len(states), out.ids.tolist(), out.confidence.tolist()))
+            return out
+        if static:
+            drafter.use_graphs(max_seqs=8, pad_slot=dspark_llm.runner.cache.num_slots - 1, capture=False)
+        drafter.propose = spy
         try:
-            eager = static_propose(anchors, anchor_positions, states, params, seeds)
+            outs = dspark_llm.generate(prompt_token_ids=prompts[:7], sampling_params=GREEDY, use_tqdm=False)
+            graphs = (drafter.graphs, drafter.observe_graphs)
         finally:
-            drafter.graphs = graphs
-        assert out.ids.tolist() == eager.ids.tolist()
-        assert torch.allclose(out.confidence, eager.confidence, rtol=0, atol=1e-6)
-        checked.append(len(states))
-        return out
-    drafter.propose = both
-    try:
-        outs = dspark_llm.generate(prompt_token_ids=prompts[:7], sampling_params=GREEDY, use_tqdm=False)
-    finally:
-        drafter.propose, drafter.graphs = static_propose, None
-    assert [o.outputs[0].token_ids for o in outs] == reference[:7]
-    assert any(n not in (1, 2, 4, 8) for n in checked), checked        # batches padded to a bucket
+            drafter.propose, drafter.graphs, drafter.observe_graphs = real, None, None
+            drafter._observe_settings = None
+        assert [o.outputs[0].token_ids for o in outs] == reference[:7]
+        return record, graphs
+
+    eager, _ = drafts(static=False)
+    static, (propose_graphs, observe_graphs) = drafts(static=True)
+    assert [(n, ids) for n, ids, _ in static] == [(n, ids) for n, ids, _ in eager]
+    assert all(torch.allclose(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6)
+               for (_, _, a), (_, _, b) in zip(static, eager))
+    assert any(n not in (1, 2, 4, 8) for n, _, _ in static)              # batches padded to a bucket
+    assert propose_graphs.graphs and any(q > 1 for _, q in observe_graphs.graphs)   # verify steps observed
 
 
 def test_the_shipped_drafter_carries_its_calibration(dspark_llm):

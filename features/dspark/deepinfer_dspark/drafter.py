@@ -44,7 +44,7 @@ from deepinfer_core.ops.portable_attention import (
 from deepinfer_core.ops.transfer import to_device
 from deepinfer_core.speculative.mtp import Drafts, draw
 
-from .graphs import ProposeGraphs
+from .graphs import ObserveGraphs, ProposeGraphs
 
 
 def parse_temperatures(value: Sequence[float], num_drafts: int) -> list[float]:
@@ -73,40 +73,62 @@ class DSparkDrafter:
         self.markov_w2 = last.markov_head.markov_w2.float()
         self.confidence_proj = last.confidence_head.proj.float()
         self.graphs: ProposeGraphs | None = None
+        self.observe_graphs: ObserveGraphs | None = None
+        self._observe_settings: tuple[int, int, bool] | None = None
 
-    def use_graphs(self, max_seqs: int, capture: bool = True) -> None:
-        """Draft greedy batches of up to `max_seqs` requests by replaying CUDA graphs (the runner
-        calls this when its own steps replay graphs; `capture=False`: the same padded fixed-shape
-        batches, run eagerly, for tests without a GPU)."""
+    def use_graphs(self, max_seqs: int, pad_slot: int | None = None, capture: bool = True) -> None:
+        """Replay CUDA graphs for greedy drafts of up to `max_seqs` requests and, given `pad_slot` (a
+        slot no sequence owns: the cache's spare), for observing steps of q <= gamma + 1 rows per
+        sequence (the runner calls this when its own steps replay graphs; `capture=False`: the same
+        padded fixed-shape batches, run eagerly, for tests without a GPU)."""
         self.graphs = ProposeGraphs(self._greedy_block, max_seqs, self.markov_w2.device, capture)
+        self.observe_graphs = None
+        self._observe_settings = None if pad_slot is None else (max_seqs, pad_slot, capture)
 
     def observe(self, batch: ForwardBatch, target: ModelOutput) -> None:
-        """Write every stage's key of every row of a target forward into that stage's ring: one
-        scatter per stage into the pool when every state lives in the engine's cache (a chunk longer
-        than the ring keeps its last ring-size rows), else sequence by sequence."""
-        main_h = main_features(self.stages, target.features)
-        shared = _one_pool(batch.states)
-        if shared:
-            size, dev = batch.states[0].mtp_layers[0].pools.ring.shape[1], main_h.device
-            rows, slots = [], []
-            for sl, st in zip(batch.seq_slices(), batch.states):
-                keep = range(max(sl.start, sl.stop - size), sl.stop)
-                rows.extend(keep)
-                slots.extend([st.slot] * len(keep))
-            slots_t, positions = to_device(slots, torch.long, dev), batch.positions
-            if len(rows) < main_h.shape[0]:
-                rows_t = to_device(rows, torch.long, dev)
-                positions, main_h = positions.index_select(0, rows_t), main_h.index_select(0, rows_t)
-        for i, stage in enumerate(self.stages):
-            if shared:
-                kv = stage_keys(stage.attn, main_h, positions)
-                ring = batch.states[0].mtp_layers[i].pools.ring
-                packed = pack_kv_fp8(kv, ring_rope_dim(ring, kv)) if ring.dtype == torch.uint8 else kv.to(ring.dtype)
-                ring[slots_t, positions % ring.shape[1]] = packed
-                continue
-            kv = stage_keys(stage.attn, main_h, batch.positions)
-            for sl, start, st in zip(batch.seq_slices(), batch.starts, batch.states):
-                PortableAttentionBackend.write_ring(st.mtp_layers[i], kv[sl], start)
+        """Write every stage's key of every row of a target forward into that stage's ring: a graph
+        replay for a step of q rows per sequence, else one scatter per stage into the pool when
+        every state lives in the engine's cache (a chunk longer than the ring keeps its last
+        ring-size rows), else sequence by sequence."""
+        states = batch.states
+        if not _one_pool(states):
+            main_h = main_features(self.stages, target.features)
+            for i, stage in enumerate(self.stages):
+                kv = stage_keys(stage.attn, main_h, batch.positions)
+                for sl, start, st in zip(batch.seq_slices(), batch.starts, states):
+                    PortableAttentionBackend.write_ring(st.mtp_layers[i], kv[sl], start)
+            return
+        pools = tuple(layer.pools.ring for layer in states[0].mtp_layers)
+        slots = [st.slot for st in states]
+        lens = batch.lens
+        if self._observe_settings is not None and all(n == lens[0] for n in lens):
+            if self.observe_graphs is None:
+                max_seqs, pad_slot, capture = self._observe_settings
+                self.observe_graphs = ObserveGraphs(self._write_keys, max_seqs, self.num_drafts + 1,
+                                                    target.features, pad_slot, capture)
+            if self.observe_graphs.run(target.features, list(batch.starts), slots, lens[0], pools):
+                return
+        size, dev = pools[0].shape[1], target.features.device
+        rows, row_slots = [], []
+        for sl, slot in zip(batch.seq_slices(), slots):
+            keep = range(max(sl.start, sl.stop - size), sl.stop)
+            rows.extend(keep)
+            row_slots.extend([slot] * len(keep))
+        features, positions = target.features, batch.positions
+        if len(rows) < features.shape[0]:
+            rows_t = to_device(rows, torch.long, dev)
+            features, positions = features.index_select(0, rows_t), positions.index_select(0, rows_t)
+        self._write_keys(features, positions, to_device(row_slots, torch.long, dev), pools)
+
+    def _write_keys(self, features: torch.Tensor, positions: torch.Tensor, row_slots: torch.Tensor,
+                    pools: tuple[torch.Tensor, ...]) -> None:
+        """Each stage's key of every row, scattered into its ring pool at (slot, position % ring)
+        (what the observe graphs record; rows of one slot have distinct positions within a ring)."""
+        main_h = main_features(self.stages, features)
+        for stage, ring in zip(self.stages, pools):
+            kv = stage_keys(stage.attn, main_h, positions)
+            packed = pack_kv_fp8(kv, ring_rope_dim(ring, kv)) if ring.dtype == torch.uint8 else kv.to(ring.dtype)
+            ring[row_slots, positions % ring.shape[1]] = packed
 
     def propose(self, anchors: torch.Tensor, anchor_positions: list[int], states: list, params: Sequence[Any],
                 seeds: Sequence[int]) -> Drafts:
