@@ -12,8 +12,9 @@ from deepinfer_core.hookspecs import hookimpl
 NAME = "dspark"
 DEEPINFER_PLUGIN_INFO = {
     "status": "partial",
-    "note": "DSpark drafter for checkpoints with dspark_* keys (the target's steps graphed, the drafter eager "
-            "with portable attention), calibration tool (deepinfer_dspark.calibrate); no drafter CUDA graphs yet",
+    "note": "DSpark drafter for checkpoints with dspark_* keys (the target's steps graphed; the drafter's "
+            "observe steps and greedy drafts graphed, portable attention), calibration tool "
+            "(deepinfer_dspark.calibrate); sampled drafts eager",
 }
 
 
