@@ -38,7 +38,7 @@ from ..ops.penalties import PenaltyState
 from ..ops.sampler import GREEDY_EPS, compute_logprobs
 from ..ops.transfer import to_device, to_host
 from ..ops.verify import verify
-from .mtp import Drafts, MTPDrafter, draft_confidence
+from .mtp import Drafts, MTPDrafter, draft_confidence, draw
 from .mtp_graphs import MTPGraphs
 from .replay import ReplayDrafter
 
@@ -214,9 +214,9 @@ class Speculator:
                 return
             drafts = self.proposer.propose(ids.index_select(0, to_device(rows, torch.long, dev)),
                                           [p + 1 for p in positions], states, params, [s.seed for s in seqs])
-        elif self._make_graphs is not None and len(fix_rows) == len(chunks) and all(
-                p.temperature < GREEDY_EPS for p in params):
-            drafts = self._draft_graphed(streams, ids, chunks, fix_rows, rows, positions, slots)
+        elif self._make_graphs is not None and len(fix_rows) == len(chunks):
+            drafts = self._draft_graphed(streams, ids, chunks, fix_rows, rows, positions, slots, params,
+                                         [s.seed for s in seqs])
         if drafts is None and self.proposer is None:
             logits, mtp_streams = self.drafter.observe(fb, streams, ids, to_device(rows, torch.long, dev))
             if not seqs:
@@ -235,9 +235,12 @@ class Speculator:
             out.confidence = to_host(drafts.confidence.cumprod(1))
 
 
-    def _draft_graphed(self, streams, ids, chunks, last_rows, rows, positions, slots) -> Drafts | None:
-        """Greedy drafts through the drafter's CUDA graphs, for a step of q rows per sequence that
-        all sample (None: the step does not fit, or capture failed; the caller runs eagerly)."""
+    def _draft_graphed(self, streams, ids, chunks, last_rows, rows, positions, slots, params,
+                       seeds) -> Drafts | None:
+        """Drafts through the drafter's CUDA graphs, for a step of q rows per sequence that all
+        sample (None: the step does not fit, or capture failed; the caller runs eagerly). Each draft
+        is drawn between two replays, as the eager drafter draws it (argmax, or a sample of the
+        request's processed distribution with its "draft" uniform)."""
         lens = [c.num_tokens for c in chunks]
         if self._graphs is None:
             self._graphs = self._make_graphs(streams)
@@ -256,18 +259,22 @@ class Speculator:
             logits, mtp_streams = logits.index_select(0, keep), mtp_streams.index_select(0, keep)
         if not rows:
             return Drafts(torch.empty(0, self.num_drafts, dtype=torch.long, device=dev), None)
-        tok = logits.argmax(-1)
-        drafted, conf = [tok], [draft_confidence(logits)] if self.want_confidence else None
-        for step in range(self.num_drafts - 1):
+        greedy = all(p.temperature < GREEDY_EPS for p in params)
+        drafted, dists, conf = [], [], [] if self.want_confidence else None
+        for step in range(self.num_drafts):
+            tok, q = draw(logits, params, [p + 2 + step for p in positions], seeds, greedy)
+            drafted.append(tok)
+            dists.append(q)
+            if conf is not None:
+                conf.append(draft_confidence(logits))
+            if step + 1 == self.num_drafts:
+                break
             out = graphs.draft_step(mtp_streams, tok, [p + 1 + step for p in positions], slots)
             if out is None:
                 return None
             logits, mtp_streams = out
-            tok = logits.argmax(-1)
-            drafted.append(tok)
-            if conf is not None:
-                conf.append(draft_confidence(logits))
-        return Drafts(torch.stack(drafted, 1), None, None if conf is None else torch.stack(conf, 1))
+        return Drafts(torch.stack(drafted, 1), None if greedy else torch.stack(dists, 1),
+                      None if conf is None else torch.stack(conf, 1))
 
 
 def _interleave(chunks, sampled: torch.Tensor | None, verified: torch.Tensor | None) -> torch.Tensor:

@@ -8,7 +8,8 @@
 
 Both are `DecodeGraphs` over a body in place of the model, so bucketing, padding sequences (the
 cache's spare slot) and the attention backend's fixed-shape metadata are the decode graphs' own.
-Greedy drafts only (their argmax runs between replays); a batch that samples drafts runs eagerly.
+Drafts are drawn between replays (argmax, or a sample with the request's parameters and "draft"
+uniform: speculative/mtp.draw), exactly as the eager drafter draws them.
 """
 from __future__ import annotations
 

@@ -419,6 +419,8 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/spec_acceptance.py": Skip(
         "minutes of CPU (6 x 32 prompts x 64 tokens); tests/speculative runs the same engine on 12 x 24"),
     "python benchmarks/spec_speed.py --device cuda --drafts 1,3,5 --concurrency 1,16,64": Skip(GPU),
+    "python benchmarks/spec_acceptance.py --device cuda --dtype bfloat16 --drafts 1,3 --dspark 5": Skip(
+        GPU + "; tests/gpu/test_speculation_cuda.py runs the same drafters with graphs"),
     "python benchmarks/spec_replay.py": Skip(
         GPU + " (a V4-Flash-width model: minutes to build on a CPU)"),
     "python benchmarks/spec_distribution.py --dspark --device cuda": Skip(GPU + " (20k + 5k requests through the engine)"),

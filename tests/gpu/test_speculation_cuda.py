@@ -107,3 +107,22 @@ def test_grammar_and_penalised_requests_draft_losslessly(trained):
     reference, spec = results
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in reference]
     assert all(o.metrics.spec.num_accepted_tokens > 0 for o in spec[:3])
+
+
+def test_graphed_sampled_drafts_equal_eager_ones(trained, monkeypatch):
+    """Seeded sampled requests (T=1 with top-p, and T=0.7): drafts drawn between the drafter's graph
+    replays are the eager drafter's, so the tokens and acceptance counts equal an eager run's."""
+    from deepinfer_core.speculative.mtp_graphs import MTPGraphs
+    replays = []
+    real = MTPGraphs.draft_step
+    monkeypatch.setattr(MTPGraphs, "draft_step", lambda self, *a: replays.append(1) or real(self, *a))
+    params = [SamplingParams(temperature=1.0 if s % 2 else 0.7, top_p=0.9 if s % 2 else 1.0, max_tokens=48,
+                             ignore_eos=True, seed=s) for s in range(16)]
+    results = []
+    for eager in (False, True):
+        llm = _llm(trained, 3, eager)
+        outs = llm.generate(prompt_token_ids=_prompts(llm), sampling_params=params, use_tqdm=False)
+        results.append(([o.outputs[0].token_ids for o in outs],
+                        [(o.metrics.spec.num_steps, o.metrics.spec.num_accepted_tokens) for o in outs]))
+    assert replays
+    assert results[0] == results[1]
