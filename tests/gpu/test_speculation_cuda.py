@@ -109,20 +109,28 @@ def test_grammar_and_penalised_requests_draft_losslessly(trained):
     assert all(o.metrics.spec.num_accepted_tokens > 0 for o in spec[:3])
 
 
-def test_graphed_sampled_drafts_equal_eager_ones(trained, monkeypatch):
-    """Seeded sampled requests (T=1 with top-p, and T=0.7): drafts drawn between the drafter's graph
-    replays are the eager drafter's, so the tokens and acceptance counts equal an eager run's."""
+@pytest.mark.parametrize("drafter", ["MTP-3", "DSpark-5"])
+def test_graphed_sampled_drafts_equal_eager_ones(drafter, trained, trained_dspark, monkeypatch):
+    """Seeded sampled requests (T=1 with top-p, and T=0.7): drafts drawn after the drafter's graph
+    replays (MTP: between its step graphs; DSpark: after its block-forward graph) are the eager
+    drafter's, so the tokens and acceptance counts equal an eager run's."""
     from deepinfer_core.speculative.mtp_graphs import MTPGraphs
     replays = []
     real = MTPGraphs.draft_step
     monkeypatch.setattr(MTPGraphs, "draft_step", lambda self, *a: replays.append(1) or real(self, *a))
+    ckpt, k = (trained, 3) if drafter == "MTP-3" else (trained_dspark, 5)
     params = [SamplingParams(temperature=1.0 if s % 2 else 0.7, top_p=0.9 if s % 2 else 1.0, max_tokens=48,
                              ignore_eos=True, seed=s) for s in range(16)]
-    results = []
+    results, kept = [], []
     for eager in (False, True):
-        llm = _llm(trained, 3, eager)
+        llm = _llm(ckpt, k, eager)
+        kept.append(llm)
         outs = llm.generate(prompt_token_ids=_prompts(llm), sampling_params=params, use_tqdm=False)
         results.append(([o.outputs[0].token_ids for o in outs],
                         [(o.metrics.spec.num_steps, o.metrics.spec.num_accepted_tokens) for o in outs]))
-    assert replays
+    if drafter == "MTP-3":
+        assert replays
+    else:
+        graphs = kept[0].engine.executor.speculator.proposer.graphs
+        assert any(kind == "block" and g is not None for (_, kind), (g, _) in graphs.graphs.items())
     assert results[0] == results[1]

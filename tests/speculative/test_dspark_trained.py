@@ -5,6 +5,7 @@ calibration (deepinfer_dspark.calibrate) runs end to end, and the temperatures a
 the default that DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE overrides."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -38,12 +39,16 @@ def test_greedy_outputs_are_lossless_and_commit_more_than_mtp1_can(dspark_llm, p
     assert tau > 2.0, tau
 
 
-def test_padded_static_graph_batches_draft_as_eager(dspark_llm, prompts_and_reference):
+@pytest.mark.parametrize("sampling", ["greedy", "seeded T=1"])
+def test_padded_static_graph_batches_draft_as_eager(sampling, dspark_llm, prompts_and_reference):
     """The drafter's CUDA-graph paths without a GPU (`capture=False`: the same bucket-padded batches,
     run eagerly, every input from static device buffers; padding rows of observe steps write into a
-    slot no sequence owns): the same drafts and confidences, step after step, as the eager drafter,
-    and the outputs stay lossless."""
+    slot no sequence owns): the same drafts and confidences, step after step, as the eager drafter
+    (greedy: the whole draft in the graph; sampled: the block forward, then draws), and the same
+    outputs (greedy: the non-speculative ones)."""
     prompts, reference = prompts_and_reference
+    params = GREEDY if sampling == "greedy" else [dataclasses.replace(GREEDY, temperature=1.0, seed=i)
+                                                   for i in range(7)]
     drafter = dspark_llm.engine.executor.speculator.proposer
     real = drafter.propose
 
@@ -58,21 +63,25 @@ def test_padded_static_graph_batches_draft_as_eager(dspark_llm, prompts_and_refe
             drafter.use_graphs(max_seqs=8, pad_slot=dspark_llm.runner.cache.num_slots - 1, capture=False)
         drafter.propose = spy
         try:
-            outs = dspark_llm.generate(prompt_token_ids=prompts[:7], sampling_params=GREEDY, use_tqdm=False)
+            outs = dspark_llm.generate(prompt_token_ids=prompts[:7], sampling_params=params, use_tqdm=False)
             graphs = (drafter.graphs, drafter.observe_graphs)
         finally:
             drafter.propose, drafter.graphs, drafter.observe_graphs = real, None, None
             drafter._observe_settings = None
-        assert [o.outputs[0].token_ids for o in outs] == reference[:7]
-        return record, graphs
+        return [o.outputs[0].token_ids for o in outs], record, graphs
 
-    eager, _ = drafts(static=False)
-    static, (propose_graphs, observe_graphs) = drafts(static=True)
+    eager_tokens, eager, _ = drafts(static=False)
+    tokens, static, (propose_graphs, observe_graphs) = drafts(static=True)
+    assert tokens == eager_tokens
+    if sampling == "greedy":
+        assert tokens == reference[:7]
     assert [(n, ids) for n, ids, _ in static] == [(n, ids) for n, ids, _ in eager]
     assert all(torch.allclose(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6)
                for (_, _, a), (_, _, b) in zip(static, eager))
     assert any(n not in (1, 2, 4, 8) for n, _, _ in static)              # batches padded to a bucket
-    assert propose_graphs.graphs and any(q > 1 for _, q in observe_graphs.graphs)   # verify steps observed
+    kind = "draft" if sampling == "greedy" else "block"
+    assert any(k == kind for _, k in propose_graphs.graphs)
+    assert any(q > 1 for _, q in observe_graphs.graphs)                  # verify steps observed
 
 
 def test_the_shipped_drafter_carries_its_calibration(dspark_llm):

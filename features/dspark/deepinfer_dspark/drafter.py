@@ -22,8 +22,9 @@ a sample of the processed distribution with the "draft" uniform of (seed, positi
 
 The drafter is portable PyTorch (every request's block in one batched attention). On a GPU with the
 runner's CUDA graphs the target's steps replay those (they return the features), `observe` writes
-every row's keys with one scatter per stage, and greedy drafting replays a graph of the whole block
-forward and Markov/confidence loop per batch bucket (graphs.py); sampled drafts run eagerly. Its
+every row's keys with one scatter per stage (observe steps of q rows per sequence replay a graph),
+and drafting replays a graph per batch bucket (graphs.py): of the whole block forward and
+Markov/confidence loop for greedy drafts, of the block forward alone for sampled ones. Its
 pieces (`stage_keys`, `block_hidden`, `draft_heads`) are what tools/train_tiny/dspark.py trains
 through.
 """
@@ -81,7 +82,8 @@ class DSparkDrafter:
         slot no sequence owns: the cache's spare), for observing steps of q <= gamma + 1 rows per
         sequence (the runner calls this when its own steps replay graphs; `capture=False`: the same
         padded fixed-shape batches, run eagerly, for tests without a GPU)."""
-        self.graphs = ProposeGraphs(self._greedy_block, max_seqs, self.markov_w2.device, capture)
+        self.graphs = ProposeGraphs({"draft": self._graph_draft, "block": self._graph_hidden}, max_seqs,
+                                    self.markov_w2.device, capture)
         self.observe_graphs = None
         self._observe_settings = None if pad_slot is None else (max_seqs, pad_slot, capture)
 
@@ -132,39 +134,48 @@ class DSparkDrafter:
 
     def propose(self, anchors: torch.Tensor, anchor_positions: list[int], states: list, params: Sequence[Any],
                 seeds: Sequence[int]) -> Drafts:
-        """gamma drafts per request after its anchor (the token at `anchor_positions[i]`)."""
+        """gamma drafts per request after its anchor (the token at `anchor_positions[i]`): greedy
+        batches replay a graph of the whole draft; sampled ones replay a graph of the block forward
+        and draw left to right eagerly (their uniforms are keyed by host seeds and positions)."""
         greedy = all(p.temperature < 1e-5 for p in params)
-        slots = [st.slot for st in states]
-        if greedy and self.graphs is not None and _one_pool(states):
-            pools = tuple(layer.pools.ring for layer in states[0].mtp_layers)
-            out = self.graphs.run(anchors, anchor_positions, slots, pools)
-            if out is not None:
-                return Drafts(out[0], None, self._confidence(out[1]))
-        dev = anchors.device
-
-        def contexts(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
-            return ring_context([st.mtp_layers[i] for st in states], slots, anchor_positions, attn.window,
-                                attn.head_dim)
+        slots, n, dev = [st.slot for st in states], anchors.shape[0], anchors.device
 
         def pick(j: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             return draw(logits, params, [p + 1 + j for p in anchor_positions], seeds, greedy)
 
-        drafted, dists, z = self._block(anchors, to_device(anchor_positions, torch.long, dev), contexts, pick)
+        out = None
+        if self.graphs is not None and _one_pool(states):
+            pools = tuple(layer.pools.ring for layer in states[0].mtp_layers)
+            out = self.graphs.run("draft" if greedy else "block", anchors, anchor_positions, slots, pools)
+        if out is not None and greedy:
+            return Drafts(out[0][:n], None, self._confidence(out[1][:n]))
+        if out is not None:
+            hidden = out[:n * self.num_drafts]
+        else:
+            def contexts(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
+                return ring_context([st.mtp_layers[i] for st in states], slots, anchor_positions, attn.window,
+                                    attn.head_dim)
+            hidden = self._hidden(anchors, to_device(anchor_positions, torch.long, dev), contexts)
+        drafted, dists, z = self._heads(hidden, anchors, pick)
         return Drafts(drafted, None if greedy else torch.stack(dists, 1), self._confidence(z))
 
     def _confidence(self, z: torch.Tensor) -> torch.Tensor:
         temps = torch.tensor(self.temperatures, device=z.device)
         return torch.sigmoid((z / temps).clamp(-60.0, 60.0))
 
-    def _block(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, contexts, pick):
-        """The block forward over [anchor, noise x (gamma-1)] at anchor_positions + 0..gamma-1, then
-        the heads left to right, `pick(j, logits)` drawing draft j: (drafts [n, gamma], their
-        distributions (a list, None entries when greedy), confidence logits [n, gamma])."""
-        n, k, model = anchors.shape[0], self.num_drafts, self.model
+    def _hidden(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, contexts) -> torch.Tensor:
+        """The block forward over [anchor, noise x (gamma-1)] at anchor_positions + 0..gamma-1:
+        the last stage's collapsed hidden [n*gamma, D]."""
+        n, k = anchors.shape[0], self.num_drafts
         ids = torch.full((n, k), self.noise, dtype=torch.long, device=anchors.device)
         ids[:, 0] = anchors
         positions = (anchor_positions[:, None] + torch.arange(k, device=anchors.device)[None, :]).flatten()
-        hidden = block_hidden(model, ids.flatten(), positions, contexts, k)                  # [n*k, D]
+        return block_hidden(self.model, ids.flatten(), positions, contexts, k)
+
+    def _heads(self, hidden: torch.Tensor, anchors: torch.Tensor, pick):
+        """The heads left to right, `pick(j, logits)` drawing draft j: (drafts [n, gamma], their
+        distributions (a list, None entries when greedy), confidence logits [n, gamma])."""
+        n, k, model = anchors.shape[0], self.num_drafts, self.model
         base = model.lm_head(self.stages[-1].norm(hidden)).view(n, k, -1)
         hidden = hidden.view(n, k, -1)
         prev, drafted, dists, zs = anchors, [], [], []
@@ -176,15 +187,21 @@ class DSparkDrafter:
             dists.append(q)
         return torch.stack(drafted, 1), dists, torch.stack(zs, 1)
 
-    def _greedy_block(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, slots: torch.Tensor,
-                      pools: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the propose graphs record: greedy drafts and confidence logits, every input on the
+    def _graph_hidden(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, slots: torch.Tensor,
+                      pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """What the "block" graphs record (sampled drafts): the block forward, every input on the
         device (the contexts gathered from the stage ring pools of the engine's cache)."""
 
         def contexts(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
             return pool_context(pools[i], slots, anchor_positions, attn.window, attn.head_dim)
 
-        drafted, _, z = self._block(anchors, anchor_positions, contexts, lambda j, logits: (logits.argmax(-1), None))
+        return self._hidden(anchors, anchor_positions, contexts)
+
+    def _graph_draft(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, slots: torch.Tensor,
+                     pools: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the "draft" graphs record (greedy drafts): the block forward and the heads."""
+        hidden = self._graph_hidden(anchors, anchor_positions, slots, pools)
+        drafted, _, z = self._heads(hidden, anchors, lambda j, logits: (logits.argmax(-1), None))
         return drafted, z
 
 

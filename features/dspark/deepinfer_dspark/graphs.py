@@ -5,18 +5,18 @@ for them:
   decode): the target features (copied from the target graph's output) through main_proj/main_norm,
   each stage's key of every row, scattered into the stage rings. Padding sequences write into the
   cache's spare slot, which no sequence owns.
-* propose (`ProposeGraphs`, per batch bucket): the greedy draft, the whole block forward (every
-  stage over [anchor, noise x (gamma-1)] with its ring context) and the Markov / confidence loop.
-  Padding sequences copy the batch's first request (the draft only reads the cache); their rows
-  are dropped.
+* propose (`ProposeGraphs`, per (batch bucket, kind)): "draft", a greedy draft, the whole block
+  forward (every stage over [anchor, noise x (gamma-1)] with its ring context) and the Markov /
+  confidence loop; "block", the block forward alone, for sampled drafts, which the drafter then draws
+  left to right eagerly (their uniforms are keyed by host seeds and positions). Padding sequences
+  copy the batch's first request (a draft only reads the cache); their rows are dropped.
 
 Inputs live in static buffers, filled by one host-to-device copy (positions, slots) and
 device-to-device copies (features, anchors). The stage ring pools a graph reads or writes are fixed
 at capture: a different cache (re-sized) drops the graphs and captures again. A capture that fails
 turns that kind of graph off with one warning; the drafter then runs that step eagerly, as it does
-for steps that do not fit (prefill chunks, mixed lengths) and for sampled drafts (their uniforms are
-keyed by host seeds and positions). `capture=False` runs the same padded static batches eagerly
-(tests without a GPU).
+for steps that do not fit (prefill chunks, mixed lengths). `capture=False` runs the same padded
+static batches eagerly (tests without a GPU).
 """
 from __future__ import annotations
 
@@ -89,20 +89,19 @@ class _StaticGraphs:
 
 
 class ProposeGraphs(_StaticGraphs):
-    def __init__(self, body: Callable[..., tuple[torch.Tensor, torch.Tensor]], max_seqs: int, device,
-                 capture: bool = True):
-        """`body(anchors [B], anchor_positions [B], slots [B], pools) -> (drafts [B, gamma], confidence
-        logits [B, gamma])`."""
+    def __init__(self, bodies: dict[str, Callable[..., Any]], max_seqs: int, device, capture: bool = True):
+        """`bodies[kind](anchors [B], anchor_positions [B], slots [B], pools)`: "draft" -> (drafts
+        [B, gamma], confidence logits [B, gamma]); "block" -> hidden [B*gamma, D]."""
         super().__init__(max_seqs, capture, "draft", device)
-        self.body = body
+        self.bodies = bodies
         size = self.buckets[-1]
         self.anchors = torch.zeros(size, dtype=torch.long, device=device)
         self.meta = torch.zeros(2 * size, dtype=torch.long, device=device)   # positions | slots, per bucket
 
-    def run(self, anchors: torch.Tensor, positions: list[int], slots: list[int],
-            pools: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(drafts [n, gamma], confidence logits [n, gamma]) of n requests, views of the graph's
-        outputs valid until the next replay; None when the batch does not fit or capture failed."""
+    def run(self, kind: str, anchors: torch.Tensor, positions: list[int], slots: list[int], pools: tuple) -> Any:
+        """The `kind` body's outputs for n requests padded to their bucket (sequence-major rows: the
+        first n, or n*gamma, are theirs), views of the graph's outputs valid until the next replay;
+        None when the batch does not fit or capture failed."""
         n = len(slots)
         size = self.bucket(n)
         if size is None:
@@ -111,9 +110,9 @@ class ProposeGraphs(_StaticGraphs):
         pad = size - n
         copy_into(self.meta[:2 * size], positions + positions[:1] * pad + slots + slots[:1] * pad)
         self.anchors[:n].copy_(anchors)
-        out = self.replay(size, lambda: self.body(self.anchors[:size], self.meta[:size], self.meta[size:2 * size],
-                                                  self.pools))
-        return None if out is None else (out[0][:n], out[1][:n])
+        body = self.bodies[kind]
+        return self.replay((size, kind), lambda: body(self.anchors[:size], self.meta[:size], self.meta[size:2 * size],
+                                                      self.pools))
 
 
 class ObserveGraphs(_StaticGraphs):

@@ -13,8 +13,8 @@ NAME = "dspark"
 DEEPINFER_PLUGIN_INFO = {
     "status": "partial",
     "note": "DSpark drafter for checkpoints with dspark_* keys (the target's steps graphed; the drafter's "
-            "observe steps and greedy drafts graphed, portable attention), calibration tool "
-            "(deepinfer_dspark.calibrate); sampled drafts eager",
+            "observe steps and drafts graphed, sampled draws eager, portable attention), calibration "
+            "tool (deepinfer_dspark.calibrate)",
 }
 
 
