@@ -89,6 +89,24 @@ def test_sampled_requests_with_grammars_and_penalties_draft_and_keep_the_grammar
     assert sum(o.metrics.spec.num_accepted_tokens for o in outs) > 0
 
 
+@pytest.mark.parametrize("spec_llm", [3], indirect=True)
+def test_triggered_and_bound_grammars_with_drafts(spec_llm, reference_llm, prompts_and_reference):
+    """Grammars that start mid-output (a trigger the model emits on its own; a bound token that forces
+    the trigger): drafts cross the free / forcing / grammar phases inside one verify chunk, and the
+    matcher is rolled back across them; the greedy tokens equal the non-speculative engine's."""
+    prompts, reference = prompts_and_reference
+    f = reference[0]
+    grammar = {"schema_type": "regex", "schema": ENGLISH}
+    params = [SamplingParams(temperature=0.0, max_tokens=TOKENS, so_args={**grammar, "trigger_token_ids": f[4:6]}),
+              SamplingParams(temperature=0.0, max_tokens=TOKENS,
+                             so_args={**grammar, "trigger_token_ids": f[9:11], "bound_token_id": f[2]})]
+    want = reference_llm.generate(prompt_token_ids=[prompts[0]] * 2, sampling_params=params, use_tqdm=False)
+    outs = spec_llm.generate(prompt_token_ids=[prompts[0]] * 2, sampling_params=params, use_tqdm=False)
+    assert tokens(outs) == tokens(want)
+    assert tokens(want)[0][:6] == f[:6] and tokens(want)[1][3:5] == f[9:11]      # the phases did happen
+    assert all(o.metrics.spec.num_accepted_tokens > 0 for o in outs)
+
+
 @pytest.mark.parametrize("drafter, model_fixture, gamma", [("MTP-3", "trained_dir", 3),
                                                             ("DSpark-5", "dspark_trained_dir", 5)])
 def test_preemption_chunking_grammars_penalties_and_early_stops(drafter, model_fixture, gamma, request, reference_llm,
