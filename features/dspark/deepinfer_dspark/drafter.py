@@ -143,18 +143,20 @@ class DSparkDrafter:
         def pick(j: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             return draw(logits, params, [p + 1 + j for p in anchor_positions], seeds, greedy)
 
+        pools = tuple(layer.pools.ring for layer in states[0].mtp_layers) if _one_pool(states) else None
         out = None
-        if self.graphs is not None and _one_pool(states):
-            pools = tuple(layer.pools.ring for layer in states[0].mtp_layers)
+        if self.graphs is not None and pools is not None:
             out = self.graphs.run("draft" if greedy else "block", anchors, anchor_positions, slots, pools)
         if out is not None and greedy:
             return Drafts(out[0][:n], None, self._confidence(out[1][:n]))
         if out is not None:
             hidden = out[:n * self.num_drafts]
+        elif pools is not None:        # the engine's cache: every stage's context in one gather
+            hidden = self._graph_hidden(anchors, to_device(anchor_positions, torch.long, dev),
+                                        to_device(slots, torch.long, dev), pools)
         else:
             def contexts(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
-                return ring_context([st.mtp_layers[i] for st in states], slots, anchor_positions, attn.window,
-                                    attn.head_dim)
+                return ring_context([st.mtp_layers[i] for st in states], anchor_positions, attn.window, attn.head_dim)
             hidden = self._hidden(anchors, to_device(anchor_positions, torch.long, dev), contexts)
         drafted, dists, z = self._heads(hidden, anchors, pick)
         return Drafts(drafted, None if greedy else torch.stack(dists, 1), self._confidence(z))
@@ -189,8 +191,9 @@ class DSparkDrafter:
 
     def _graph_hidden(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, slots: torch.Tensor,
                       pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """What the "block" graphs record (sampled drafts): the block forward, every input on the
-        device (the contexts gathered from the stage ring pools of the engine's cache)."""
+        """The block forward of requests in the engine's cache, every input on the device (the
+        contexts gathered from the stage ring pools): what the "block" graphs record (sampled
+        drafts), and the eager path for those requests."""
 
         def contexts(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
             return pool_context(pools[i], slots, anchor_positions, attn.window, attn.head_dim)
@@ -221,19 +224,12 @@ def pool_context(pool: torch.Tensor, slots: torch.Tensor, anchors: torch.Tensor,
     return _context(packed, pool, anchors.clamp_max(window), window, dim)
 
 
-def ring_context(layers: list, slots: list[int], anchors: list[int], window: int,
-                 dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_context(layers: list, anchors: list[int], window: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's last `window` main keys ending at its anchor's position - 1, read from its
-    stage ring (`layers`: the requests' LayerStates of one stage), as ([N, window, dim], valid
-    [N, window]). States of one cache (the engine's) are read in one gather from the pool;
-    others (standalone states) one by one."""
+    own stage ring (`layers`: the requests' LayerStates of one stage; standalone states, one by one:
+    states of the engine's cache use `pool_context`), as ([N, window, dim], valid [N, window])."""
     ring = layers[0].ring
     dev, size = ring.device, ring.shape[0]
-    pool = layers[0].pools.ring if layers[0].pools is not None else None
-    if pool is not None and min(slots) >= 0 and all(layer.pools is not None and layer.pools.ring is pool
-                                                    for layer in layers):
-        return pool_context(pool, to_device(slots, torch.long, dev), to_device(anchors, torch.long, dev), window,
-                            dim)
     first = [max(0, anchor - window) for anchor in anchors]
     offsets = to_device(first, torch.long, dev)[:, None] + torch.arange(window, device=dev)[None, :]
     packed = torch.stack([layer.ring[row % size] for layer, row in zip(layers, offsets)])
