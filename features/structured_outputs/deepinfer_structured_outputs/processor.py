@@ -99,17 +99,7 @@ class StructuredOutputProcessor:
                                                       [r for r, _ in grammar])
         for r, s in forced:
             set_single_token(host, r, s.forced_token)
-        t1 = time.perf_counter()
-        masked = sorted(r for r, _ in grammar + forced)
-        if dev is not host:
-            dev[:n].copy_(host[:n], non_blocking=True)
-            # A list would be copied from pageable memory, which waits for the queued forward.
-            masked = to_device(masked, torch.int32, logits.device)
-        xgr.apply_token_bitmask_inplace(logits, dev[:n], vocab_size=logits.shape[-1], indices=masked)
-        st = self.stats
-        st.calls, st.rows = st.calls + 1, st.rows + len(grammar) + len(forced)
-        st.fill_seconds += t1 - t0
-        st.total_seconds += time.perf_counter() - t0
+        self._apply(logits, host, dev, sorted(r for r, _ in grammar + forced), t0)
 
     def mask_drafts(self, logits: torch.Tensor, first_rows: Sequence[int], states: Sequence[Any],
                     drafts: Sequence[Sequence[int]]) -> list[int]:
@@ -117,25 +107,32 @@ class StructuredOutputProcessor:
         masks of the token after each prefix of its drafts (the state pushed through them and
         rolled back, `fill_draft_masks`); returns how many drafts each state allows (a verifier
         never reads a row past the first refused draft, so those rows stay unmasked)."""
-        import xgrammar as xgr
-
         t0 = time.perf_counter()
-        n = logits.shape[0]
-        host, dev = self._buffers(n, logits.shape[-1], logits.device, "verify")
+        host, dev = self._buffers(logits.shape[0], logits.shape[-1], logits.device, "verify")
         allowed, masked = [], []
         for first, state, ids in zip(first_rows, states, drafts):
             allowed.append(state.fill_draft_masks(list(ids), host, first))
             masked.extend(range(first, first + len(ids) + 1))
+        self._apply(logits, host, dev, masked, t0)
+        return allowed
+
+    def _apply(self, logits: torch.Tensor, host: torch.Tensor, dev: torch.Tensor, masked: list[int],
+               t0: float) -> None:
+        """Copy the filled bitmask rows to the logits' device and apply them to rows `masked` in
+        place; account the host fill (since t0) and the whole call in `stats`."""
+        import xgrammar as xgr
+
         t1 = time.perf_counter()
+        n, rows = logits.shape[0], len(masked)
         if dev is not host:
             dev[:n].copy_(host[:n], non_blocking=True)
+            # A list would be copied from pageable memory, which waits for the queued forward.
             masked = to_device(masked, torch.int32, logits.device)
         xgr.apply_token_bitmask_inplace(logits, dev[:n], vocab_size=logits.shape[-1], indices=masked)
         st = self.stats
-        st.calls, st.rows = st.calls + 1, st.rows + len(masked)
+        st.calls, st.rows = st.calls + 1, st.rows + rows
         st.fill_seconds += t1 - t0
         st.total_seconds += time.perf_counter() - t0
-        return allowed
 
     def advance(self, states: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
         done = []
