@@ -15,7 +15,8 @@ concurrency: one greedy run without speculation records the outputs and gives th
 tok/s (CUDA graphs, async scheduling: the engine as users run it); then, per acceptance, the same
 prompts with the replay drafter at each static gamma and with VARLEN (confidence-scheduled
 verification up to the largest gamma; the replay drafter's confidences are its true acceptance),
-bf16, graphs, speculative steps synchronous. Batch-invariant kernels for every run (default; the
+bf16, graphs, async scheduling as configured (speculative steps pipelined: step N+1 is launched
+before step N is post-processed). Batch-invariant kernels for every run (default; the
 engine refuses VARLEN with invariance, so the policy is installed directly here: the kernels are
 the ones the recorded run used, so the drafts land, and static and VARLEN rows compare the same
 kernels). Each setting is warmed up once with the same batch, then timed (median of --repeats runs;
@@ -150,7 +151,9 @@ def main() -> None:
                     with cProfile.Profile() as prof:
                         timed(llm, prompts, params, 1)
                     print(f"cProfile, gamma {g}, acceptance {acc}, concurrency {c}")
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+                    stats = pstats.Stats(prof)
+                    stats.sort_stats("tottime").print_stats(22)
+                    stats.sort_stats("cumtime").print_stats("deepinfer_core", 30)   # the host path
                 outs, seconds = timed(llm, prompts, params, a.repeats)
                 m = llm.engine.spec_metrics
                 tok_s = c * a.output_len / seconds

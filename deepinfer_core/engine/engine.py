@@ -12,9 +12,13 @@ N+1; that extra token is dropped. A sequence whose grammar needs its last token 
 one step instead of stalling the others. Tokens come from the counter-based RNG keyed by
 (seed, position), so the outputs are the same with the overlap on or off.
 
-Speculative decoding (a `speculator`, speculative/engine_step.py): steps run synchronously (the next
-step's positions depend on how many drafts this one accepted); a verify step appends the accepted
-drafts and the token verification adds, stopping at the first stop, as decoding them one by one would.
+Speculative decoding (a `speculator`, speculative/engine_step.py): the next step's positions depend
+on how many drafts this one accepted, so a step is launched only after the previous one's verdict.
+With async scheduling the steps still overlap the host: step() verifies and drafts step N (the host
+reads the accepted counts and the drafts: the one sync), commits what the scheduler needs (positions,
+tokens in flight, the next drafts), launches step N+1, and only then post-processes step N (tokens,
+stops, logprobs, outputs) while the device runs N+1. A verify step appends the accepted drafts and
+the token verification adds, stopping at the first stop, as decoding them one by one would.
 
 Requests may be added and aborted between any two steps; an abort frees the request's slots and
 blocks at once (a token of it still in flight is dropped when it lands).
@@ -66,10 +70,7 @@ class Engine:
         self.scheduler, self.tokenizer = scheduler, tokenizer
         self.eos_token_id, self.vocab_size = cfg.eos_token_id, int(cfg.vocab_size)
         self.max_model_len, self.seed = max_model_len, seed
-        if async_scheduling and speculator is not None:
-            log.info("speculative decoding: steps run synchronously (async scheduling of verify steps "
-                     "is not implemented yet)")
-        self.async_scheduling = bool(async_scheduling) and speculator is None
+        self.async_scheduling = bool(async_scheduling)
         self.logits_processors = list(logits_processors or [])
         self.executor = StepExecutor(runner, sampler, self.eos_token_id, self.vocab_size,
                                      scheduler.blocks.allocator.num_slots, speculator)
@@ -80,6 +81,7 @@ class Engine:
         self._in_flight: InFlight | None = None
         self._touched: dict[str, _Tracked] = {}       # requests with news for the next step() result
         self._next_seq_id = 0
+        self._last_commit: float | None = None        # when the previous speculative step committed (VARLEN)
         self._counter = 0                             # requests added (default seeds)
         self.num_steps = 0
         self.num_dropped_tokens = 0        # sampled for a sequence that had already stopped (async)
@@ -138,24 +140,27 @@ class Engine:
         returns one RequestOutput per request with news: streamed requests get their deltas,
         the others their whole output once finished."""
         self._refuse_failed_constraints()
-        t0 = time.perf_counter()
+        previous = self._in_flight
+        if previous is not None and previous.spec_inputs is not None:
+            self._speculate(previous)              # its verdict and drafts, before planning the next step
         out = self.scheduler.schedule()
         if not out.chunks:
-            if self._in_flight is not None:
-                step, self._in_flight = self._in_flight, None
-                self._process(step)
+            self._last_commit = None
+            if previous is not None:
+                self._in_flight = None
+                self._process(previous)
             else:
                 self._idle()
             return self._outputs()
         self._mark_scheduled(out.admitted)
-        step = self.executor.launch(out.chunks, self.scheduler.blocks.updates.take(), self._in_flight)
+        step = self.executor.launch(out.chunks, self.scheduler.blocks.updates.take(), previous)
         self.num_steps += 1
         if not self.async_scheduling:
+            if step.spec_inputs is not None:
+                self._speculate(step)
             self._process(step)
-            if self.varlen is not None:
-                self._observe_step_time(out.chunks, (time.perf_counter() - t0) * 1e3)
         else:
-            previous, self._in_flight = self._in_flight, step
+            self._in_flight = step
             if previous is not None:
                 self._process(previous)
         return self._outputs()
@@ -168,7 +173,7 @@ class Engine:
         if backtrack < speculator.num_drafts + 1:
             raise ValueError(f"{speculator.num_drafts} drafts per step need max_backtracking_tokens >= "
                              f"{speculator.num_drafts + 1} (DEEPINFER_MAX_BACKTRACKING_TOKENS), the runner has {backtrack}")
-        self.executor.speculator, self.async_scheduling = speculator, False
+        self.executor.speculator = speculator
         speculator.want_confidence = self.varlen is not None or self.acceptance_log is not None
         self.spec_metrics = SpecMetrics()
 
@@ -198,10 +203,42 @@ class Engine:
 
     def _observe_step_time(self, chunks: list[ScheduledChunk], ms: float) -> None:
         """A step of verify chunks of one shape, or of decodes (VARLEN chose no drafts: observing
-        those too keeps a step of drafts from looking free forever), corrects the time table."""
+        those too keeps a step of drafts from looking free forever), corrects the time table with
+        its period (from the previous step's commit to its own: host work included)."""
         rows = chunks[0].num_tokens
         if all(c.samples and c.num_tokens == rows and (c.num_drafts or rows == 1) for c in chunks):
             self.varlen.observe(len(chunks), rows, ms)
+
+    def _speculate(self, step: InFlight) -> None:
+        """Verify and draft `step` (queued behind its forward), then commit what planning the next
+        step needs: each verified sequence's next position and the tokens it has in flight (accepted
+        drafts + the added one), and every drafting sequence's new drafts. Emitting the tokens is
+        left to `_process`."""
+        self.executor.speculate(step)
+        step.wait()                                # the host copies of the verdict and the drafts
+        spec = step.spec
+        for c, j in zip(spec.verified, spec.accepted):
+            seq = c.seq
+            if seq.status is SeqStatus.FINISHED:
+                continue                           # stopped meanwhile: its tokens are dropped later
+            seq.num_computed = c.start + 1 + j     # rejected rows roll back
+            seq.num_pending += j                   # the plan counted the added token only
+            for metrics in (self._spec_metrics(seq.request), self.spec_metrics):
+                metrics.record(c.max_accept, j)
+            if self.acceptance_log is not None and seq.draft_conf:
+                self.acceptance_log.append((seq.draft_conf[:c.max_accept], j))
+        conf = spec.confidence.tolist() if spec.confidence is not None else None
+        for i, (seq, ids) in enumerate(zip(spec.draft_seqs, spec.drafts.tolist() if spec.draft_seqs else ())):
+            if not seq.finished:
+                seq.draft_ids = ids
+                if conf is not None:
+                    seq.draft_conf = conf[i]
+                for metrics in (self._spec_metrics(seq.request), self.spec_metrics):
+                    metrics.num_drafted_tokens += len(ids)
+        now = time.perf_counter()
+        if self.varlen is not None and self._last_commit is not None:
+            self._observe_step_time(step.chunks, (now - self._last_commit) * 1e3)
+        self._last_commit = now
 
     def abort_all(self) -> None:
         """After a failure: drop every request so the cache's slots and blocks return."""
@@ -318,8 +355,8 @@ class Engine:
             self._process_speculation(step.spec, now)
 
     def _process_speculation(self, spec, now: float) -> None:
-        """Verified chunks: back to the accepted prefix, then append the accepted drafts and the added
-        token (up to a stop); then every drafting sequence's next drafts."""
+        """Verified chunks (committed by `_speculate`): append the accepted drafts and the added token,
+        up to a stop."""
         lp = None
         if spec.logprobs is not None:
             vals, ids, slp, ranks = spec.logprobs
@@ -327,19 +364,24 @@ class Engine:
         for n, (c, j, tok) in enumerate(zip(spec.verified, spec.accepted,
                                             spec.tokens.tolist() if spec.verified else ())):
             seq = c.seq
-            seq.num_pending -= 1
             if seq.status is SeqStatus.FINISHED:
                 self.num_dropped_tokens += 1 + j
                 continue
-            seq.num_computed = c.start + 1 + j
+            seq.num_pending -= 1 + j
             req = seq.request
-            for metrics in (self._spec_metrics(req), self.spec_metrics):
-                metrics.record(c.max_accept, j)
-            if self.acceptance_log is not None and seq.draft_conf:
-                self.acceptance_log.append((seq.draft_conf[:c.max_accept], j))
             stopped = False
             first = spec.logprob_rows.get(n)
-            for e, t in enumerate(seq.draft_ids[:j] + [tok]):
+            emitted = list(c.drafts[:j])
+            emitted.append(tok)
+            if (first is None and seq.detokenizer is None and seq.constraint_state is None
+                    and len(seq.token_ids) + j + 1 < seq.max_tokens and seq.stop_ids.isdisjoint(emitted)):
+                seq.token_ids += emitted           # the common case of append_token, inline
+                seq.num_tokens += j + 1
+                req.metrics.token_times += [now] * (j + 1)
+                if req.stream and req.request_id in self._requests:
+                    self._touched[req.request_id] = self._requests[req.request_id]
+                continue
+            for e, t in enumerate(emitted):
                 req.metrics.token_times.append(now)
                 if first is not None:
                     self._add_logprobs(seq, lp, first + e, t)
@@ -354,14 +396,6 @@ class Engine:
                 self._finished(tracked, seq)
             elif req.stream and tracked is not None:
                 self._touched[req.request_id] = tracked
-        conf = spec.confidence.tolist() if spec.confidence is not None else None
-        for i, (seq, ids) in enumerate(zip(spec.draft_seqs, spec.drafts.tolist() if spec.draft_seqs else ())):
-            if not seq.finished:
-                seq.draft_ids = ids
-                if conf is not None:
-                    seq.draft_conf = conf[i]
-                for metrics in (self._spec_metrics(seq.request), self.spec_metrics):
-                    metrics.num_drafted_tokens += len(ids)
 
     @staticmethod
     def _spec_metrics(req: Request) -> SpecMetrics:

@@ -39,6 +39,8 @@ class ScheduledChunk:
     num_drafts: int = 0                    # a verify chunk: [last token, its first num_drafts drafts]
     max_accept: int = 0                    # drafts it may accept (<= num_drafts: fewer near max_tokens;
                                            # the other rows keep the step's graph shape, dropped as rejected)
+    drafts: list[int] | tuple = ()         # the drafts it verifies (the sequence's own may be replaced
+                                           # by newer ones before this step is post-processed)
 
 
 @dataclass
@@ -179,7 +181,7 @@ class Scheduler:
             samples = start + n == seq.num_tokens + pending
             drafts = accept = 0
             if seq.draft_ids and n == 1 and len(seq.token_ids) >= seq.min_tokens:
-                drafts, accept = self._num_drafts(seq, start, budget, limit)
+                drafts, accept = self._num_drafts(seq, start, pending, budget, limit)
                 n += drafts
             if start + n > len(seq.block_ids) * block_size:
                 if drafts > accept and not self.blocks.can_hold(seq, start + n):
@@ -192,7 +194,7 @@ class Scheduler:
                 if seq.status is not SeqStatus.RUNNING:
                     continue
                 self.blocks.hold(seq, start + n)
-            chunks.append(ScheduledChunk(seq, start, n, samples, drafts, accept))
+            chunks.append(ScheduledChunk(seq, start, n, samples, drafts, accept, seq.draft_ids if drafts else ()))
             seq.num_computed = start + n
             if samples:
                 seq.num_pending = pending + 1
@@ -201,17 +203,19 @@ class Scheduler:
 
     def _draft_length(self) -> int:
         """The common draft length of this step's verify chunks (confidence-scheduled)."""
-        conf = [s.draft_conf for s in self.running.values()
-                if s.draft_ids and s.status is SeqStatus.RUNNING and s.num_computed + 1 == s.num_tokens]
+        conf = [s.draft_conf for s in self.running.values() if s.draft_ids and s.status is SeqStatus.RUNNING
+                and s.num_computed + 1 == s.num_tokens + s.num_pending]
         return self.draft_length(conf) if conf else 0
 
-    def _num_drafts(self, seq: Sequence, start: int, budget: int, limit: int | None) -> tuple[int, int]:
+    def _num_drafts(self, seq: Sequence, start: int, pending: int, budget: int,
+                    limit: int | None) -> tuple[int, int]:
         """(drafts fed, drafts that may be accepted) with the last token: all it holds (or the step's
         confidence-scheduled length), within the budget; none accepted past max_tokens (a verify step
-        adds accepted + 1 tokens). The rows past max_tokens are still fed, within the blocks the
-        sequence may hold, so every verify chunk of the step has one shape (one CUDA graph)."""
+        adds accepted + 1 tokens; `pending` are still in flight). The rows past max_tokens are still
+        fed, within the blocks the sequence may hold, so every verify chunk of the step has one shape
+        (one CUDA graph)."""
         fed = min(len(seq.draft_ids), budget - 1) if limit is None else min(len(seq.draft_ids), limit, budget - 1)
-        accept = max(0, min(fed, seq.max_tokens - len(seq.token_ids) - 1))
+        accept = max(0, min(fed, seq.max_tokens - len(seq.token_ids) - pending - 1))
         room = self.blocks.blocks_for(self.config.max_model_len or seq.max_total_tokens) * self.config.block_size - start - 1
         return max(accept, min(fed, room)), accept
 

@@ -57,7 +57,10 @@ class InFlight:
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)   # chunk index -> host tensors
     event: Any = None                      # torch.cuda.Event after the copies, or None (CPU)
     masked: bool = False                   # constraint masks were copied from the host this step
-    spec: Any = None                       # speculative/engine_step.SpecOutcome when speculating
+    spec: Any = None                       # speculative/engine_step.SpecOutcome once speculated
+    # what `StepExecutor.speculate` reads (the forward's outputs, views of static graph buffers):
+    # set by a speculative launch, cleared once the speculator ran
+    spec_inputs: tuple | None = None
 
     def wait(self) -> None:
         if self.event is not None:
@@ -144,11 +147,31 @@ class StepExecutor:
         if spec is not None:
             if any([c.num_drafts and c.seq.request.constraint is not None for c in chunks]):
                 self._mask_verify_rows(logits, chunks, logit_starts, step, previous)
-            step.spec = spec.run(out, fb, chunks, logit_starts, tokens, self.runner.last_token, self.penalties)
+            step.spec_inputs = (out, fb, logit_starts, tokens)
+        else:
+            self._record(step)
+        return step
+
+    def speculate(self, step: InFlight) -> None:
+        """Verify the step's drafts and draft the next ones (speculative/engine_step.py), queued behind
+        its forward. Must run before the next launch: the forward's outputs are graph buffers that the
+        next replay overwrites. Its host sync is the verdict (the accepted counts)."""
+        if self.device.type == "cpu":
+            return _on_cpu_worker(self._speculate, step)
+        return self._speculate(step)
+
+    @torch.no_grad()
+    def _speculate(self, step: InFlight) -> None:
+        out, fb, logit_starts, tokens = step.spec_inputs
+        step.spec_inputs = None
+        step.spec = self.speculator.run(out, fb, step.chunks, logit_starts, tokens, self.runner.last_token,
+                                        self.penalties)
+        self._record(step)
+
+    def _record(self, step: InFlight) -> None:
         if self.device.type == "cuda":
             step.event = torch.cuda.Event()
             step.event.record()
-        return step
 
     def _inputs(self, chunks: list[ScheduledChunk], updates: CacheUpdates):
         """The flat step inputs; this runs for every sequence at every step."""
@@ -160,7 +183,12 @@ class StepExecutor:
             seq, start, n = c.seq, c.start, c.num_tokens
             end, known = start + n, seq.num_tokens
             if c.num_drafts:                       # verify: the last token, its drafts; every row's logits
-                ids.extend(seq.token_slice(start, start + 1) + seq.draft_ids[:c.num_drafts])
+                if known > start:
+                    ids.extend(seq.token_slice(start, start + 1))
+                else:                              # added by the previous verify step, still on the device
+                    ids.append(-1 - seq.slot)
+                    pending = True
+                ids.extend(c.drafts[:c.num_drafts])
                 rows.extend(range(len(ids) - n, len(ids)))
                 sampled.append(c)
                 slots.append(seq.slot)
@@ -255,7 +283,7 @@ class StepExecutor:
             previous.wait()                        # its mask copy reads the processors' host buffers
         for processor, (idx, states) in groups.items():
             allowed = processor.mask_drafts(logits, [verifying[i][1] for i in idx], states,
-                                            [verifying[i][0].seq.draft_ids[:verifying[i][0].max_accept]
+                                            [verifying[i][0].drafts[:verifying[i][0].max_accept]
                                              for i in idx])
             for i, n in zip(idx, allowed):
                 verifying[i][0].max_accept = n

@@ -3,7 +3,7 @@ run the MTP block over every row the target just ran and draft the next step's t
 
 The step executor calls `Speculator.run` once per step, right after the target forward and the
 ordinary sampling of the other rows. A verify chunk is `[last token, x_1..x_k]` of one sequence
-(scheduler.py plans it from `Sequence.draft_ids`); `ops.verify` accepts a prefix of the drafts and
+(scheduler.py plans it from `Sequence.draft_ids`, kept in `ScheduledChunk.drafts`); `ops.verify` accepts a prefix of the drafts and
 adds one token (lossless: the argmax rule for greedy requests, speculative sampling otherwise, every
 uniform keyed by (seed, position, purpose)). The rows a verification rejects need no undo: every
 state is addressed by position (rings and tails hold window + backtrack slots; compressed rows are
@@ -98,26 +98,27 @@ class Speculator:
         for c, lo in zip(chunks, logit_starts):
             if c.num_drafts:
                 rows.extend(range(lo, lo + c.max_accept + 1))
-                ids.extend(c.seq.draft_ids[:c.max_accept])
+                ids.extend(c.drafts[:c.max_accept])
                 ks.append(c.max_accept)
         dev = logits.device
         seqs = [c.seq for c in out.verified]
         params = [s.params for s in seqs]
+        drafts = [c.drafts for c in out.verified]
         probs = None
         if any(p.temperature >= GREEDY_EPS for p in params):
-            probs = torch.cat([self._probs[s.slot][:k] if p.temperature >= GREEDY_EPS else self._one_hot(s, k, logits)
-                               for s, p, k in zip(seqs, params, ks)])
+            probs = torch.cat([self._probs[s.slot][:k] if p.temperature >= GREEDY_EPS else self._one_hot(d[:k], logits)
+                               for s, d, p, k in zip(seqs, drafts, params, ks)])
         target = logits.index_select(0, to_device(rows, torch.long, dev))
         penalised = any(s.penalised for s in seqs)
         if penalised:
-            target = self._penalise(target, seqs, ks, penalties)
+            target = self._penalise(target, seqs, drafts, ks, penalties)
         verdict = verify(target, ks, to_device(ids, torch.long, dev), probs, params,
                          [c.start + 1 for c in out.verified], [s.seed for s in seqs])
         slots = to_device([s.slot for s in seqs], torch.long, dev)
         last_token.index_copy_(0, slots, verdict.tokens)
         out.accepted, out.tokens = verdict.accepted, to_host(verdict.tokens)
         if penalised:     # the emitted tokens join the counts (accepted drafts, then the added one)
-            accepted = [t for s, j in zip(seqs, verdict.accepted) for t in s.draft_ids[:j]]
+            accepted = [t for d, j in zip(drafts, verdict.accepted) for t in d[:j]]
             if accepted:
                 penalties.add(to_device([s.slot for s, j in zip(seqs, verdict.accepted) for _ in range(j)],
                                         torch.long, dev), to_device(accepted, torch.long, dev))
@@ -127,12 +128,13 @@ class Speculator:
         return verdict.tokens
 
     @staticmethod
-    def _penalise(target: torch.Tensor, seqs: list[Sequence], ks: list[int], penalties: PenaltyState) -> torch.Tensor:
+    def _penalise(target: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], ks: list[int],
+                  penalties: PenaltyState) -> torch.Tensor:
         """Row j of a verify chunk is penalised as a decode step after its first j drafts would be:
         the output counts plus those drafts (the rows of requests without penalties stay as they are)."""
         row_slots = [s.slot for s, k in zip(seqs, ks) for _ in range(k + 1)]
         row_params = [s.params for s, k in zip(seqs, ks) for _ in range(k + 1)]
-        preceding = [s.draft_ids[:j] for s, k in zip(seqs, ks) for j in range(k + 1)]
+        preceding = [d[:j] for d, k in zip(drafts, ks) for j in range(k + 1)]
         return penalties.apply(target, row_slots, row_params, preceding=preceding, inplace=True)
 
     @staticmethod
@@ -146,7 +148,7 @@ class Speculator:
                 continue
             out.logprob_rows[i] = len(rows)
             rows.extend(range(starts[id(c)], starts[id(c)] + j + 1))
-            targets.extend(c.seq.draft_ids[:j] + [0])
+            targets.extend(list(c.drafts[:j]) + [0])
             extra_at.append((len(targets) - 1, i))
             k = max(k, c.seq.params.logprobs)
         dev = logits.device
@@ -158,10 +160,11 @@ class Speculator:
                                                   res.sampled_ranks))
 
     @staticmethod
-    def _one_hot(seq: Sequence, k: int, logits: torch.Tensor) -> torch.Tensor:
+    def _one_hot(drafts: list[int], logits: torch.Tensor) -> torch.Tensor:
         """q of a greedy request's drafts: its argmax drafts, one-hot (verification of mixed batches)."""
+        k = len(drafts)
         q = torch.zeros(k, logits.shape[-1], dtype=torch.float64, device=logits.device)
-        q[torch.arange(k, device=logits.device), to_device(seq.draft_ids[:k], torch.long, logits.device)] = 1.0
+        q[torch.arange(k, device=logits.device), to_device(list(drafts), torch.long, logits.device)] = 1.0
         return q
 
     # ---- drafting ----------------------------------------------------------------------------
@@ -176,7 +179,7 @@ class Speculator:
             seq, n = c.seq, c.num_tokens
             if c.num_drafts:                    # rows past the accepted ones are rolled back anyway
                 j = next(verified)
-                next_ids += seq.draft_ids[:c.num_drafts] + [0]
+                next_ids += list(c.drafts[:c.num_drafts]) + [0]
                 last = off + j
             else:
                 next_ids += seq.token_slice(c.start + 1, c.start + n + 1)

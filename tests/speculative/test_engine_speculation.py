@@ -144,13 +144,37 @@ def test_preemption_chunking_grammars_penalties_and_early_stops(drafter, model_f
     assert outs[4].metrics.spec is not None                                  # after its min_tokens
 
 
-def test_async_scheduling_runs_speculative_steps_synchronously(trained_dir, prompts_and_reference, caplog):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_async_scheduling_post_processes_a_step_after_launching_the_next(async_scheduling, trained_dir,
+                                                                        prompts_and_reference, monkeypatch):
+    """Async: step N is verified and drafted (its verdict read), step N+1 launched, and only then step N
+    post-processed; off: each step is post-processed before the next is planned. Same tokens."""
     prompts, reference = prompts_and_reference
-    with caplog.at_level(logging.INFO, logger="deepinfer_core.engine.engine"):
-        llm = LLM(model=trained_dir, num_speculative_tokens=2, async_scheduling=True, **OPTIONS)
-        outs = llm.generate(prompt_token_ids=prompts[:4], sampling_params=GREEDY, use_tqdm=False)
-    assert not llm.engine.async_scheduling and "run synchronously" in caplog.text
+    llm = LLM(model=trained_dir, num_speculative_tokens=2, async_scheduling=async_scheduling, **OPTIONS)
+    engine, order = llm.engine, []             # (what, the step object): held, so no id is reused
+
+    def traced(name, fn):
+        def run(step, *args):
+            order.append((name, step))
+            return fn(step, *args)
+        return run
+    launch = engine.executor.launch
+    monkeypatch.setattr(engine.executor, "launch", lambda *a: order.append(("launch", r := launch(*a))) or r)
+    monkeypatch.setattr(engine.executor, "speculate", traced("speculate", engine.executor.speculate))
+    monkeypatch.setattr(engine, "_process", traced("process", engine._process))
+    outs = llm.generate(prompt_token_ids=prompts[:4], sampling_params=GREEDY, use_tqdm=False)
     assert tokens(outs) == reference[:4]
+    steps = [s for name, s in order if name == "launch"]
+    assert len(steps) > 8 and engine.spec_metrics.num_accepted_tokens > 0
+
+    def at(name, step):
+        return next(i for i, (n, s) in enumerate(order) if n == name and s is step)
+    for step, after in zip(steps, steps[1:]):
+        assert at("launch", step) < at("speculate", step) < at("process", step)
+        if async_scheduling:     # the next step is launched between its verdict and its post-processing
+            assert at("speculate", step) < at("launch", after) < at("process", step)
+        else:
+            assert at("process", step) < at("launch", after)
 
 
 def test_default_gamma_follows_ds_deepinfer_and_the_checkpoint(trained_dir, tiny_ckpt_dir, monkeypatch, caplog):
