@@ -7,7 +7,7 @@ nothing here: this measures verification, the scheduler and the host path, not t
     python benchmarks/spec_replay.py [--concurrency 1,16,64,256] [--gammas 1,3,5]
                                      [--acceptance 0.6,0.8] [--input-len 256] [--output-len 128]
                                      [--no-varlen] [--curve-rows 8] [--no-batch-invariant]
-                                     [--repeats 3] [--cprofile C] [--append]
+                                     [--repeats 3] [--cprofile C] [--trace C] [--append]
 
 First the verify step-time curve: a CUDA-graph replay per (batch 1..256, rows per request
 1..--curve-rows), random ids (runner/step_times.py, the table VARLEN profiles at start-up). Then per
@@ -65,6 +65,30 @@ def timed(llm: LLM, prompts, params, repeats: int) -> tuple[list, float]:
     return outs, statistics.median(times)
 
 
+def gpu_idle(llm: LLM, prompts, params) -> dict:
+    """One traced run: the GPU's busy time (the union of its kernel intervals), its idle gaps between
+    the first and the last kernel, and the host ops that cost most (self time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    params = [dataclasses.replace(params, seed=i) for i in range(len(prompts))]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, gaps, end = 0.0, [], spans[0][0] if spans else 0.0
+    for lo, hi in spans:
+        if lo > end:
+            gaps.append(lo - end)
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    span = end - spans[0][0] if spans else 0.0
+    big = [g for g in gaps if g >= 50]
+    out = dict(kernels=len(spans), span_ms=round(span / 1e3, 2), busy_ms=round(busy / 1e3, 2),
+               idle_ms=round((span - busy) / 1e3, 2), gaps_over_50us=len(big), idle_in_those_ms=round(sum(big) / 1e3, 2))
+    print(f"trace: {out}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=ints, default=[1, 16, 64, 256])
@@ -80,6 +104,9 @@ def main() -> None:
     ap.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
                     help="also run confidence-scheduled verification (up to the largest gamma)")
     ap.add_argument("--curve-rows", type=int, default=8, help="rows per request of the step-time curve (0: none)")
+    ap.add_argument("--trace", type=int, default=0, metavar="C",
+                    help="torch.profiler over one run of the largest static gamma at concurrency C, last acceptance: "
+                         "how long the GPU sits idle between kernels (the host path it waits for)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="C",
                     help="cProfile the largest static gamma and VARLEN at concurrency C, first acceptance")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median)")
@@ -154,6 +181,8 @@ def main() -> None:
                     stats = pstats.Stats(prof)
                     stats.sort_stats("tottime").print_stats(22)
                     stats.sort_stats("cumtime").print_stats("deepinfer_core", 30)   # the host path
+                if a.trace == c and acc == a.acceptance[-1] and g == gamma_max:
+                    row_trace = gpu_idle(llm, prompts, params)
                 outs, seconds = timed(llm, prompts, params, a.repeats)
                 m = llm.engine.spec_metrics
                 tok_s = c * a.output_len / seconds
@@ -161,6 +190,8 @@ def main() -> None:
                 row = dict(concurrency=c, gamma=g, acceptance=acc, output_tok_s=round(tok_s, 1),
                            speedup=round(tok_s / base_tok_s, 3), tau=round(m.acceptance_length, 3),
                            identical=f"{same}/{c}")
+                if a.trace == c and acc == a.acceptance[-1] and g == gamma_max:
+                    row["gpu_trace"] = row_trace
                 if g == "varlen":
                     row["chosen_lengths"] = list(llm.engine.varlen.chosen)
                     row["offset_ms"] = round(llm.engine.varlen.offset_ms, 3)

@@ -220,11 +220,12 @@ class StepExecutor:
     @staticmethod
     def _decode_inputs(chunks: list[ScheduledChunk], updates: CacheUpdates) -> StepBatch:
         """A pure decode step (one token per sequence, each sampling): list comprehensions only.
-        A token the host does not know yet is -1 - slot (the device's last-token record)."""
+        A token the host does not know yet is -1 - slot (the device's last-token record; after a
+        verify step still in post-processing, several tokens are in flight and it is the newest)."""
         seqs = [c.seq for c in chunks]
         slots = [s.slot for s in seqs]
         starts = [c.start for c in chunks]
-        ids = [-1 - s.slot if s.num_tokens == st else s.token_slice(st, st + 1)[0] for s, st in zip(seqs, starts)]
+        ids = [-1 - s.slot if st >= s.num_tokens else s.token_slice(st, st + 1)[0] for s, st in zip(seqs, starts)]
         pending = any([i < 0 for i in ids])
         return StepBatch(slots, starts, [1] * len(chunks), ids, list(range(len(chunks))), updates, pending)
 
