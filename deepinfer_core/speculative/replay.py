@@ -25,7 +25,7 @@ class ReplayDrafter:
     acceptance: Sequence[float]                  # [k]: the chance draft i is the recorded token
     vocab_size: int
     seed: int = 0
-    _runs: dict = field(default_factory=dict, init=False, repr=False)   # id(prompt) -> (prompt, run)
+    _runs: dict = field(default_factory=dict, init=False, repr=False)   # (id(prompt), seed) -> (prompt, run, coins)
 
     @property
     def num_drafts(self) -> int:
@@ -43,30 +43,33 @@ class ReplayDrafter:
     def propose(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                 last_positions: Sequence[int]) -> list[list[int]]:
         """k drafts per sequence whose last committed position is `last_positions[i]` (its first draft
-        goes to that + 2, after the token the step adds). Batched: one uniform call for every draft,
-        so the benchmark's host path is the engine's, not this drafter's."""
-        k, n = self.num_drafts, len(prompts)
-        true = []
-        for prompt, last in zip(prompts, last_positions):
-            run = self._run(prompt)
+        goes to that + 2, after the token the step adds). Each sequence's coins are drawn once, for
+        every position of its run, so the benchmark's host path is the engine's, not this drafter's."""
+        k, vocab, acceptance = self.num_drafts, self.vocab_size, self.acceptance
+        out = []
+        for prompt, seq_seed, last in zip(prompts, seeds, last_positions):
+            run, coins = self._run(prompt, seq_seed)
             first = last + 2 - len(prompt)
-            true += [run[j] if 0 <= j < len(run) else 0 for j in range(first, first + k)]
-        u = counter_uniform_tensor([self.seed ^ sd for sd in seeds for _ in range(k)],
-                                   [last + 2 + i for last in last_positions for i in range(k)], "cpu",
-                                   namespace="draft").tolist()
-        vocab = self.vocab_size
-        drafts = [t if x < a else (t + 1) % vocab for t, x, a in zip(true, u, list(self.acceptance) * n)]
-        return [drafts[i * k:(i + 1) * k] for i in range(n)]
+            drafts = []
+            for i in range(k):
+                j = first + i
+                true = run[j] if 0 <= j < len(run) else 0
+                drafts.append(true if coins[j] < acceptance[i] else (true + 1) % vocab)
+            out.append(drafts)
+        return out
 
-    def _run(self, prompt: Sequence[int]) -> list[int]:
-        """The recorded output of `prompt` (looked up once per prompt object: hashing a long prompt
-        at every step would cost more than the drafting)."""
-        hit = self._runs.get(id(prompt))
+    def _run(self, prompt: Sequence[int], seq_seed: int) -> tuple[list[int], list[float]]:
+        """The recorded output of `prompt` and the coin of every output position (looked up once per
+        prompt object and seed: hashing a long prompt at every step would cost more than drafting)."""
+        hit = self._runs.get((id(prompt), seq_seed))
         if hit is not None and hit[0] is prompt:
-            return hit[1]
+            return hit[1], hit[2]
         run = self.recorded.get(tuple(prompt))
         if run is None:
             raise KeyError("ReplayDrafter: no recorded run for a prompt of length "
                            f"{len(prompt)}; record every prompt's greedy output first")
-        self._runs[id(prompt)] = (prompt, run)
-        return run
+        n = len(run) + self.num_drafts + 2          # drafts past the run are fed, never accepted
+        coins = counter_uniform_tensor([self.seed ^ seq_seed] * n, range(len(prompt), len(prompt) + n), "cpu",
+                                       namespace="draft").tolist()
+        self._runs[(id(prompt), seq_seed)] = (prompt, run, coins)
+        return run, coins

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.ops.sampler import counter_uniform
 from deepinfer_core.speculative.engine_step import Speculator
 from deepinfer_core.speculative.replay import ReplayDrafter
 
@@ -52,3 +53,24 @@ def test_bad_acceptance_and_too_little_rollback_room_are_errors(llm_and_run):
     drafter = ReplayDrafter({}, [1.0] * (K + 1), llm.vocab_size)
     with pytest.raises(ValueError, match="DEEPINFER_MAX_BACKTRACKING_TOKENS"):
         llm.engine.use_speculator(Speculator(llm.runner.model, K + 1, replay=drafter), llm.runner.backtrack)
+
+
+def test_each_draft_is_the_recorded_token_exactly_when_its_own_coin_says_so():
+    """The batched proposal equals the definition, draft by draft: draft i at position p is the
+    recorded token iff U(seed ^ sequence seed, p, "draft") < acceptance[i], else a wrong one."""
+    prompts = [[5 + i] * (3 + i) for i in range(6)]
+    recorded = {tuple(p): [(7 * i + j) % 50 for j in range(12)] for i, p in enumerate(prompts)}
+    drafter = ReplayDrafter(recorded, (0.9, 0.5, 0.2), vocab_size=50, seed=11)
+    seeds = [2**63 + 17 * i for i in range(len(prompts))]
+    for shift in range(12):
+        lasts = [len(p) - 1 + (shift + i) % 12 for i, p in enumerate(prompts)]
+        want = []
+        for p, sd, last in zip(prompts, seeds, lasts):
+            run, drafts = recorded[tuple(p)], []
+            for i, a in enumerate(drafter.acceptance):
+                j = last + 2 + i - len(p)
+                true = run[j] if j < len(run) else 0
+                right = counter_uniform(11 ^ sd, last + 2 + i, namespace="draft") < a
+                drafts.append(true if right else (true + 1) % 50)
+            want.append(drafts)
+        assert drafter.propose(prompts, seeds, lasts) == want
