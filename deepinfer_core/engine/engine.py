@@ -153,6 +153,9 @@ class Engine:
                 self._idle()
             return self._outputs()
         self._mark_scheduled(out.admitted)
+        for c in out.chunks:                       # a grammar masks the verify rows through the drafts
+            if c.num_drafts and c.drafts[0] < 0 and c.seq.request.constraint is not None:
+                c.drafts = self._host_drafts(c.seq)
         step = self.executor.launch(out.chunks, self.scheduler.blocks.updates.take(), previous)
         self.num_steps += 1
         if not self.async_scheduling:
@@ -214,9 +217,17 @@ class Engine:
         step needs: each verified sequence's next position and the tokens it has in flight (accepted
         drafts + the added one), and every drafting sequence's new drafts. Emitting the tokens is
         left to `_process`."""
+        for c in step.chunks:                      # the drafts it verifies, as ids (the launch used codes)
+            if c.num_drafts and c.drafts[0] < 0:
+                c.drafts = self._host_drafts(c.seq)
         self.executor.speculate(step)
-        step.wait()                                # the host copies of the verdict and the drafts
         spec = step.spec
+        # The next step is launched with the new drafts' device codes, without waiting for the drafter,
+        # unless their confidences must reach the scheduler (VARLEN, calibration) or the drafter drew
+        # them on the host.
+        lazy = spec.draft_codes is not None and spec.confidence is None
+        if not lazy:
+            step.wait()                            # the host copies of the drafts (and confidences)
         for c, j in zip(spec.verified, spec.accepted):
             seq = c.seq
             if seq.status is SeqStatus.FINISHED:
@@ -228,9 +239,10 @@ class Engine:
             if self.acceptance_log is not None and seq.draft_conf:
                 self.acceptance_log.append((seq.draft_conf[:c.max_accept], j))
         conf = spec.confidence.tolist() if spec.confidence is not None else None
-        for i, (seq, ids) in enumerate(zip(spec.draft_seqs, spec.drafts.tolist() if spec.draft_seqs else ())):
+        drafts = spec.draft_codes if lazy else spec.drafts.tolist() if spec.draft_seqs else ()
+        for i, (seq, ids) in enumerate(zip(spec.draft_seqs, drafts)):
             if not seq.finished:
-                seq.draft_ids = ids
+                seq.draft_ids, seq.draft_source = ids, (step, i) if lazy else None
                 if conf is not None:
                     seq.draft_conf = conf[i]
                 for metrics in (self._spec_metrics(seq.request), self.spec_metrics):
@@ -353,6 +365,16 @@ class Engine:
                 touched[req.request_id] = requests[req.request_id]
         if step.spec is not None:
             self._process_speculation(step.spec, now)
+
+    @staticmethod
+    def _host_drafts(seq: Sequence) -> list[int]:
+        """`seq`'s drafts as token ids: read from the host copy of the step that drew them (waiting
+        for it) when the sequence only holds their device codes."""
+        if seq.draft_source is not None:
+            step, i = seq.draft_source
+            step.wait()
+            seq.draft_ids, seq.draft_source = step.spec.draft_rows()[i], None
+        return seq.draft_ids
 
     def _process_speculation(self, spec, now: float) -> None:
         """Verified chunks (committed by `_speculate`): append the accepted drafts and the added token,

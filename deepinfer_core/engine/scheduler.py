@@ -260,5 +260,6 @@ class Scheduler:
         self.blocks.free(seq)
         del self.running[seq.seq_id]
         seq.status, seq.num_computed, seq.draft_ids, seq.draft_conf = SeqStatus.WAITING, 0, [], []
+        seq.draft_source = None
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

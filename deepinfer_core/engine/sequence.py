@@ -52,6 +52,8 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)   # drafts for the next verify step (speculation)
     draft_conf: list[float] = field(default_factory=list)  # their cumulative confidences (VARLEN)
+    draft_source: Any = None              # (step, row) whose host copy holds the drafts while draft_ids
+                                          # are still the device codes that name them (engine._host_drafts)
     # ---- output (the output processor's) ----
     token_ids: list[int] = field(default_factory=list)
     text: str = ""

@@ -188,7 +188,9 @@ class StepExecutor:
                 else:                              # added by the previous verify step, still on the device
                     ids.append(-1 - seq.slot)
                     pending = True
-                ids.extend(c.drafts[:c.num_drafts])
+                drafts = c.drafts[:c.num_drafts]
+                ids.extend(drafts)
+                pending = pending or drafts[0] < 0  # device codes of drafts still being drawn
                 rows.extend(range(len(ids) - n, len(ids)))
                 sampled.append(c)
                 slots.append(seq.slot)

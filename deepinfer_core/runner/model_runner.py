@@ -218,7 +218,7 @@ class ModelRunner:
         # decode graphs pad batches into one extra slot and block of their own
         self.cache = StateCache(layout, request.num_slots, num_blocks, self.device, spare=use_graphs)
         max_blocks = -(-(request.max_model_len or self.model_config.max_position_embeddings) // layout.block_size)
-        self.slot_tables = SlotTables(self.cache.num_slots, max_blocks, self.device)
+        self.slot_tables = SlotTables(self.cache.num_slots, max_blocks, self.device, self.num_drafts)
         self.slot_states = [None] * self.cache.num_slots
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.cache, self.loaded.ops.attention, request.num_slots,

@@ -6,6 +6,11 @@
 * `last_token[slot]`: the newest token sampled for that slot, written by the sampler on the device.
   The next step's input for a sequence whose token the host has not read yet is taken from here,
   so step N+1 can be launched before step N's tokens reach the host.
+* `drafts[i, slot]` (speculative decoding): draft i of that slot, written by the drafter on the
+  device, so a verify step can be launched before the drafts reach the host.
+
+An input id below zero names one of these: -1 - slot is `last_token[slot]`, `draft_code(slot, i)`
+draft i; `resolve_ids` swaps them on the device.
 """
 from __future__ import annotations
 
@@ -15,10 +20,24 @@ from ..ops.transfer import to_device
 
 
 class SlotTables:
-    def __init__(self, num_slots: int, max_blocks: int, device):
-        self.device, self.max_blocks = torch.device(device), max_blocks
+    def __init__(self, num_slots: int, max_blocks: int, device, num_drafts: int = 0):
+        self.device, self.max_blocks, self.num_slots = torch.device(device), max_blocks, num_slots
         self.block_table = torch.zeros(num_slots, max_blocks, dtype=torch.int32, device=device)
-        self.last_token = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self._tokens = torch.zeros(1 + num_drafts, num_slots, dtype=torch.int64, device=device)
+        self.last_token = self._tokens[0]
+        self.drafts = self._tokens[1:]           # [num_drafts, slots]
+
+    def draft_codes(self, slot: int, k: int) -> list[int]:
+        """The input ids that stand for drafts 0..k-1 of `slot`."""
+        return [-1 - (1 + i) * self.num_slots - slot for i in range(k)]
+
+    def write_drafts(self, slots: torch.Tensor, ids: torch.Tensor) -> bool:
+        """drafts[:, slots[r]] = ids[r] ([n, k] on the device); False when k is more than it holds."""
+        k = ids.shape[1]
+        if k > self.drafts.shape[0]:
+            return False
+        self.drafts[:k].index_copy_(1, slots, ids.t())
+        return True
 
     def write(self, writes: list[tuple[int, int, int]]) -> None:
         """block_table[slot, column] = block for every (slot, column, block), in one device op."""
@@ -35,6 +54,6 @@ class SlotTables:
         self.write([(s, i, b) for s, t in zip(slots, tables) for i, b in enumerate(t)])
 
     def resolve_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Input ids where an entry -1 - slot stands for `last_token[slot]` (device-side, no sync)."""
+        """Input ids with the entries below zero swapped for the tokens they name (device-side, no sync)."""
         pending = ids < 0
-        return torch.where(pending, self.last_token[(-1 - ids).clamp(min=0)], ids)
+        return torch.where(pending, self._tokens.view(-1)[(-1 - ids).clamp(min=0)], ids)

@@ -52,11 +52,21 @@ class SpecOutcome:
     tokens: torch.Tensor | None = None                      # [verified] the token each verification adds
     draft_seqs: list[Sequence] = field(default_factory=list)
     drafts: torch.Tensor | None = None                      # [draft_seqs, k] their next drafts
+    # the input ids that stand for those drafts in the device's slot tables (runner/slot_tables.py),
+    # when the drafter wrote them there: the next step can be launched before they reach the host
+    draft_codes: list[list[int]] | None = None
     confidence: torch.Tensor | None = None                  # [draft_seqs, k] cumulative (VARLEN only)
     # logprobs of the emitted tokens of the verified chunks that want them: chunk index in `verified`
     # -> its first row in `logprobs` (one row per emitted token: accepted drafts, then the added one)
     logprob_rows: dict[int, int] = field(default_factory=dict)
     logprobs: tuple | None = None                           # host (top values, top ids, token lp, ranks)
+    _draft_rows: list[list[int]] | None = None
+
+    def draft_rows(self) -> list[list[int]]:
+        """`drafts` as lists (read once, after the step's event)."""
+        if self._draft_rows is None:
+            self._draft_rows = self.drafts.tolist()
+        return self._draft_rows
 
 
 class Speculator:
@@ -234,6 +244,10 @@ class Speculator:
                 if p.temperature >= GREEDY_EPS:
                     self._probs[s.slot] = drafts.probs[i]
         out.draft_seqs, out.drafts = seqs, to_host(drafts.ids)
+        tables = fb.slot_tables
+        if tables is not None and tables.write_drafts(to_device(slots, torch.long, dev), drafts.ids):
+            k = drafts.ids.shape[1]
+            out.draft_codes = [tables.draft_codes(slot, k) for slot in slots]
         if drafts.confidence is not None and self.want_confidence:
             out.confidence = to_host(drafts.confidence.cumprod(1))
 

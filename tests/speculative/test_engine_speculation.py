@@ -147,8 +147,9 @@ def test_preemption_chunking_grammars_penalties_and_early_stops(drafter, model_f
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_async_scheduling_post_processes_a_step_after_launching_the_next(async_scheduling, trained_dir,
                                                                         prompts_and_reference, monkeypatch):
-    """Async: step N is verified and drafted (its verdict read), step N+1 launched, and only then step N
-    post-processed; off: each step is post-processed before the next is planned. Same tokens."""
+    """Async: step N is verified and drafted (its verdict read), step N+1 launched (its drafts named by
+    their device codes, the host not waiting for the drafter), and only then step N post-processed;
+    off: each step is post-processed before the next is planned. Same tokens."""
     prompts, reference = prompts_and_reference
     llm = LLM(model=trained_dir, num_speculative_tokens=2, async_scheduling=async_scheduling, **OPTIONS)
     engine, order = llm.engine, []             # (what, the step object): held, so no id is reused
@@ -162,10 +163,14 @@ def test_async_scheduling_post_processes_a_step_after_launching_the_next(async_s
     monkeypatch.setattr(engine.executor, "launch", lambda *a: order.append(("launch", r := launch(*a))) or r)
     monkeypatch.setattr(engine.executor, "speculate", traced("speculate", engine.executor.speculate))
     monkeypatch.setattr(engine, "_process", traced("process", engine._process))
+    host_drafts = engine._host_drafts
+    lazy = []        # verify steps launched with the drafts' device codes, before the host had them
+    monkeypatch.setattr(engine, "_host_drafts", lambda seq: lazy.append(seq.draft_source) or host_drafts(seq))
     outs = llm.generate(prompt_token_ids=prompts[:4], sampling_params=GREEDY, use_tqdm=False)
     assert tokens(outs) == reference[:4]
     steps = [s for name, s in order if name == "launch"]
     assert len(steps) > 8 and engine.spec_metrics.num_accepted_tokens > 0
+    assert len(lazy) > 8 and all(source is not None for source in lazy)
 
     def at(name, step):
         return next(i for i, (n, s) in enumerate(order) if n == name and s is step)
