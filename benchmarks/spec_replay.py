@@ -194,7 +194,7 @@ def main() -> None:
                     row["gpu_trace"] = row_trace
                 if g == "varlen":
                     row["chosen_lengths"] = list(llm.engine.varlen.chosen)
-                    row["offset_ms"] = round(llm.engine.varlen.offset_ms, 3)
+                    row["measured_over_table"] = round(llm.engine.varlen.scale, 3)
                 rows.append(row)
                 save()
                 extra = f"  lengths {row['chosen_lengths']}" if g == "varlen" else ""
