@@ -15,9 +15,9 @@ one step instead of stalling the others. Tokens come from the counter-based RNG 
 Speculative decoding (a `speculator`, speculative/engine_step.py): the next step's positions depend
 on how many drafts this one accepted, so a step is launched only after the previous one's verdict.
 With async scheduling the steps still overlap the host: step() verifies and drafts step N (the host
-reads the accepted counts and the drafts: the one sync), commits what the scheduler needs (positions,
-tokens in flight, the next drafts), launches step N+1, and only then post-processes step N (tokens,
-stops, logprobs, outputs) while the device runs N+1. A verify step appends the accepted drafts and
+reads the accepted counts: the one sync; the new drafts stay on the device, named by code), commits
+what the scheduler needs (positions, tokens in flight, the next drafts), launches step N+1, and only
+then post-processes step N (tokens, stops, logprobs, outputs) while the device runs N+1. A verify step appends the accepted drafts and
 the token verification adds, stopping at the first stop, as decoding them one by one would.
 
 Requests may be added and aborted between any two steps; an abort frees the request's slots and

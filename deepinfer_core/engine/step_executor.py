@@ -7,7 +7,9 @@ Nothing here waits for the device. `launch` returns an `InFlight` step whose hos
 on an event; `collect` waits for that event (by then the device is usually busy with the next
 step, launched in between). The next step's inputs never need the host to know this step's tokens:
 a sequence whose token is still in flight feeds it from the runner's last-token record on the
-device (its input id is encoded as -1 - slot).
+device (its input id is encoded as -1 - slot), and a verify chunk's drafts from the drafter's
+per-slot record (runner/slot_tables.py). With a speculator, `launch` leaves the verification and
+drafting to `speculate` (the engine calls it when it needs the verdict: speculative/engine_step.py).
 """
 from __future__ import annotations
 
