@@ -92,45 +92,49 @@ class Speculator:
         """`target`: the step's forward: its logits rows (`logit_starts[i]`: chunk i's first; verify
         rows already grammar-masked), the final streams of every row of `fb` (and DSpark's features);
         `sampled_tokens`: the tokens sampled for the chunks that sample and do not verify, in chunk
-        order; `penalties`: the executor's output counts, read and advanced for penalised requests."""
+        order; `penalties`: the executor's output counts, read and advanced for penalised requests.
+        Slots come from `fb` (the step's own): a sequence that stopped after the launch (found by the
+        post-processing of the step before) has already given its slot back."""
         out = SpecOutcome(verified=[c for c in chunks if c.num_drafts])
+        slots = fb.slot_ids if fb.slot_ids is not None else [c.seq.slot for c in chunks]
         extra = None
         if out.verified:
-            extra = self._verify(target.logits, chunks, logit_starts, out, last_token, penalties)
+            extra = self._verify(target.logits, chunks, slots, logit_starts, out, last_token, penalties)
         if any(c.seq.may_draft for c in chunks):
-            self._draft(target, fb, chunks, sampled_tokens, extra, out)
+            self._draft(target, fb, chunks, slots, sampled_tokens, extra, out)
         return out
 
     # ---- verification ------------------------------------------------------------------------
-    def _verify(self, logits, chunks, logit_starts, out: SpecOutcome, last_token,
+    def _verify(self, logits, chunks, chunk_slots, logit_starts, out: SpecOutcome, last_token,
                 penalties: PenaltyState) -> torch.Tensor:
-        rows, ids, ks = [], [], []
-        for c, lo in zip(chunks, logit_starts):
+        rows, ids, ks, slot_list = [], [], [], []
+        for c, slot, lo in zip(chunks, chunk_slots, logit_starts):
             if c.num_drafts:
                 rows.extend(range(lo, lo + c.max_accept + 1))
                 ids.extend(c.drafts[:c.max_accept])
                 ks.append(c.max_accept)
+                slot_list.append(slot)
         dev = logits.device
         seqs = [c.seq for c in out.verified]
         params = [s.params for s in seqs]
         drafts = [c.drafts for c in out.verified]
         probs = None
         if any(p.temperature >= GREEDY_EPS for p in params):
-            probs = torch.cat([self._probs[s.slot][:k] if p.temperature >= GREEDY_EPS else self._one_hot(d[:k], logits)
-                               for s, d, p, k in zip(seqs, drafts, params, ks)])
+            probs = torch.cat([self._probs[slot][:k] if p.temperature >= GREEDY_EPS else self._one_hot(d[:k], logits)
+                               for slot, d, p, k in zip(slot_list, drafts, params, ks)])
         target = logits.index_select(0, to_device(rows, torch.long, dev))
         penalised = any(s.penalised for s in seqs)
         if penalised:
-            target = self._penalise(target, seqs, drafts, ks, penalties)
+            target = self._penalise(target, seqs, slot_list, drafts, ks, penalties)
         verdict = verify(target, ks, to_device(ids, torch.long, dev), probs, params,
                          [c.start + 1 for c in out.verified], [s.seed for s in seqs])
-        slots = to_device([s.slot for s in seqs], torch.long, dev)
+        slots = to_device(slot_list, torch.long, dev)
         last_token.index_copy_(0, slots, verdict.tokens)
         out.accepted, out.tokens = verdict.accepted, to_host(verdict.tokens)
         if penalised:     # the emitted tokens join the counts (accepted drafts, then the added one)
             accepted = [t for d, j in zip(drafts, verdict.accepted) for t in d[:j]]
             if accepted:
-                penalties.add(to_device([s.slot for s, j in zip(seqs, verdict.accepted) for _ in range(j)],
+                penalties.add(to_device([slot for slot, j in zip(slot_list, verdict.accepted) for _ in range(j)],
                                         torch.long, dev), to_device(accepted, torch.long, dev))
             penalties.add(slots, verdict.tokens)
         if any(s.wants_logprobs for s in seqs):
@@ -138,11 +142,11 @@ class Speculator:
         return verdict.tokens
 
     @staticmethod
-    def _penalise(target: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], ks: list[int],
-                  penalties: PenaltyState) -> torch.Tensor:
+    def _penalise(target: torch.Tensor, seqs: list[Sequence], slots: list[int], drafts: list[list[int]],
+                  ks: list[int], penalties: PenaltyState) -> torch.Tensor:
         """Row j of a verify chunk is penalised as a decode step after its first j drafts would be:
         the output counts plus those drafts (the rows of requests without penalties stay as they are)."""
-        row_slots = [s.slot for s, k in zip(seqs, ks) for _ in range(k + 1)]
+        row_slots = [slot for slot, k in zip(slots, ks) for _ in range(k + 1)]
         row_params = [s.params for s, k in zip(seqs, ks) for _ in range(k + 1)]
         preceding = [d[:j] for d, k in zip(drafts, ks) for j in range(k + 1)]
         return penalties.apply(target, row_slots, row_params, preceding=preceding, inplace=True)
@@ -178,9 +182,11 @@ class Speculator:
         return q
 
     # ---- drafting ----------------------------------------------------------------------------
-    def _draft(self, target: ModelOutput, fb: ForwardBatch, chunks, sampled_tokens, extra, out: SpecOutcome) -> None:
+    def _draft(self, target: ModelOutput, fb: ForwardBatch, chunks, chunk_slots, sampled_tokens, extra,
+               out: SpecOutcome) -> None:
         """The drafter sees every row (MTP: row t's next token at t + 1; DSpark: row t's features), then
-        drafts from the last committed row of every sequence that speculates."""
+        drafts from the last committed row of every sequence that speculates (not of one that stopped
+        after the launch)."""
         streams = target.streams
         next_ids, fix_rows, rows, positions, seqs, states, slots = [], [], [], [], [], [], []
         verified = iter(out.accepted)
@@ -198,12 +204,12 @@ class Speculator:
                     next_ids.append(0)
             if c.samples:
                 fix_rows.append(last)
-                if seq.may_draft:
+                if seq.may_draft and not seq.finished:
                     rows.append(last)
                     positions.append(c.start + last - off)
                     seqs.append(seq)
                     states.append(fb.states[i])
-                    slots.append(seq.slot)
+                    slots.append(chunk_slots[i])
             off += n
         if self.replay is not None:
             if not seqs:
@@ -228,7 +234,7 @@ class Speculator:
             drafts = self.proposer.propose(ids.index_select(0, to_device(rows, torch.long, dev)),
                                           [p + 1 for p in positions], states, params, [s.seed for s in seqs])
         elif self._make_graphs is not None and len(fix_rows) == len(chunks):
-            drafts = self._draft_graphed(streams, ids, chunks, fix_rows, rows, positions, slots, params,
+            drafts = self._draft_graphed(streams, ids, chunks, chunk_slots, fix_rows, rows, positions, slots, params,
                                          [s.seed for s in seqs])
         if drafts is None and self.proposer is None:
             logits, mtp_streams = self.drafter.observe(fb, streams, ids, to_device(rows, torch.long, dev))
@@ -252,7 +258,7 @@ class Speculator:
             out.confidence = to_host(drafts.confidence.cumprod(1))
 
 
-    def _draft_graphed(self, streams, ids, chunks, last_rows, rows, positions, slots, params,
+    def _draft_graphed(self, streams, ids, chunks, chunk_slots, last_rows, rows, positions, slots, params,
                        seeds) -> Drafts | None:
         """Drafts through the drafter's CUDA graphs, for a step of q rows per sequence that all
         sample (None: the step does not fit, or capture failed; the caller runs eagerly). Each draft
@@ -266,7 +272,7 @@ class Speculator:
             return None
         q, dev = lens[0], streams.device
         all_positions = [p for c in chunks for p in range(c.start, c.start + q)]
-        out = graphs.observe(streams, ids, all_positions, [c.seq.slot for c in chunks], q, last_rows)
+        out = graphs.observe(streams, ids, all_positions, list(chunk_slots), q, last_rows)
         if out is None:
             return None
         logits, mtp_streams = out

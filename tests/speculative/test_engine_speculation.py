@@ -182,6 +182,37 @@ def test_async_scheduling_post_processes_a_step_after_launching_the_next(async_s
             assert at("process", step) < at("launch", after)
 
 
+def test_online_aborts_and_late_requests_with_a_step_in_flight(trained_dir, prompts_and_reference):
+    """Online, pipelined: an abort while a verify step is in flight (its tokens are dropped, its slot and
+    blocks free at once), a request that stops on a token while already planned into the next step, and
+    a request added meanwhile leave the outputs as the reference's."""
+    prompts, reference = prompts_and_reference
+    engine = LLM(model=trained_dir, num_speculative_tokens=2, async_scheduling=True, **OPTIONS).engine
+    engine.add_request("keep", prompts[0], GREEDY.clone())
+    stop = reference[3][6]
+    engine.add_request("stops", prompts[3], dataclasses.replace(GREEDY, stop_token_ids=[stop]))
+    engine.add_request("drop", prompts[1], dataclasses.replace(GREEDY, max_tokens=4 * TOKENS))
+    got: dict[str, list[int]] = {}
+
+    def collect(outs) -> None:
+        for o in outs:
+            got.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+    for _ in range(6):
+        collect(engine.step())
+    assert engine._in_flight is not None and engine._in_flight.spec_inputs is not None
+    got.pop("drop", None)
+    used = engine.scheduler.blocks.allocator.num_used_slots
+    engine.abort_request("drop")
+    assert engine.scheduler.blocks.allocator.num_used_slots == used - 1
+    engine.add_request("late", prompts[2], GREEDY.clone())
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+    stopped = reference[3][:reference[3].index(stop) + 1]
+    assert "drop" not in got and got == {"keep": reference[0], "late": reference[2], "stops": stopped}
+    assert engine.num_dropped_tokens > 0
+    assert engine.scheduler.blocks.allocator.empty and engine.spec_metrics.num_accepted_tokens > 0
+
+
 def test_default_gamma_follows_ds_deepinfer_and_the_checkpoint(trained_dir, tiny_ckpt_dir, monkeypatch, caplog):
     monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")
     config = EngineConfig.from_options()
