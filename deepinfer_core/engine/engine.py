@@ -17,8 +17,9 @@ on how many drafts this one accepted, so a step is launched only after the previ
 With async scheduling the steps still overlap the host: step() verifies and drafts step N (the host
 reads the accepted counts: the one sync; the new drafts stay on the device, named by code), commits
 what the scheduler needs (positions, tokens in flight, the next drafts), launches step N+1, and only
-then post-processes step N (tokens, stops, logprobs, outputs) while the device runs N+1. A verify step appends the accepted drafts and
-the token verification adds, stopping at the first stop, as decoding them one by one would.
+then post-processes step N (tokens, stops, logprobs, outputs) while the device runs N+1. A verify
+step appends the accepted drafts and the token verification adds, stopping at the first stop, as
+decoding them one by one would.
 
 Requests may be added and aborted between any two steps; an abort frees the request's slots and
 blocks at once (a token of it still in flight is dropped when it lands).
@@ -153,9 +154,7 @@ class Engine:
                 self._idle()
             return self._outputs()
         self._mark_scheduled(out.admitted)
-        for c in out.chunks:                       # a grammar masks the verify rows through the drafts
-            if c.num_drafts and c.drafts[0] < 0 and c.seq.request.constraint is not None:
-                c.drafts = self._host_drafts(c.seq)
+        self._drafts_as_ids(out.chunks, constrained_only=True)   # a grammar masks verify rows through them
         step = self.executor.launch(out.chunks, self.scheduler.blocks.updates.take(), previous)
         self.num_steps += 1
         if not self.async_scheduling:
@@ -206,8 +205,8 @@ class Engine:
 
     def _observe_step_time(self, chunks: list[ScheduledChunk], ms: float) -> None:
         """A step of verify chunks of one shape, or of decodes (VARLEN chose no drafts: observing
-        those too keeps a step of drafts from looking free forever), corrects the time table with
-        its period (from the previous step's commit to its own: host work included)."""
+        those too keeps a step of drafts from looking free forever), is timed against the table:
+        its period, from the previous step's commit to its own (host work included)."""
         rows = chunks[0].num_tokens
         if all(c.samples and c.num_tokens == rows and (c.num_drafts or rows == 1) for c in chunks):
             self.varlen.observe(len(chunks), rows, ms)
@@ -217,9 +216,7 @@ class Engine:
         step needs: each verified sequence's next position and the tokens it has in flight (accepted
         drafts + the added one), and every drafting sequence's new drafts. Emitting the tokens is
         left to `_process`."""
-        for c in step.chunks:                      # the drafts it verifies, as ids (the launch used codes)
-            if c.num_drafts and c.drafts[0] < 0:
-                c.drafts = self._host_drafts(c.seq)
+        self._drafts_as_ids(step.chunks)           # verification reads them (the launch used codes)
         self.executor.speculate(step)
         spec = step.spec
         # The next step is launched with the new drafts' device codes, without waiting for the drafter,
@@ -365,6 +362,12 @@ class Engine:
                 touched[req.request_id] = requests[req.request_id]
         if step.spec is not None:
             self._process_speculation(step.spec, now)
+
+    def _drafts_as_ids(self, chunks: list[ScheduledChunk], constrained_only: bool = False) -> None:
+        """Verify chunks planned with their drafts' device codes get the drafts as token ids."""
+        for c in chunks:
+            if c.num_drafts and c.drafts[0] < 0 and (not constrained_only or c.seq.request.constraint is not None):
+                c.drafts = self._host_drafts(c.seq)
 
     @staticmethod
     def _host_drafts(seq: Sequence) -> list[int]:

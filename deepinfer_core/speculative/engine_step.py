@@ -3,8 +3,8 @@ run the MTP block over every row the target just ran and draft the next step's t
 
 The step executor calls `Speculator.run` once per step, right after the target forward and the
 ordinary sampling of the other rows. A verify chunk is `[last token, x_1..x_k]` of one sequence
-(scheduler.py plans it from `Sequence.draft_ids`, kept in `ScheduledChunk.drafts`); `ops.verify` accepts a prefix of the drafts and
-adds one token (lossless: the argmax rule for greedy requests, speculative sampling otherwise, every
+(scheduler.py plans it from `Sequence.draft_ids`, kept in `ScheduledChunk.drafts`); `ops.verify`
+accepts a prefix of the drafts and adds one token (lossless: the argmax rule for greedy requests, speculative sampling otherwise, every
 uniform keyed by (seed, position, purpose)). The rows a verification rejects need no undo: every
 state is addressed by position (rings and tails hold window + backtrack slots; compressed rows are
 rewritten when real tokens complete their block), so the engine only moves the sequence's next
@@ -246,9 +246,9 @@ class Speculator:
         if not seqs:
             return
         if drafts.probs is not None:
-            for i, (s, p) in enumerate(zip(seqs, params)):
+            for i, (slot, p) in enumerate(zip(slots, params)):
                 if p.temperature >= GREEDY_EPS:
-                    self._probs[s.slot] = drafts.probs[i]
+                    self._probs[slot] = drafts.probs[i]
         out.draft_seqs, out.drafts = seqs, to_host(drafts.ids)
         tables = fb.slot_tables
         if tables is not None and tables.write_drafts(to_device(slots, torch.long, dev), drafts.ids):

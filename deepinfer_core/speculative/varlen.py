@@ -107,12 +107,13 @@ class VarlenPolicy:
     times: StepTimes
     max_drafts: int
     window: int = 64                          # recent steps whose ratios make `scale`
-    _ratios: deque = field(default_factory=deque, init=False, repr=False)
+    _ratios: deque = field(init=False, repr=False)
     scale: float = field(default=1.0, init=False)
     chosen: list[int] = field(default_factory=list, init=False)     # histogram of chosen L
 
     def __post_init__(self) -> None:
         self.chosen = [0] * (self.max_drafts + 1)
+        self._ratios = deque(maxlen=self.window)
 
     def __call__(self, cumulative_confidences: list[list[float]]) -> int:
         length = choose_length(cumulative_confidences, self.times, self.max_drafts)
@@ -122,6 +123,4 @@ class VarlenPolicy:
     def observe(self, num_seqs: int, rows: int, measured_ms: float) -> None:
         """One speculative step's wall time (verify chunks of `rows` rows each)."""
         self._ratios.append(measured_ms / self.times.time(num_seqs, rows))
-        if len(self._ratios) > self.window:
-            self._ratios.popleft()
         self.scale = statistics.median(self._ratios)
