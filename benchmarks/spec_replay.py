@@ -8,6 +8,7 @@ nothing here: this measures verification, the scheduler and the host path, not t
                                      [--acceptance 0.6,0.8] [--input-len 256] [--output-len 128]
                                      [--no-varlen] [--curve-rows 8] [--no-batch-invariant]
                                      [--repeats 3] [--cprofile C] [--trace C] [--append]
+                                     [--host-verdict]
 
 First the verify step-time curve: a CUDA-graph replay per (batch 1..256, rows per request
 1..--curve-rows), random ids (runner/step_times.py, the table VARLEN profiles at start-up). Then per
@@ -21,8 +22,9 @@ engine refuses VARLEN with invariance, so the policy is installed directly here:
 the ones the recorded run used, so the drafts land, and static and VARLEN rows compare the same
 kernels). Each setting is warmed up once with the same batch, then timed (median of --repeats runs;
 every request has a fixed seed, so every run replays the same coins and plans the same steps). Reports output tok/s, the
-speed-up over no speculation, the measured tau and VARLEN's chosen lengths. Writes
-benchmarks/results/spec_replay_<device>.json after every row.
+speed-up over no speculation, the measured tau, VARLEN's chosen lengths and how many steps were
+verified on the device (and launched before the previous verdict reached the host). Writes
+benchmarks/results/spec_replay_<device>.json (`--host-verdict`: ..._host_verdict.json) after every row.
 """
 from __future__ import annotations
 
@@ -109,6 +111,9 @@ def main() -> None:
                          "how long the GPU sits idle between kernels (the host path it waits for)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="C",
                     help="cProfile the largest static gamma and VARLEN at concurrency C, first acceptance")
+    ap.add_argument("--host-verdict", action="store_true",
+                    help="read every verdict on the host before the next launch (the path before verdicts stayed "
+                         "on the device: speculative/device_verdict.py), for comparison")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median)")
     ap.add_argument("--append", action="store_true",
                     help="keep the rows of other concurrencies already in the results file")
@@ -130,7 +135,7 @@ def main() -> None:
     result = dict(model=f"V4-Flash width, {a.layers} layers, random weights (dummy)", dtype="bfloat16",
                   batch_invariant=a.batch_invariant, input_len=a.input_len, output_len=a.output_len,
                   device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", rows=[])
-    out = HERE / "results" / f"spec_replay_{device}.json"
+    out = HERE / "results" / f"spec_replay_{device}{'_host_verdict' if a.host_verdict else ''}.json"
     if a.append and out.exists():
         old = json.loads(out.read_text())
         result["rows"] = [r for r in old["rows"] if r["concurrency"] not in a.concurrency]
@@ -141,6 +146,9 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
 
     llm.engine            # the cache and the decode graphs
+    if a.host_verdict:
+        llm.engine._verifies_on_device = lambda chunks: False
+    result["verdict"] = "host" if a.host_verdict else "device where it can"
     if a.curve_rows:
         curve = profile_step_times(llm.runner, max_seqs, a.curve_rows)
         result["step_time_curve"] = curve.table()
@@ -183,13 +191,18 @@ def main() -> None:
                     stats.sort_stats("cumtime").print_stats("deepinfer_core", 30)   # the host path
                 if a.trace == c and acc == a.acceptance[-1] and g == gamma_max:
                     row_trace = gpu_idle(llm, prompts, params)
+                e = llm.engine
+                before = (e.num_steps, e.num_verified_on_device, e.num_blind_launches)
                 outs, seconds = timed(llm, prompts, params, a.repeats)
+                steps, on_device, blind = (x - y for x, y in zip(
+                    (e.num_steps, e.num_verified_on_device, e.num_blind_launches), before))
                 m = llm.engine.spec_metrics
                 tok_s = c * a.output_len / seconds
                 same = sum(o.outputs[0].token_ids == recorded[tuple(p)] for p, o in zip(prompts, outs))
                 row = dict(concurrency=c, gamma=g, acceptance=acc, output_tok_s=round(tok_s, 1),
                            speedup=round(tok_s / base_tok_s, 3), tau=round(m.acceptance_length, 3),
-                           identical=f"{same}/{c}")
+                           identical=f"{same}/{c}", steps_on_device=f"{on_device}/{steps}",
+                           blind_launches=blind)
                 if a.trace == c and acc == a.acceptance[-1] and g == gamma_max:
                     row["gpu_trace"] = row_trace
                 if g == "varlen":
@@ -199,7 +212,8 @@ def main() -> None:
                 save()
                 extra = f"  lengths {row['chosen_lengths']}" if g == "varlen" else ""
                 print(f"c={c:4} gamma {g} acceptance {acc}: {tok_s:9.1f} tok/s  x{tok_s / base_tok_s:.2f}  "
-                      f"tau {m.acceptance_length:.2f} (two runs)  identical {same}/{c}{extra}", flush=True)
+                      f"tau {m.acceptance_length:.2f} (two runs)  identical {same}/{c}  on device "
+                      f"{on_device}/{steps} (blind {blind}){extra}", flush=True)
     print(f"wrote {out}")
 
 

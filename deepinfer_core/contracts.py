@@ -57,6 +57,9 @@ class GraphMetadata(Protocol):
         """Refill the metadata from the slots, the engine's per-slot block table and the extras
         (device ops only: a CUDA graph records it)."""
 
+    # Optional: `extra_inputs_device(starts: torch.Tensor) -> torch.Tensor`, the extras from device
+    # starts, lets a speculative step be launched before the host knows its positions.
+
 
 @runtime_checkable
 class GraphAttentionBackend(AttentionBackend, Protocol):

@@ -42,7 +42,7 @@ from .output_processor import (
     logprobs_entry,
     start_detokenizer,
 )
-from .scheduler import ScheduledChunk, Scheduler
+from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from .sequence import Request, SeqStatus, Sequence
 from .step_executor import HostLogprobs, InFlight, StepExecutor
 
@@ -85,6 +85,8 @@ class Engine:
         self._last_commit: float | None = None        # when the previous speculative step committed (VARLEN)
         self._counter = 0                             # requests added (default seeds)
         self.num_steps = 0
+        self.num_verified_on_device = 0    # steps verified and drafted without the host (device_verdict.py)
+        self.num_blind_launches = 0        # of those, launched before the previous verdict was read
         self.num_dropped_tokens = 0        # sampled for a sequence that had already stopped (async)
         self.refused: dict[str, str] = {}  # request id -> why its constraint never became ready
 
@@ -144,7 +146,15 @@ class Engine:
         previous = self._in_flight
         if previous is not None and previous.spec_inputs is not None:
             self._speculate(previous)              # its verdict and drafts, before planning the next step
-        out = self.scheduler.schedule()
+        blind = None
+        if previous is not None and previous.verdict_pending:
+            if self.async_scheduling:              # the next verify step at the device's positions
+                blind = self.scheduler.schedule_blind(previous.chunks, self.executor.speculator.num_drafts,
+                                                      self.executor.runner.slot_tables.draft_codes,
+                                                      self.executor.verifies_on_device)
+            if blind is None:
+                self._commit(previous)             # the plan needs the verdict
+        out = SchedulerOutput(blind) if blind is not None else self.scheduler.schedule()
         if not out.chunks:
             self._last_commit = None
             if previous is not None:
@@ -155,11 +165,19 @@ class Engine:
             return self._outputs()
         self._mark_scheduled(out.admitted)
         self._drafts_as_ids(out.chunks, constrained_only=True)   # a grammar masks verify rows through them
-        step = self.executor.launch(out.chunks, self.scheduler.blocks.updates.take(), previous)
+        on_device = self._verifies_on_device(out.chunks)
+        step = self.executor.launch(out.chunks, self.scheduler.blocks.updates.take(), previous,
+                                    on_device=on_device, blind=blind is not None)
         self.num_steps += 1
+        self.num_verified_on_device += on_device
+        self.num_blind_launches += blind is not None
+        if blind is not None:
+            self._commit(previous, successor=step)
         if not self.async_scheduling:
             if step.spec_inputs is not None:
                 self._speculate(step)
+            elif step.verdict_pending:
+                self._commit(step)
             self._process(step)
         else:
             self._in_flight = step
@@ -211,11 +229,18 @@ class Engine:
         if all(c.samples and c.num_tokens == rows and (c.num_drafts or rows == 1) for c in chunks):
             self.varlen.observe(len(chunks), rows, ms)
 
+    def _verifies_on_device(self, chunks: list[ScheduledChunk]) -> bool:
+        """A step of greedy verify chunks of one shape, every draft acceptable, whose sequences need no
+        host work per token (device_verdict.py), on graphs that take device positions."""
+        q = chunks[0].num_tokens
+        return (self.executor.speculator is not None
+                and all([c.num_drafts and c.num_tokens == q and c.max_accept == c.num_drafts
+                         and c.seq.verifies_on_device for c in chunks])
+                and self.executor.verifies_on_device(len(chunks), q))
+
     def _speculate(self, step: InFlight) -> None:
         """Verify and draft `step` (queued behind its forward), then commit what planning the next
-        step needs: each verified sequence's next position and the tokens it has in flight (accepted
-        drafts + the added one), and every drafting sequence's new drafts. Emitting the tokens is
-        left to `_process`."""
+        step needs (`_commit_outcome`)."""
         self._drafts_as_ids(step.chunks)           # verification reads them (the launch used codes)
         self.executor.speculate(step)
         spec = step.spec
@@ -225,12 +250,33 @@ class Engine:
         lazy = spec.draft_codes is not None and spec.confidence is None
         if not lazy:
             step.wait()                            # the host copies of the drafts (and confidences)
+        self._commit_outcome(step, lazy)
+
+    def _commit(self, step: InFlight, successor: InFlight | None = None) -> None:
+        """Commit a verdict that stayed on the device (the step's event: its host copies). A
+        `successor` planned before it (Scheduler.schedule_blind) learns its positions now."""
+        self._drafts_as_ids(step.chunks)           # emitted by _process (the launch used codes)
+        step.wait()
+        step.spec.read_accepted()
+        self._commit_outcome(step, True, successor)
+
+    def _commit_outcome(self, step: InFlight, lazy: bool, successor: InFlight | None = None) -> None:
+        """What planning the next step needs: each verified sequence's next position and the tokens it
+        has in flight (accepted drafts + the added one), and every drafting sequence's new drafts
+        (`lazy`: named by their device codes until the host reads them). Emitting the tokens is left
+        to `_process`."""
+        spec = step.spec
+        follows = {id(c.seq): c for c in successor.chunks} if successor is not None else {}
         for c, j in zip(spec.verified, spec.accepted):
             seq = c.seq
             if seq.status is SeqStatus.FINISHED:
                 continue                           # stopped meanwhile: its tokens are dropped later
             seq.num_computed = c.start + 1 + j     # rejected rows roll back
             seq.num_pending += j                   # the plan counted the added token only
+            follow = follows.get(id(seq))
+            if follow is not None:                 # planned at the device's positions
+                follow.start = seq.num_computed
+                seq.num_computed += follow.num_tokens
             for metrics in (self._spec_metrics(seq.request), self.spec_metrics):
                 metrics.record(c.max_accept, j)
             if self.acceptance_log is not None and seq.draft_conf:

@@ -219,6 +219,48 @@ class Scheduler:
         room = self.blocks.blocks_for(self.config.max_model_len or seq.max_total_tokens) * self.config.block_size - start - 1
         return max(accept, min(fed, room)), accept
 
+    def schedule_blind(self, verifying: list[ScheduledChunk], max_drafts: int, codes: Callable[[int, int], list[int]],
+                       fits: Callable[[int, int], bool]) -> list[ScheduledChunk] | None:
+        """The next verify step of the sequences `verifying` (a step whose verdict is still on the
+        device), planned before that verdict is read: L drafts each (the confidence-scheduled length
+        from the confidences known so far, else `max_drafts`), named by `codes(slot, L)`, at
+        positions the device knows (the chunks' `start` is filled in when the verdict is committed).
+        None, so the caller reads the verdict and schedules as usual, unless every running sequence
+        is in `verifying`, nothing waits, the step's shape `fits(sequences, L + 1)` the device path,
+        and every sequence, whatever the verdict, can accept all L drafts within its max_tokens and
+        the blocks it may hold, with no preemption."""
+        verifying = [c for c in verifying if not c.seq.finished]    # stopped or aborted meanwhile
+        if not verifying or len(verifying) != len(self.running) or any(not s.finished for s in self.waiting):
+            return None
+        seqs = [c.seq for c in verifying]
+        if any(s.status is not SeqStatus.RUNNING for s in seqs):
+            return None
+        n = max_drafts
+        if self.draft_length is not None:
+            n = min(n, self.draft_length([s.draft_conf for s in seqs]) if all(s.draft_conf for s in seqs) else 0)
+        if n < 1 or len(seqs) * (n + 1) > self.config.max_num_batched_tokens or not fits(len(seqs), n + 1):
+            return None
+        block_size, extra = self.config.block_size, 0
+        ends = []
+        for c in verifying:
+            seq = c.seq
+            # the previous step may still accept all of its drafts: positions and tokens at their most
+            start = c.start + 1 + c.max_accept
+            room = self.blocks.blocks_for(self.config.max_model_len or seq.max_total_tokens) * block_size - start - 1
+            left = seq.max_tokens - len(seq.token_ids) - seq.num_pending - c.max_accept - 1
+            if min(room, left) < n or len(seq.token_ids) < seq.min_tokens:
+                return None
+            ends.append(start + n + 1)
+            extra += max(0, self.blocks.blocks_for(ends[-1]) - len(seq.block_ids))
+        if extra > self.blocks.allocator.num_free_blocks:
+            return None
+        chunks = []
+        for seq, end in zip(seqs, ends):
+            self.blocks.hold(seq, end)
+            seq.num_pending += 1
+            chunks.append(ScheduledChunk(seq, -1, n + 1, True, n, n, codes(seq.slot, n)))
+        return chunks
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Waiting sequences in order while the budget, the slots and the blocks allow; admission
         never preempts. A sequence whose grammar is still compiling lets the others go first."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..api.outputs import CompletionOutput, Logprob, RequestMetrics
 from ..api.sampling_params import SamplingParams
+from ..ops.sampler import GREEDY_EPS
 from .constraints import drafts_under
 
 
@@ -73,6 +74,8 @@ class Sequence:
     may_draft: bool = True                # speculation: its constraint (if any) can mask verify rows
     min_tokens: int = 0
     wants_logprobs: bool = False
+    verifies_on_device: bool = False      # greedy, no penalty, grammar or logprobs: a verdict the host
+                                          # need not see before the next step (device_verdict.py)
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.request.prompt_token_ids) + len(self.token_ids)
@@ -82,6 +85,8 @@ class Sequence:
         cons = self.request.constraint
         self.may_draft = cons is None or drafts_under(cons.processor)
         self.wants_logprobs = p.logprobs is not None
+        self.verifies_on_device = (p.temperature < GREEDY_EPS and not self.penalised and cons is None
+                                   and not self.wants_logprobs)
 
     @property
     def prompt_ids(self) -> list[int]:

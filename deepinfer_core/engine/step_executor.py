@@ -64,6 +64,11 @@ class InFlight:
     # set by a speculative launch, cleared once the speculator ran
     spec_inputs: tuple | None = None
 
+    @property
+    def verdict_pending(self) -> bool:
+        """Verified on the device; the engine has not committed the verdict yet."""
+        return self.spec is not None and self.spec.accepted_copy is not None
+
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
@@ -99,14 +104,39 @@ class StepExecutor:
 
     # ---- launch --------------------------------------------------------------------------------
     def launch(self, chunks: list[ScheduledChunk], updates: CacheUpdates,
-               previous: InFlight | None = None) -> InFlight:
-        """Queue one step on the device (on a CPU: run it, on the CPU worker thread)."""
+               previous: InFlight | None = None, on_device: bool = False, blind: bool = False) -> InFlight:
+        """Queue one step on the device (on a CPU: run it, on the CPU worker thread). `on_device`:
+        greedy verify chunks of one shape, verified and drafted without the host (`verifies_on_device`);
+        `blind`: their positions are the device's (the previous step's verdict is not read yet)."""
+        fn = self._launch_on_device if on_device else self._launch
         if self.device.type == "cpu":
-            return _on_cpu_worker(self._launch, chunks, updates, previous)
-        return self._launch(chunks, updates, previous)
+            return _on_cpu_worker(fn, chunks, updates, previous, blind)
+        return fn(chunks, updates, previous, blind)
+
+    def verifies_on_device(self, num_seqs: int, q: int) -> bool:
+        """Whether a verify step of this shape can be verified and drafted on the device."""
+        return (self.speculator is not None and self.runner.verifies_on_device(num_seqs, q)
+                and self.speculator.device_drafting(num_seqs, q))
 
     @torch.no_grad()
-    def _launch(self, chunks: list[ScheduledChunk], updates: CacheUpdates, previous: InFlight | None) -> InFlight:
+    def _launch_on_device(self, chunks: list[ScheduledChunk], updates: CacheUpdates, previous: InFlight | None,
+                          blind: bool) -> InFlight:
+        slots = [c.seq.slot for c in chunks]
+        ids = []
+        for c in chunks:      # the last token (the device's record when the host has not read it), the drafts
+            seq = c.seq
+            ids.append(-1 - seq.slot if blind or c.start >= seq.num_tokens else seq.token_slice(c.start, c.start + 1)[0])
+            ids.extend(c.drafts[:c.num_drafts])
+        out, ids_t, starts_t = self.runner.execute_verify(updates, slots, ids, chunks[0].num_tokens,
+                                                          None if blind else [c.start for c in chunks])
+        step = InFlight(chunks, [], None, None)
+        step.spec = self.speculator.run_on_device(out, chunks, slots, starts_t, ids_t, self.runner.slot_tables)
+        self._record(step)
+        return step
+
+    @torch.no_grad()
+    def _launch(self, chunks: list[ScheduledChunk], updates: CacheUpdates, previous: InFlight | None,
+                blind: bool = False) -> InFlight:
         batch, sampled, prompt_lp = self._inputs(chunks, updates)
         fresh = [c.seq for c in chunks if c.start == 0 and _has_penalties(c.seq.request.params)]
         if fresh:      # (re)started sequences: their counts from the outputs they already have

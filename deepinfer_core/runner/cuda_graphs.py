@@ -131,15 +131,25 @@ class DecodeGraphs:
         return None if out is None else out[0]
 
     def replay(self, ids: list[int], positions: list[int], slots: list[int], q: int = 1,
-               device_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+               device_ids: torch.Tensor | None = None,
+               device_starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits, final streams) of one step, views of the graph's outputs (see run_step).
         `device_ids`: the step's first ids already on the device (they replace `ids`' first entries,
-        no host round trip)."""
-        out = self.replay_output(ids, positions, slots, q, device_ids)
+        no host round trip). `device_starts` [len(slots)]: each sequence's first position, on the
+        device (then `positions` is ignored; needs `takes_device_starts`)."""
+        out = self.replay_output(ids, positions, slots, q, device_ids, device_starts)
         return None if out is None else (out.logits, out.streams)
 
+    @property
+    def takes_device_starts(self) -> bool:
+        """Whether `replay` may take device starts: the backend's metadata derives its host extras
+        from device starts too (`extra_inputs_device`), judged on the graphs captured so far."""
+        return self.failed is None and bool(self.graphs) and all(
+            hasattr(cap.meta, "extra_inputs_device") for cap in self.graphs.values())
+
     def replay_output(self, ids: list[int], positions: list[int], slots: list[int], q: int = 1,
-                      device_ids: torch.Tensor | None = None) -> ModelOutput | None:
+                      device_ids: torch.Tensor | None = None,
+                      device_starts: torch.Tensor | None = None) -> ModelOutput | None:
         """As `replay`, with the target features (DSpark) when the model captured them at capture
         time (else features is None)."""
         n = len(slots)
@@ -147,7 +157,10 @@ class DecodeGraphs:
         cap = self.graphs.get((size, q)) or self._capture(size, q)
         if cap is None:
             return None
-        self._load(cap, q, ids, positions, slots)
+        if device_starts is None:
+            self._load(cap, q, ids, positions, slots)
+        else:
+            self._load_device_starts(cap, q, ids, slots, device_starts)
         if device_ids is not None:
             cap.inputs[:device_ids.numel()].copy_(device_ids)
         rows = n if self.per_sequence_output else n * q
@@ -166,6 +179,18 @@ class DecodeGraphs:
         starts = positions[::q] + [0] * pad
         copy_into(cap.inputs, ids + [0] * (pad * q) + positions + list(range(q)) * pad
                   + slots + [self.pad_slot] * pad + cap.meta.extra_inputs(starts))
+
+    def _load_device_starts(self, cap: _Captured, q: int, ids: list[int], slots: list[int],
+                            starts: torch.Tensor) -> None:
+        """`_load` with the positions and the backend's extras derived from device starts."""
+        size, n = cap.batch.num_seqs, len(slots)
+        t = size * q
+        pad = size - n
+        copy_into(cap.inputs[:t], ids + [0] * (pad * q))
+        copy_into(cap.inputs[2 * t:2 * t + size], slots + [self.pad_slot] * pad)
+        padded = torch.cat([starts, starts.new_zeros(pad)]) if pad else starts
+        cap.inputs[t:2 * t].copy_((padded[:, None] + torch.arange(q, device=starts.device)).flatten())
+        cap.inputs[2 * t + size:].copy_(cap.meta.extra_inputs_device(padded))
 
     def _body(self, cap: _Captured):
         """What the graph records: resolve pending ids, derive the metadata, run the model."""

@@ -381,6 +381,30 @@ class ModelRunner:
                 return out, fb
         return self.model(fb), fb
 
+    @torch.no_grad()
+    def execute_verify(self, updates, slots: list[int], ids: list[int], q: int,
+                       starts: list[int] | None) -> tuple[ModelOutput, torch.Tensor, torch.Tensor]:
+        """A verify step of q rows per sequence on the CUDA graphs, for a verdict that stays on the
+        device (speculative/device_verdict.py): (the graph's output, the resolved input ids [n*q],
+        the first positions [n], both on the device). `starts` None: each sequence's next_start on
+        the device (the previous step's verdict, not read by the host yet)."""
+        self._apply_updates(updates)
+        tables = self.slot_tables
+        if starts is None:
+            starts_t = tables.next_start.index_select(0, to_device(slots, torch.int64, self.device))
+            out = self.graphs.replay_output(ids, [], slots, q, device_starts=starts_t)
+        else:
+            starts_t = to_device(starts, torch.int64, self.device)
+            out = self.graphs.replay_output(ids, [p for s in starts for p in range(s, s + q)], slots, q)
+        if out is None:
+            raise RuntimeError(f"a verify CUDA graph (batch {len(slots)}, {q} rows) could not be captured")
+        return out, tables.resolve_ids(to_device(ids, torch.int64, self.device)), starts_t
+
+    def verifies_on_device(self, num_seqs: int, q: int) -> bool:
+        """Whether a verify step of this shape can run with device positions (`execute_verify`)."""
+        graphs = self.graphs
+        return graphs is not None and graphs.takes_device_starts and graphs.fits_uniform([q] * num_seqs, num_seqs * q)
+
     def _forward_batch(self, batch: StepBatch) -> ForwardBatch:
         t = len(batch.ids)
         staged = to_device(batch.ids + _positions(batch) + batch.logit_rows, torch.int64, self.device)  # one copy

@@ -8,6 +8,9 @@
   so step N+1 can be launched before step N's tokens reach the host.
 * `drafts[i, slot]` (speculative decoding): draft i of that slot, written by the drafter on the
   device, so a verify step can be launched before the drafts reach the host.
+* `next_start[slot]` (speculative decoding): the position of the sequence's next verify chunk (its
+  last token's), written by a verification that ran on the device, so the next verify step can be
+  launched before the verdict reaches the host.
 
 An input id below zero names one of these: -1 - slot is `last_token[slot]`, `draft_code(slot, i)`
 draft i; `resolve_ids` swaps them on the device.
@@ -26,6 +29,7 @@ class SlotTables:
         self._tokens = torch.zeros(1 + num_drafts, num_slots, dtype=torch.int64, device=device)
         self.last_token = self._tokens[0]
         self.drafts = self._tokens[1:]           # [num_drafts, slots]
+        self.next_start = torch.zeros(num_slots, dtype=torch.int64, device=device)
 
     def draft_codes(self, slot: int, k: int) -> list[int]:
         """The input ids that stand for drafts 0..k-1 of `slot`."""

@@ -38,6 +38,7 @@ from ..ops.penalties import PenaltyState
 from ..ops.sampler import GREEDY_EPS, compute_logprobs
 from ..ops.transfer import to_device, to_host
 from ..ops.verify import verify
+from .device_verdict import mtp_drafts_on_device, verify_on_device
 from .mtp import Drafts, MTPDrafter, draft_confidence, draw
 from .mtp_graphs import MTPGraphs
 from .replay import ReplayDrafter
@@ -60,7 +61,14 @@ class SpecOutcome:
     # -> its first row in `logprobs` (one row per emitted token: accepted drafts, then the added one)
     logprob_rows: dict[int, int] = field(default_factory=dict)
     logprobs: tuple | None = None                           # host (top values, top ids, token lp, ranks)
+    # a verdict still on the device (speculative/device_verdict.py): `accepted` is read from this
+    # host copy once the step's event has passed (`read_accepted`)
+    accepted_copy: torch.Tensor | None = None
     _draft_rows: list[list[int]] | None = None
+
+    def read_accepted(self) -> None:
+        if self.accepted_copy is not None:
+            self.accepted, self.accepted_copy = self.accepted_copy.tolist(), None
 
     def draft_rows(self) -> list[list[int]]:
         """`drafts` as lists (read once, after the step's event)."""
@@ -102,6 +110,44 @@ class Speculator:
             extra = self._verify(target.logits, chunks, slots, logit_starts, out, last_token, penalties)
         if any(c.seq.may_draft for c in chunks):
             self._draft(target, fb, chunks, slots, sampled_tokens, extra, out)
+        return out
+
+    def device_drafting(self, num_seqs: int, q: int) -> bool:
+        """Whether this drafter can draft after a verdict that stays on the device, for a verify step
+        of this shape (the replay drafter; the MTP drafter on CUDA graphs that take device positions)."""
+        if self.replay is not None:
+            return True
+        graphs = self._graphs
+        return (self.proposer is None and graphs is not None and graphs.observe_graphs.takes_device_starts
+                and graphs.fits([q] * num_seqs))
+
+    def run_on_device(self, target: ModelOutput, chunks: list[ScheduledChunk], slots: list[int],
+                      starts: torch.Tensor, ids: torch.Tensor, tables) -> SpecOutcome:
+        """Verify greedy chunks of one shape and draft the next tokens without the host
+        (speculative/device_verdict.py); the outcome's host copies complete on the step's event.
+        `starts` [n], `ids` [n*q]: the chunks' first positions and resolved inputs, on the device."""
+        dev = ids.device
+        slots_t = to_device(slots, torch.long, dev)
+        verdict = verify_on_device(target.logits, ids, starts, slots_t, tables)
+        out = SpecOutcome(verified=list(chunks), tokens=to_host(verdict.tokens),
+                          accepted_copy=to_host(verdict.accepted), draft_seqs=[c.seq for c in chunks])
+        conf = None
+        if self.replay is not None:
+            drafts = self.replay.propose_on_device([s.prompt_ids for s in out.draft_seqs],
+                                                   [s.seed for s in out.draft_seqs], slots, slots_t, verdict.last,
+                                                   tables.num_slots)
+            if self.want_confidence:
+                conf = self.replay.confidence_on_device().expand(len(slots), -1)
+        else:
+            drafts, conf = mtp_drafts_on_device(self._graphs, target.streams, ids, verdict, starts, slots,
+                                                self.num_drafts, self.want_confidence)
+            if conf is not None:
+                conf = conf.cumprod(1)
+        tables.write_drafts(slots_t, drafts)
+        out.drafts = to_host(drafts)
+        out.draft_codes = [tables.draft_codes(slot, self.num_drafts) for slot in slots]
+        if conf is not None:
+            out.confidence = to_host(conf)
         return out
 
     # ---- verification ------------------------------------------------------------------------

@@ -64,14 +64,22 @@ class MTPGraphs:
         return self.observe_graphs.fits_uniform(lens, len(lens) * lens[0])
 
     def observe(self, streams: torch.Tensor, next_ids: torch.Tensor, positions: list[int], slots: list[int],
-                q: int, last_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                q: int, last_rows: list[int] | torch.Tensor,
+                starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """MTP logits and output streams of `last_rows` (one per sequence) after the block ran over
-        every row; None when capture failed (run eagerly)."""
+        every row; None when capture failed (run eagerly). `starts`: each sequence's first position on
+        the device, in place of `positions` (a step whose verdict the host has not read)."""
         self.streams_in[:streams.shape[0]].copy_(streams)
-        copy_into(self.rows_in, last_rows + [0] * (self.rows_in.numel() - len(last_rows)))   # padding: row 0
-        return self.observe_graphs.replay([0] * next_ids.numel(), positions, slots, q, device_ids=next_ids)
+        if isinstance(last_rows, torch.Tensor):
+            self.rows_in.zero_()                  # padding sequences read row 0
+            self.rows_in[:last_rows.numel()].copy_(last_rows)
+        else:
+            copy_into(self.rows_in, last_rows + [0] * (self.rows_in.numel() - len(last_rows)))
+        return self.observe_graphs.replay([0] * next_ids.numel(), positions, slots, q, device_ids=next_ids,
+                                          device_starts=starts)
 
     def draft_step(self, streams: torch.Tensor, tokens: torch.Tensor, positions: list[int],
-                   slots: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                   slots: list[int], starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         self.streams_in[:streams.shape[0]].copy_(streams)
-        return self.step_graphs.replay([0] * tokens.numel(), positions, slots, 1, device_ids=tokens)
+        return self.step_graphs.replay([0] * tokens.numel(), positions, slots, 1, device_ids=tokens,
+                                       device_starts=starts)

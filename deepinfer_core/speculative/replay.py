@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ops.sampler import counter_uniform_tensor
+from ..ops.transfer import to_device
 from .varlen import cumulative
 
 
@@ -26,6 +27,8 @@ class ReplayDrafter:
     vocab_size: int
     seed: int = 0
     _runs: dict = field(default_factory=dict, init=False, repr=False)   # (id(prompt), seed) -> (prompt, run, coins)
+    _slot_owner: dict = field(default_factory=dict, init=False, repr=False)   # slot -> (id(prompt), seed) uploaded
+    _tables: tuple | None = field(default=None, init=False, repr=False)      # device (runs, coins, prompt lens, acceptance)
 
     @property
     def num_drafts(self) -> int:
@@ -57,6 +60,43 @@ class ReplayDrafter:
                 drafts.append(true if coins[j] < acceptance[i] else (true + 1) % vocab)
             out.append(drafts)
         return out
+
+    def propose_on_device(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], slots: list[int],
+                          slots_t: torch.Tensor, last_positions: torch.Tensor, num_slots: int) -> torch.Tensor:
+        """`propose` [n, k] with the last committed positions on the device (a verdict the host has
+        not read): each slot's recorded run and coins are uploaded once per sequence, the drafts
+        gathered from them."""
+        dev = last_positions.device
+        owners = [(id(p), s) for p, s in zip(prompts, seeds)]
+        new = [i for i, (slot, o) in enumerate(zip(slots, owners)) if self._slot_owner.get(slot) != o]
+        if new:
+            runs = [self._run(prompts[i], seeds[i]) for i in new]
+            width = max(len(c) for _, c in runs)
+            if self._tables is None or self._tables[0].shape[1] < width or self._tables[0].shape[0] < num_slots:
+                self._tables = (torch.zeros(num_slots, width, dtype=torch.long, device=dev),
+                                torch.zeros(num_slots, width, dtype=torch.float64, device=dev),
+                                torch.zeros(num_slots, dtype=torch.long, device=dev),
+                                to_device(self.acceptance, torch.float64, dev),
+                                to_device(self.cumulative_confidence().tolist(), torch.float32, dev))
+                self._slot_owner = {}
+                new = list(range(len(slots)))
+                runs = [self._run(prompts[i], seeds[i]) for i in new]
+            run_t, coin_t, plen_t = self._tables[:3]
+            w = run_t.shape[1]
+            idx = to_device([slots[i] for i in new], torch.long, dev)
+            run_t[idx] = to_device([(r + [0] * w)[:w] for r, _ in runs], torch.long, dev)
+            coin_t[idx] = to_device([(c + [0.0] * w)[:w] for _, c in runs], torch.float64, dev)
+            plen_t[idx] = to_device([len(prompts[i]) for i in new], torch.long, dev)
+            self._slot_owner.update({slots[i]: owners[i] for i in new})
+        run_t, coin_t, plen_t, acc_t, _ = self._tables
+        j = (last_positions + 2 - plen_t[slots_t])[:, None] + torch.arange(self.num_drafts, device=dev)
+        j = j.clamp(max=run_t.shape[1] - 1)
+        true = run_t[slots_t].gather(1, j)
+        return torch.where(coin_t[slots_t].gather(1, j) < acc_t, true, (true + 1) % self.vocab_size)
+
+    def confidence_on_device(self) -> torch.Tensor:
+        """`cumulative_confidence` on the device of `propose_on_device` (after its first call)."""
+        return self._tables[4]
 
     def _run(self, prompt: Sequence[int], seq_seed: int) -> tuple[list[int], list[float]]:
         """The recorded output of `prompt` and the coin of every output position (looked up once per

@@ -160,7 +160,7 @@ def test_async_scheduling_post_processes_a_step_after_launching_the_next(async_s
             return fn(step, *args)
         return run
     launch = engine.executor.launch
-    monkeypatch.setattr(engine.executor, "launch", lambda *a: order.append(("launch", r := launch(*a))) or r)
+    monkeypatch.setattr(engine.executor, "launch", lambda *a, **kw: order.append(("launch", r := launch(*a, **kw))) or r)
     monkeypatch.setattr(engine.executor, "speculate", traced("speculate", engine.executor.speculate))
     monkeypatch.setattr(engine, "_process", traced("process", engine._process))
     host_drafts = engine._host_drafts

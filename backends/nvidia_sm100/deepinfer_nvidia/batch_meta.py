@@ -138,6 +138,16 @@ class StaticMeta:
                 out.extend(first + j if first + j < end else -1 for j in range(per))
         return out
 
+    def extra_inputs_device(self, starts: torch.Tensor) -> torch.Tensor:
+        """`extra_inputs` from device starts [num_seqs] (a step launched before the host knows its
+        positions: speculative verification after a verdict still on the device)."""
+        q, parts = self.query_len, []
+        for r in self.ratios:
+            first = (starts // r)[:, None]
+            idx = first + torch.arange(-(-q // r), device=starts.device)
+            parts.append(torch.where(idx < ((starts + q) // r)[:, None], idx, -1).flatten())
+        return torch.cat(parts)
+
     def derive(self, slots: torch.Tensor, block_table: torch.Tensor, extra: torch.Tensor) -> None:
         """Refill the metadata on the device from the static positions (already in place), the
         batch's slots [num_seqs], the engine's per-slot block table [slots, max_blocks] and the

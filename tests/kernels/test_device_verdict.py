@@ -1,0 +1,126 @@
+"""Verdicts that stay on the device (speculative/device_verdict.py): a step of greedy verify chunks is
+verified and drafted without the host, and the next one is launched at the device's positions before
+the host reads the verdict (Scheduler.schedule_blind). Without a GPU: the engine's CUDA-graph path
+with `capture=False` (the same padded static batches, run eagerly) on the NVIDIA attention backend
+under Triton's interpreter, the trained tiny model's MTP block (or the replay drafter) drafting.
+
+The device path must produce what the host path (verdict read before the next launch) produces on
+the same graphs: the same tokens, the same accepted counts, step by step."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from test_nvidia_attention_backend import use_nvidia_attention
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.engine.engine import Engine
+from deepinfer_core.runner import cuda_graphs, model_runner
+from deepinfer_core.speculative import mtp_graphs
+from deepinfer_core.speculative.engine_step import Speculator
+from deepinfer_core.speculative.replay import ReplayDrafter
+from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
+
+PROMPTS = ["HAMLET.\nTo be, or not to be,", "KING.\nMy lord, the", "ROMEO.\nBut soft, what light",
+           "QUEEN.\nAlas, my lord,"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def graphed_llm(tmp_path_factory, kdev):
+    """The trained model with MTP-3 on the nvidia attention backend and the engine's decode /
+    verification graphs (`capture=False` without a GPU)."""
+    ckpt = make_trained_checkpoint(tmp_path_factory.mktemp("trained") / "ckpt", ARTIFACT)
+    mp = pytest.MonkeyPatch()
+    if kdev == "cpu":
+        static = functools.partial(cuda_graphs.DecodeGraphs, capture=False)
+        mp.setattr(model_runner, "DecodeGraphs", static)
+        mp.setattr(mtp_graphs, "DecodeGraphs", static)
+        mp.setattr(model_runner.ModelRunner, "_graphs_wanted", lambda self: True)
+    llm = LLM(model=str(ckpt), device=kdev, dtype="float32", num_speculative_tokens=3, max_model_len=256,
+              max_num_seqs=4, num_cache_blocks=24)
+    use_nvidia_attention(llm)
+    llm.runner.loaded.ops.attention = llm.runner.model.layers[0].attn.backend
+    llm.runner._cache_request = None              # a new cache, its graphs, engine and speculator
+    llm.engine
+    assert llm.runner.graphs is not None
+    yield llm                                     # the MTP drafter builds its graphs on first use
+    mp.undo()
+
+
+def run(llm, prompts, on_device: bool, params=GREEDY):
+    """Outputs, per-request accepted counts and the number of device-verified and blind launches."""
+    engine = llm.engine
+    launches = {"on_device": 0, "blind": 0}
+    real_launch, real_choice = engine.executor.launch, Engine._verifies_on_device
+
+    def launch(chunks, updates, previous=None, on_device=False, blind=False):
+        launches["on_device"] += on_device
+        launches["blind"] += blind
+        return real_launch(chunks, updates, previous, on_device, blind)
+    engine.executor.launch = launch
+    engine._verifies_on_device = (lambda chunks: real_choice(engine, chunks)) if on_device else (lambda chunks: False)
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    finally:
+        del engine.executor.launch, engine._verifies_on_device
+    return ([o.outputs[0].token_ids for o in outs], [o.metrics.spec.num_accepted_tokens for o in outs],
+            launches)
+
+
+@pytest.fixture(scope="module")
+def prompts(graphed_llm):
+    return [graphed_llm.tokenizer.encode(p) for p in PROMPTS]
+
+
+def test_mtp_drafts_verified_on_the_device_give_the_host_paths_tokens(graphed_llm, prompts):
+    host_tokens, host_accepted, host_launches = run(graphed_llm, prompts, on_device=False)
+    tokens, accepted, launches = run(graphed_llm, prompts, on_device=True)
+    assert host_launches == {"on_device": 0, "blind": 0}
+    assert launches["on_device"] > 0 and launches["blind"] > 0, launches
+    assert tokens == host_tokens
+    assert accepted == host_accepted and sum(accepted) > 0
+
+
+def test_requests_that_need_the_host_fall_back_per_step(graphed_llm, prompts):
+    """A request that stops early (max_tokens), one with logprobs and a sampled one beside a greedy
+    one: the same outputs as the host path; once those are done, the greedy one goes on the device."""
+    params = [GREEDY, dataclasses.replace(GREEDY, max_tokens=5), dataclasses.replace(GREEDY, max_tokens=6, logprobs=2),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=7, ignore_eos=True)]
+    host_tokens, _, _ = run(graphed_llm, prompts, on_device=False, params=params)
+    tokens, _, launches = run(graphed_llm, prompts, on_device=True, params=params)
+    assert tokens == host_tokens
+    assert [len(t) for t in tokens] == [14, 5, 6, 7]
+    assert launches["on_device"] > 0, launches
+
+
+def test_replay_drafts_drawn_on_the_device_equal_the_host_drafters(graphed_llm, prompts):
+    """The replay drafter (benchmarks) proposes the same drafts from device positions: the same
+    accepted counts as its host path at a chosen acceptance (the coins are keyed by the request's seed:
+    fixed here, not drawn per run)."""
+    engine = graphed_llm.engine
+    seeded = [dataclasses.replace(GREEDY, seed=i) for i in range(len(prompts))]
+    recorded, _, _ = run(graphed_llm, prompts, on_device=False)
+    saved = engine.executor.speculator
+    drafter = ReplayDrafter({tuple(p): r for p, r in zip(prompts, recorded)}, [0.9, 0.7, 0.5],
+                            graphed_llm.runner.model_config.vocab_size, seed=5)
+    try:
+        engine.use_speculator(Speculator(graphed_llm.runner.model, 3, replay=drafter), graphed_llm.runner.backtrack)
+        host = run(graphed_llm, prompts, on_device=False, params=seeded)
+        device = run(graphed_llm, prompts, on_device=True, params=seeded)
+    finally:
+        engine.use_speculator(saved, graphed_llm.runner.backtrack)
+    assert host[0] == device[0] == recorded
+    assert host[1] == device[1]
+    assert device[2]["blind"] > 0
+
+
+def test_device_replay_drafts_equal_host_proposals():
+    drafter = ReplayDrafter({(1, 2, 3): [7, 8, 9, 10, 11, 12]}, [0.9, 0.5], vocab_size=50, seed=1)
+    prompt = [1, 2, 3]
+    want = drafter.propose([prompt, prompt], [4, 9], [2, 5])
+    got = drafter.propose_on_device([prompt, prompt], [4, 9], [3, 1], torch.tensor([3, 1]), torch.tensor([2, 5]),
+                                    num_slots=4)
+    assert got.tolist() == want
