@@ -124,3 +124,55 @@ def test_device_replay_drafts_equal_host_proposals():
     got = drafter.propose_on_device([prompt, prompt], [4, 9], [3, 1], torch.tensor([3, 1]), torch.tensor([2, 5]),
                                     num_slots=4)
     assert got.tolist() == want
+
+
+def test_closed_block_extras_from_device_starts_equal_the_host_ones():
+    """StaticMeta's closed-block list of a step, derived from device starts, is the host list."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "nvidia_sm100"))
+    from deepinfer_nvidia.batch_meta import StaticMeta
+    g = torch.Generator().manual_seed(0)
+    for q in (1, 2, 4, 6, 9):
+        starts = torch.randint(0, 600, (5,), generator=g).tolist() + [124, 127, 128, 0]
+        meta = StaticMeta((4, 128), len(starts), 8, torch.zeros(len(starts) * q, dtype=torch.int64), query_len=q)
+        assert meta.extra_inputs_device(torch.tensor(starts)).tolist() == meta.extra_inputs(starts)
+
+
+def online(llm, prompts, stop: int, on_device: bool) -> tuple[dict[str, list[int]], int]:
+    """Three requests; at the 4th step one is aborted and one added; one stops on `stop`."""
+    engine = llm.engine
+    real_choice = Engine._verifies_on_device
+    engine._verifies_on_device = (lambda chunks: real_choice(engine, chunks)) if on_device else (lambda chunks: False)
+    engine.add_request("keep", prompts[0], GREEDY.clone())
+    engine.add_request("stops", prompts[1], dataclasses.replace(GREEDY, stop_token_ids=[stop]))
+    engine.add_request("drop", prompts[2], GREEDY.clone())
+    got, blind = {}, engine.num_blind_launches
+    try:
+        for i in range(200):
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+            if i == 3:
+                blind = engine.num_blind_launches - blind        # launched blind so far
+                engine.abort_request("drop")
+                engine.add_request("late", prompts[3], GREEDY.clone())
+            if not engine.has_unfinished_requests():
+                break
+    finally:
+        del engine._verifies_on_device
+    assert engine.scheduler.blocks.allocator.empty
+    return got, blind
+
+
+def test_online_abort_and_a_stop_with_a_blind_step_in_flight(graphed_llm, prompts):
+    """Online: a request aborted while a step launched at the device's positions is in flight, one
+    that stops on a token it emits, and one added meanwhile: every output is the host path's for the
+    same events (not a batch run's: without batch-invariant kernels the batches must match too)."""
+    reference, _, _ = run(graphed_llm, prompts, on_device=False)
+    stop = reference[1][7]
+    host, _ = online(graphed_llm, prompts, stop, on_device=False)
+    device, blind = online(graphed_llm, prompts, stop, on_device=True)
+    assert blind > 0
+    assert device == host
+    assert "drop" not in device or len(device["drop"]) < GREEDY.max_tokens
+    assert device["stops"][-1] == stop and stop not in device["stops"][:-1]
