@@ -166,6 +166,8 @@ class Engine:
         self._mark_scheduled(out.admitted)
         self._drafts_as_ids(out.chunks, constrained_only=True)   # a grammar masks verify rows through them
         on_device = self._verifies_on_device(out.chunks)
+        if blind is not None and not on_device:      # schedule_blind checked the shape: cannot happen
+            raise RuntimeError("a step planned at the device's positions cannot be verified on the device")
         step = self.executor.launch(out.chunks, self.scheduler.blocks.updates.take(), previous,
                                     on_device=on_device, blind=blind is not None)
         self.num_steps += 1
