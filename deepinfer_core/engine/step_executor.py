@@ -115,8 +115,9 @@ class StepExecutor:
 
     def verifies_on_device(self, num_seqs: int, q: int) -> bool:
         """Whether a verify step of this shape can be verified and drafted on the device."""
-        return (self.speculator is not None and self.runner.verifies_on_device(num_seqs, q)
-                and self.speculator.device_drafting(num_seqs, q))
+        spec = self.speculator
+        return (spec is not None and self.runner.slot_tables.drafts.shape[0] >= spec.num_drafts
+                and self.runner.verifies_on_device(num_seqs, q) and spec.device_drafting(num_seqs, q))
 
     @torch.no_grad()
     def _launch_on_device(self, chunks: list[ScheduledChunk], updates: CacheUpdates, previous: InFlight | None,

@@ -218,7 +218,10 @@ class ModelRunner:
         # decode graphs pad batches into one extra slot and block of their own
         self.cache = StateCache(layout, request.num_slots, num_blocks, self.device, spare=use_graphs)
         max_blocks = -(-(request.max_model_len or self.model_config.max_position_embeddings) // layout.block_size)
-        self.slot_tables = SlotTables(self.cache.num_slots, max_blocks, self.device, self.num_drafts)
+        # draft rows for any drafter the rollback room allows (k <= backtrack - 1), also one installed
+        # later (Engine.use_speculator): the graphs read these tensors, so they are never re-allocated
+        self.slot_tables = SlotTables(self.cache.num_slots, max_blocks, self.device,
+                                      max(self.num_drafts, self.backtrack - 1))
         self.slot_states = [None] * self.cache.num_slots
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.cache, self.loaded.ops.attention, request.num_slots,

@@ -143,7 +143,9 @@ class Speculator:
                                                 self.num_drafts, self.want_confidence)
             if conf is not None:
                 conf = conf.cumprod(1)
-        tables.write_drafts(slots_t, drafts)
+        if not tables.write_drafts(slots_t, drafts):
+            raise RuntimeError(f"the slot tables hold {tables.drafts.shape[0]} drafts per slot, the drafter "
+                               f"proposes {self.num_drafts}")
         out.drafts = to_host(drafts)
         out.draft_codes = [tables.draft_codes(slot, self.num_drafts) for slot in slots]
         if conf is not None:

@@ -29,25 +29,40 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def graphed_llm(tmp_path_factory, kdev):
-    """The trained model with MTP-3 on the nvidia attention backend and the engine's decode /
-    verification graphs (`capture=False` without a GPU)."""
-    ckpt = make_trained_checkpoint(tmp_path_factory.mktemp("trained") / "ckpt", ARTIFACT)
+def trained_ckpt(tmp_path_factory) -> str:
+    return str(make_trained_checkpoint(tmp_path_factory.mktemp("trained") / "ckpt", ARTIFACT))
+
+
+@pytest.fixture(scope="module")
+def graphs_without_a_gpu(kdev):
+    """Without a GPU: the engine builds its decode / verification graphs and the MTP drafter's with
+    `capture=False` (for the module's lifetime: the drafter builds its graphs on first use)."""
     mp = pytest.MonkeyPatch()
     if kdev == "cpu":
         static = functools.partial(cuda_graphs.DecodeGraphs, capture=False)
         mp.setattr(model_runner, "DecodeGraphs", static)
         mp.setattr(mtp_graphs, "DecodeGraphs", static)
         mp.setattr(model_runner.ModelRunner, "_graphs_wanted", lambda self: True)
-    llm = LLM(model=str(ckpt), device=kdev, dtype="float32", num_speculative_tokens=3, max_model_len=256,
-              max_num_seqs=4, num_cache_blocks=24)
+    yield
+    mp.undo()
+
+
+def graphed(ckpt: str, kdev: str, **opts) -> LLM:
+    """The trained model on the nvidia attention backend with the engine's graphs."""
+    llm = LLM(model=ckpt, device=kdev, dtype="float32", max_model_len=256, max_num_seqs=4, num_cache_blocks=24,
+              **opts)
     use_nvidia_attention(llm)
     llm.runner.loaded.ops.attention = llm.runner.model.layers[0].attn.backend
     llm.runner._cache_request = None              # a new cache, its graphs, engine and speculator
     llm.engine
     assert llm.runner.graphs is not None
-    yield llm                                     # the MTP drafter builds its graphs on first use
-    mp.undo()
+    return llm
+
+
+@pytest.fixture(scope="module")
+def graphed_llm(trained_ckpt, kdev, graphs_without_a_gpu):
+    """MTP-3."""
+    return graphed(trained_ckpt, kdev, num_speculative_tokens=3)
 
 
 def run(llm, prompts, on_device: bool, params=GREEDY):
@@ -66,8 +81,8 @@ def run(llm, prompts, on_device: bool, params=GREEDY):
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     finally:
         del engine.executor.launch, engine._verifies_on_device
-    return ([o.outputs[0].token_ids for o in outs], [o.metrics.spec.num_accepted_tokens for o in outs],
-            launches)
+    return ([o.outputs[0].token_ids for o in outs],
+            [o.metrics.spec.num_accepted_tokens if o.metrics.spec else 0 for o in outs], launches)
 
 
 @pytest.fixture(scope="module")
@@ -96,24 +111,22 @@ def test_requests_that_need_the_host_fall_back_per_step(graphed_llm, prompts):
     assert launches["on_device"] > 0, launches
 
 
-def test_replay_drafts_drawn_on_the_device_equal_the_host_drafters(graphed_llm, prompts):
-    """The replay drafter (benchmarks) proposes the same drafts from device positions: the same
-    accepted counts as its host path at a chosen acceptance (the coins are keyed by the request's seed:
-    fixed here, not drawn per run)."""
-    engine = graphed_llm.engine
+def test_replay_drafts_drawn_on_the_device_equal_the_host_drafters(trained_ckpt, kdev, graphs_without_a_gpu,
+                                                                   prompts):
+    """The replay drafter installed on an engine built without a drafter (as benchmarks/spec_replay.py
+    does: the slot tables hold drafts for the rollback room) proposes the same drafts from device
+    positions: the same accepted counts as its host path at a chosen acceptance (the coins are keyed
+    by the request's seed: fixed here, not drawn per run)."""
+    llm = graphed(trained_ckpt, kdev, num_speculative_tokens=0, max_backtracking_tokens=4)
     seeded = [dataclasses.replace(GREEDY, seed=i) for i in range(len(prompts))]
-    recorded, _, _ = run(graphed_llm, prompts, on_device=False)
-    saved = engine.executor.speculator
+    recorded, _, _ = run(llm, prompts, on_device=False)
     drafter = ReplayDrafter({tuple(p): r for p, r in zip(prompts, recorded)}, [0.9, 0.7, 0.5],
-                            graphed_llm.runner.model_config.vocab_size, seed=5)
-    try:
-        engine.use_speculator(Speculator(graphed_llm.runner.model, 3, replay=drafter), graphed_llm.runner.backtrack)
-        host = run(graphed_llm, prompts, on_device=False, params=seeded)
-        device = run(graphed_llm, prompts, on_device=True, params=seeded)
-    finally:
-        engine.use_speculator(saved, graphed_llm.runner.backtrack)
+                            llm.runner.model_config.vocab_size, seed=5)
+    llm.engine.use_speculator(Speculator(llm.runner.model, 3, replay=drafter), llm.runner.backtrack)
+    host = run(llm, prompts, on_device=False, params=seeded)
+    device = run(llm, prompts, on_device=True, params=seeded)
     assert host[0] == device[0] == recorded
-    assert host[1] == device[1]
+    assert host[1] == device[1] and sum(host[1]) > 0
     assert device[2]["blind"] > 0
 
 
