@@ -13,8 +13,12 @@ one step instead of stalling the others. Tokens come from the counter-based RNG 
 (seed, position), so the outputs are the same with the overlap on or off.
 
 Speculative decoding (a `speculator`, speculative/engine_step.py): the next step's positions depend
-on how many drafts this one accepted, so a step is launched only after the previous one's verdict.
-With async scheduling the steps still overlap the host: step() verifies and drafts step N (the host
+on how many drafts this one accepted. A step of greedy verify chunks that needs no host work per
+token is verified and drafted on the device (speculative/device_verdict.py), and the next verify
+step is launched at the device's positions before the host reads that verdict
+(`Scheduler.schedule_blind`); the verdict is committed after that launch (`_commit`). Otherwise a
+step is launched only after the previous one's verdict. With async scheduling the steps still
+overlap the host: step() verifies and drafts step N (the host
 reads the accepted counts: the one sync; the new drafts stay on the device, named by code), commits
 what the scheduler needs (positions, tokens in flight, the next drafts), launches step N+1, and only
 then post-processes step N (tokens, stops, logprobs, outputs) while the device runs N+1. A verify
@@ -37,6 +41,7 @@ from ..contracts import StepRunner, TokenSampler
 from ..ops.sampler import mix_seed
 from .constraints import attach_constraint
 from .output_processor import (
+    advance_constraint,
     append_token,
     finalize_text,
     logprobs_entry,
@@ -44,6 +49,7 @@ from .output_processor import (
 )
 from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from .sequence import Request, SeqStatus, Sequence
+from .speculation import SpeculativeSteps
 from .step_executor import HostLogprobs, InFlight, StepExecutor
 
 log = logging.getLogger(__name__)
@@ -63,7 +69,7 @@ class _Tracked:
     unfinished: int
 
 
-class Engine:
+class Engine(SpeculativeSteps):
     def __init__(self, runner: StepRunner, sampler: TokenSampler, scheduler: Scheduler, tokenizer: Any, *,
                  max_model_len: int, async_scheduling: bool, seed: int = 0,
                  logits_processors: list | None = None, speculator: Any = None):
@@ -187,116 +193,6 @@ class Engine:
                 self._process(previous)
         return self._outputs()
 
-    def use_speculator(self, speculator: Any, backtrack: int) -> None:
-        """Draft with `speculator` from now on (benchmarks: a replay drafter); `backtrack`: the
-        runner's rollback room, which a verify step of k drafts needs k + 1 of. Only when idle."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("use_speculator: the engine has requests in flight")
-        if backtrack < speculator.num_drafts + 1:
-            raise ValueError(f"{speculator.num_drafts} drafts per step need max_backtracking_tokens >= "
-                             f"{speculator.num_drafts + 1} (DEEPINFER_MAX_BACKTRACKING_TOKENS), the runner has {backtrack}")
-        self.executor.speculator = speculator
-        speculator.want_confidence = self.varlen is not None or self.acceptance_log is not None
-        self.spec_metrics = SpecMetrics()
-
-    def use_varlen(self, policy: Any) -> None:
-        """Confidence-scheduled verification (speculative/varlen.py VarlenPolicy), or None: verify
-        every draft. Its max_drafts must be the speculator's. Only when idle."""
-        spec = self.executor.speculator
-        if spec is None:
-            raise ValueError("DEEPINFER_ENABLE_MTP_VARLEN=1 schedules draft verification, but the engine has no "
-                             "drafter (DEEPINFER_USE_NEXTN_DECODE=0 or no mtp.* tensors)")
-        if self.has_unfinished_requests():
-            raise RuntimeError("use_varlen: the engine has requests in flight")
-        if policy is not None and policy.max_drafts != spec.num_drafts:
-            raise ValueError(f"VARLEN policy for {policy.max_drafts} drafts, the drafter proposes {spec.num_drafts}")
-        self.varlen = self.scheduler.draft_length = policy
-        spec.want_confidence = policy is not None or self.acceptance_log is not None
-
-    def record_acceptance(self, log: list | None) -> None:
-        """From now on every verification appends (the cumulative confidences of the drafts it could
-        accept, drafts accepted) to `log` (calibration: deepinfer_dspark.calibrate); None stops."""
-        spec = self.executor.speculator
-        if spec is None:
-            raise ValueError("record_acceptance: the engine has no drafter (DEEPINFER_USE_NEXTN_DECODE=0 or no "
-                             "mtp.* tensors)")
-        self.acceptance_log = log
-        spec.want_confidence = log is not None or self.varlen is not None
-
-    def _observe_step_time(self, chunks: list[ScheduledChunk], ms: float) -> None:
-        """A step of verify chunks of one shape, or of decodes (VARLEN chose no drafts: observing
-        those too keeps a step of drafts from looking free forever), is timed against the table:
-        its period, from the previous step's commit to its own (host work included)."""
-        rows = chunks[0].num_tokens
-        if all(c.samples and c.num_tokens == rows and (c.num_drafts or rows == 1) for c in chunks):
-            self.varlen.observe(len(chunks), rows, ms)
-
-    def _verifies_on_device(self, chunks: list[ScheduledChunk]) -> bool:
-        """A step of greedy verify chunks of one shape, every draft acceptable, whose sequences need no
-        host work per token (device_verdict.py), on graphs that take device positions."""
-        q = chunks[0].num_tokens
-        return (self.executor.speculator is not None
-                and all([c.num_drafts and c.num_tokens == q and c.max_accept == c.num_drafts
-                         and c.seq.verifies_on_device for c in chunks])
-                and self.executor.verifies_on_device(len(chunks), q))
-
-    def _speculate(self, step: InFlight) -> None:
-        """Verify and draft `step` (queued behind its forward), then commit what planning the next
-        step needs (`_commit_outcome`)."""
-        self._drafts_as_ids(step.chunks)           # verification reads them (the launch used codes)
-        self.executor.speculate(step)
-        spec = step.spec
-        # The next step is launched with the new drafts' device codes, without waiting for the drafter,
-        # unless their confidences must reach the scheduler (VARLEN, calibration) or the drafter drew
-        # them on the host.
-        lazy = spec.draft_codes is not None and spec.confidence is None
-        if not lazy:
-            step.wait()                            # the host copies of the drafts (and confidences)
-        self._commit_outcome(step, lazy)
-
-    def _commit(self, step: InFlight, successor: InFlight | None = None) -> None:
-        """Commit a verdict that stayed on the device (the step's event: its host copies). A
-        `successor` planned before it (Scheduler.schedule_blind) learns its positions now."""
-        self._drafts_as_ids(step.chunks)           # emitted by _process (the launch used codes)
-        step.wait()
-        step.spec.read_accepted()
-        self._commit_outcome(step, True, successor)
-
-    def _commit_outcome(self, step: InFlight, lazy: bool, successor: InFlight | None = None) -> None:
-        """What planning the next step needs: each verified sequence's next position and the tokens it
-        has in flight (accepted drafts + the added one), and every drafting sequence's new drafts
-        (`lazy`: named by their device codes until the host reads them). Emitting the tokens is left
-        to `_process`."""
-        spec = step.spec
-        follows = {id(c.seq): c for c in successor.chunks} if successor is not None else {}
-        for c, j in zip(spec.verified, spec.accepted):
-            seq = c.seq
-            if seq.status is SeqStatus.FINISHED:
-                continue                           # stopped meanwhile: its tokens are dropped later
-            seq.num_computed = c.start + 1 + j     # rejected rows roll back
-            seq.num_pending += j                   # the plan counted the added token only
-            follow = follows.get(id(seq))
-            if follow is not None:                 # planned at the device's positions
-                follow.start = seq.num_computed
-                seq.num_computed += follow.num_tokens
-            for metrics in (self._spec_metrics(seq.request), self.spec_metrics):
-                metrics.record(c.max_accept, j)
-            if self.acceptance_log is not None and seq.draft_conf:
-                self.acceptance_log.append((seq.draft_conf[:c.max_accept], j))
-        conf = spec.confidence.tolist() if spec.confidence is not None else None
-        drafts = spec.draft_codes if lazy else spec.drafts.tolist() if spec.draft_seqs else ()
-        for i, (seq, ids) in enumerate(zip(spec.draft_seqs, drafts)):
-            if not seq.finished:
-                seq.draft_ids, seq.draft_source = ids, (step, i) if lazy else None
-                if conf is not None:
-                    seq.draft_conf = conf[i]
-                for metrics in (self._spec_metrics(seq.request), self.spec_metrics):
-                    metrics.num_drafted_tokens += len(ids)
-        now = time.perf_counter()
-        if self.varlen is not None and self._last_commit is not None:
-            self._observe_step_time(step.chunks, (now - self._last_commit) * 1e3)
-        self._last_commit = now
-
     def abort_all(self) -> None:
         """After a failure: drop every request so the cache's slots and blocks return."""
         self._in_flight = None
@@ -400,7 +296,7 @@ class Engine:
             else:
                 stopped = append_token(seq, tok)
             if seq.constraint_state is not None:
-                stopped = _advance_constraint(seq, tok, stopped)
+                stopped = advance_constraint(seq, tok, stopped)
             if stopped:
                 tracked = requests.get(req.request_id)
                 if tracked is not None:
@@ -410,71 +306,6 @@ class Engine:
                 touched[req.request_id] = requests[req.request_id]
         if step.spec is not None:
             self._process_speculation(step.spec, now)
-
-    def _drafts_as_ids(self, chunks: list[ScheduledChunk], constrained_only: bool = False) -> None:
-        """Verify chunks planned with their drafts' device codes get the drafts as token ids."""
-        for c in chunks:
-            if c.num_drafts and c.drafts[0] < 0 and (not constrained_only or c.seq.request.constraint is not None):
-                c.drafts = self._host_drafts(c.seq)
-
-    @staticmethod
-    def _host_drafts(seq: Sequence) -> list[int]:
-        """`seq`'s drafts as token ids: read from the host copy of the step that drew them (waiting
-        for it) when the sequence only holds their device codes."""
-        if seq.draft_source is not None:
-            step, i = seq.draft_source
-            step.wait()
-            seq.draft_ids, seq.draft_source = step.spec.draft_rows()[i], None
-        return seq.draft_ids
-
-    def _process_speculation(self, spec, now: float) -> None:
-        """Verified chunks (committed by `_speculate`): append the accepted drafts and the added token,
-        up to a stop."""
-        lp = None
-        if spec.logprobs is not None:
-            vals, ids, slp, ranks = spec.logprobs
-            lp = HostLogprobs([], vals.tolist(), ids.tolist(), slp.tolist(), ranks.tolist())
-        for n, (c, j, tok) in enumerate(zip(spec.verified, spec.accepted,
-                                            spec.tokens.tolist() if spec.verified else ())):
-            seq = c.seq
-            if seq.status is SeqStatus.FINISHED:
-                self.num_dropped_tokens += 1 + j
-                continue
-            seq.num_pending -= 1 + j
-            req = seq.request
-            stopped = False
-            first = spec.logprob_rows.get(n)
-            emitted = list(c.drafts[:j])
-            emitted.append(tok)
-            if (first is None and seq.detokenizer is None and seq.constraint_state is None
-                    and len(seq.token_ids) + j + 1 < seq.max_tokens and seq.stop_ids.isdisjoint(emitted)):
-                seq.token_ids += emitted           # the common case of append_token, inline
-                seq.num_tokens += j + 1
-                req.metrics.token_times += [now] * (j + 1)
-                if req.stream and req.request_id in self._requests:
-                    self._touched[req.request_id] = self._requests[req.request_id]
-                continue
-            for e, t in enumerate(emitted):
-                req.metrics.token_times.append(now)
-                if first is not None:
-                    self._add_logprobs(seq, lp, first + e, t)
-                stopped = append_token(seq, t)
-                if seq.constraint_state is not None:
-                    stopped = _advance_constraint(seq, t, stopped)
-                if stopped:
-                    break
-            tracked = self._requests.get(req.request_id)
-            if stopped and tracked is not None:
-                self.scheduler.finish(seq)
-                self._finished(tracked, seq)
-            elif req.stream and tracked is not None:
-                self._touched[req.request_id] = tracked
-
-    @staticmethod
-    def _spec_metrics(req: Request) -> SpecMetrics:
-        if req.metrics.spec is None:
-            req.metrics.spec = SpecMetrics()
-        return req.metrics.spec
 
     def _finished(self, tracked: _Tracked, seq: Sequence) -> None:
         finalize_text(seq, self.tokenizer)
@@ -521,13 +352,3 @@ class Engine:
         entries[c.start + 1:end] = [logprobs_entry(vals[r], ids[r], t, slp[r], ranks[r], tok)
                                     for r, t in enumerate(targets)]
         seq.prompt_logprobs = entries
-
-
-def _advance_constraint(seq: Sequence, token: int, stopped: bool) -> bool:
-    """Feed the completion's constraint its new token; whether the completion stops now (a grammar
-    that is complete ends it with "stop", its stop token even with ignore_eos)."""
-    done = seq.request.constraint.processor.advance([seq.constraint_state], [token])[0]
-    if done and not stopped:
-        seq.finish_reason, seq.stop_reason = "stop", None
-        return True
-    return stopped

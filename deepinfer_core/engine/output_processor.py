@@ -84,3 +84,13 @@ def logprobs_entry(top_values: Seq[float], top_ids: Seq[int], token_id: int | No
         if t not in out:
             out[t] = Logprob(lp, rank, decoded(t))
     return out
+
+
+def advance_constraint(seq: Sequence, token: int, stopped: bool) -> bool:
+    """Feed the completion's constraint its new token; whether the completion stops now (a grammar
+    that is complete ends it with "stop", its stop token even with ignore_eos)."""
+    done = seq.request.constraint.processor.advance([seq.constraint_state], [token])[0]
+    if done and not stopped:
+        seq.finish_reason, seq.stop_reason = "stop", None
+        return True
+    return stopped
