@@ -108,10 +108,11 @@ class StepExecutor:
         """Queue one step on the device (on a CPU: run it, on the CPU worker thread). `on_device`:
         greedy verify chunks of one shape, verified and drafted without the host (`verifies_on_device`);
         `blind`: their positions are the device's (the previous step's verdict is not read yet)."""
-        fn = self._launch_on_device if on_device else self._launch
+        fn, args = (self._launch_on_device, (chunks, updates, blind)) if on_device else \
+            (self._launch, (chunks, updates, previous))
         if self.device.type == "cpu":
-            return _on_cpu_worker(fn, chunks, updates, previous, blind)
-        return fn(chunks, updates, previous, blind)
+            return _on_cpu_worker(fn, *args)
+        return fn(*args)
 
     def verifies_on_device(self, num_seqs: int, q: int) -> bool:
         """Whether a verify step of this shape can be verified and drafted on the device."""
@@ -120,24 +121,24 @@ class StepExecutor:
                 and self.runner.verifies_on_device(num_seqs, q) and spec.device_drafting(num_seqs, q))
 
     @torch.no_grad()
-    def _launch_on_device(self, chunks: list[ScheduledChunk], updates: CacheUpdates, previous: InFlight | None,
-                          blind: bool) -> InFlight:
+    def _launch_on_device(self, chunks: list[ScheduledChunk], updates: CacheUpdates, blind: bool) -> InFlight:
         slots = [c.seq.slot for c in chunks]
+        slots_t = to_device(slots, torch.long, self.device)
         ids = []
         for c in chunks:      # the last token (the device's record when the host has not read it), the drafts
             seq = c.seq
             ids.append(-1 - seq.slot if blind or c.start >= seq.num_tokens else seq.token_slice(c.start, c.start + 1)[0])
             ids.extend(c.drafts[:c.num_drafts])
-        out, ids_t, starts_t = self.runner.execute_verify(updates, slots, ids, chunks[0].num_tokens,
+        out, ids_t, starts_t = self.runner.execute_verify(updates, slots, slots_t, ids, chunks[0].num_tokens,
                                                           None if blind else [c.start for c in chunks])
         step = InFlight(chunks, [], None, None)
-        step.spec = self.speculator.run_on_device(out, chunks, slots, starts_t, ids_t, self.runner.slot_tables)
+        step.spec = self.speculator.run_on_device(out, chunks, slots, slots_t, starts_t, ids_t,
+                                                  self.runner.slot_tables)
         self._record(step)
         return step
 
     @torch.no_grad()
-    def _launch(self, chunks: list[ScheduledChunk], updates: CacheUpdates, previous: InFlight | None,
-                blind: bool = False) -> InFlight:
+    def _launch(self, chunks: list[ScheduledChunk], updates: CacheUpdates, previous: InFlight | None) -> InFlight:
         batch, sampled, prompt_lp = self._inputs(chunks, updates)
         fresh = [c.seq for c in chunks if c.start == 0 and _has_penalties(c.seq.request.params)]
         if fresh:      # (re)started sequences: their counts from the outputs they already have

@@ -385,16 +385,17 @@ class ModelRunner:
         return self.model(fb), fb
 
     @torch.no_grad()
-    def execute_verify(self, updates, slots: list[int], ids: list[int], q: int,
+    def execute_verify(self, updates, slots: list[int], slots_t: torch.Tensor, ids: list[int], q: int,
                        starts: list[int] | None) -> tuple[ModelOutput, torch.Tensor, torch.Tensor]:
         """A verify step of q rows per sequence on the CUDA graphs, for a verdict that stays on the
         device (speculative/device_verdict.py): (the graph's output, the resolved input ids [n*q],
-        the first positions [n], both on the device). `starts` None: each sequence's next_start on
-        the device (the previous step's verdict, not read by the host yet)."""
+        the first positions [n], both on the device). `slots_t`: `slots` on the device. `starts`
+        None: each sequence's next_start on the device (the previous step's verdict, not read by the
+        host yet)."""
         self._apply_updates(updates)
         tables = self.slot_tables
         if starts is None:
-            starts_t = tables.next_start.index_select(0, to_device(slots, torch.int64, self.device))
+            starts_t = tables.next_start.index_select(0, slots_t)
             out = self.graphs.replay_output(ids, [], slots, q, device_starts=starts_t)
         else:
             starts_t = to_device(starts, torch.int64, self.device)

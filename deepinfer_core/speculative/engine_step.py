@@ -122,12 +122,11 @@ class Speculator:
                 and graphs.fits([q] * num_seqs))
 
     def run_on_device(self, target: ModelOutput, chunks: list[ScheduledChunk], slots: list[int],
-                      starts: torch.Tensor, ids: torch.Tensor, tables) -> SpecOutcome:
+                      slots_t: torch.Tensor, starts: torch.Tensor, ids: torch.Tensor, tables) -> SpecOutcome:
         """Verify greedy chunks of one shape and draft the next tokens without the host
         (speculative/device_verdict.py); the outcome's host copies complete on the step's event.
-        `starts` [n], `ids` [n*q]: the chunks' first positions and resolved inputs, on the device."""
-        dev = ids.device
-        slots_t = to_device(slots, torch.long, dev)
+        `slots_t` [n], `starts` [n], `ids` [n*q]: the chunks' slots, first positions and resolved
+        inputs, on the device."""
         verdict = verify_on_device(target.logits, ids, starts, slots_t, tables)
         out = SpecOutcome(verified=list(chunks), tokens=to_host(verdict.tokens),
                           accepted_copy=to_host(verdict.accepted), draft_seqs=[c.seq for c in chunks])
