@@ -60,14 +60,18 @@ def greedy_agreement(devices: list[str], model: str | None = None, prompts: list
     rows = []
     for device in devices:
         for qat in (True, False):
-            runs = {dtype: [o.outputs[0] for o in LLM(model=model, dtype=dtype, simulate_qat=qat, device=device,
-                                                       max_model_len=256).generate(prompts, params, use_tqdm=False)]
-                    for dtype in ("float32", "bfloat16")}
+            runs, drafts = {}, set()
+            for dtype in ("float32", "bfloat16"):
+                llm = LLM(model=model, dtype=dtype, simulate_qat=qat, device=device, max_model_len=256)
+                runs[dtype] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+                speculator = llm.engine.executor.speculator       # bf16 verify steps round as batches of rows
+                drafts.add(speculator.num_drafts if speculator is not None else 0)
             prefix = [next((i for i, (a, b) in enumerate(zip(f.token_ids, h.token_ids)) if a != b), n)
                       for f, h in zip(runs["float32"], runs["bfloat16"])]
             # float32's top-2 log-prob gap along its own greedy path: where bf16 parts, and how many near-ties
             gaps = [[top2_gap(lp) for lp in f.logprobs] for f in runs["float32"]]
-            rows.append(dict(device=device, simulate_qat=qat, agreement=sum(prefix) / (n * len(prefix)),
+            rows.append(dict(device=device, simulate_qat=qat, speculative_drafts=drafts.pop(),
+                             agreement=sum(prefix) / (n * len(prefix)),
                              identical=sum(p == n for p in prefix), first_divergence=prefix,
                              float32_gap_at_divergence=[round(g[p], 4) for g, p in zip(gaps, prefix) if p < n],
                              float32_gaps_below_0_1=sum(x < 0.1 for g in gaps for x in g),
