@@ -156,6 +156,11 @@ class ModelOptions(_Section):
                                  "and tokens do not depend on its batch or its prefill chunking")
     enforce_eager: bool = _env("DEEPINFER_ENFORCE_EAGER",
                                "CUDA: never capture decode/verification CUDA graphs")
+    fp4_experts: bool = _opt(False, "nvidia backend: keep the checkpoint's FP4 routed experts FP4 and decode "
+                             "them in the MoE kernels (same results as the default, their FP8 re-encoding at "
+                             "load, with about half the expert bytes; opt-in until it has run compiled on a "
+                             "GPU); backends that dequantise experts at load hold them in the compute dtype "
+                             "either way", BOOL)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .fp8_quant import act_quant
-from .moe_gemm import moe_combine, moe_w2, moe_w13
+from .moe_gemm import Experts, moe_combine, moe_w2, moe_w13
 from .moe_routing import expert_schedule, max_tiles, route_topk
 
 __all__ = ["fused_moe", "invariant_moe_config", "moe_tile_config", "route_topk"]
@@ -49,13 +49,14 @@ def invariant_moe_config(tokens: int, topk: int, num_experts: int, wide_fp32: bo
     return moe_tile_config(32, 1, 1, wide_fp32)
 
 
-def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
-              w2: torch.Tensor, s2: torch.Tensor, *, n_clamped: int, swiglu_limit: float, quant_in: bool,
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Experts, s13: torch.Tensor,
+              w2: Experts, s2: torch.Tensor, *, n_clamped: int, swiglu_limit: float, quant_in: bool,
               quant_mid: bool, compute_dtype: torch.dtype, shared_last: bool = True,
               config: dict | None = None) -> torch.Tensor:
     """x [T, D]; ids [T, K1] int32 expert of each (token, slot) and route_w [T, K1] fp32 its weight
     (`route_topk`); w13 [E1, 2, I, D] e4m3 (w1 then w3) + s13 fp32 [E1, 2, I/128, D/128]; w2 [E1, D, I]
-    + s2 [E1, D/128, I/128]. Experts < `n_clamped` get the SwiGLU clamp at `swiglu_limit`.
+    + s2 [E1, D/128, I/128]; either weight may be `Fp4Experts` (its routed experts decoded from FP4 in
+    registers: the same bits). Experts < `n_clamped` get the SwiGLU clamp at `swiglu_limit`.
     `quant_in` / `quant_mid`: FP8 act_quant of the w13 / w2 inputs (QAT simulation), else the
     activations stay in `compute_dtype`. Returns [T, D] in x's dtype: the slots' outputs summed in
     fp32 (the last slot first when `shared_last`)."""
@@ -67,8 +68,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: to
     if route_w.shape != ids.shape or route_w.dtype != torch.float32:
         raise ValueError(f"fused_moe: route_w must be float32 {tuple(ids.shape)}, got {tuple(route_w.shape)} "
                          f"{route_w.dtype}")
-    if w13.dim() != 4 or w13.shape[3] != D or w2.dim() != 3 or w2.shape[:2] != (w13.shape[0], D) \
-            or w2.shape[2] != w13.shape[2]:
+    w13_shape, w2_shape = tuple(w13.shape), tuple(w2.shape)
+    if len(w13_shape) != 4 or w13_shape[3] != D or len(w2_shape) != 3 or w2_shape[:2] != (w13_shape[0], D) \
+            or w2_shape[2] != w13_shape[2]:
         raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit D={D} "
                          f"(want [E1, 2, I, D] and [E1, D, I])")
     K1, E1 = ids.shape[1], w13.shape[0]

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp4_experts import Fp4Experts, fp4_tile
 from .fp8_quant import AMAX_FLOOR, FP8_MAX, _pow2_ceil, _round_to_e4m3_grid
 from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
 
@@ -77,12 +78,12 @@ def _wide_dot(a, w, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr)
 
 
 @triton.jit
-def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, order_ptr, rw_ptr, sched_ptr, a_ptr, as_ptr,
-                    I, D, E1, n_clamped, limit, stride_x, stride_a,
+def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_ptr, sched_ptr, a_ptr, as_ptr,
+                    I, D, E1, E4, n_clamped, limit, stride_x, stride_a,
                     K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     QAT_IN: tl.constexpr, QAT_OUT: tl.constexpr, CDT: tl.constexpr, XDT: tl.constexpr,
-                    IEEE: tl.constexpr, UPCAST: tl.constexpr, PRECISE_ACC: tl.constexpr):
+                    IEEE: tl.constexpr, UPCAST: tl.constexpr, PRECISE_ACC: tl.constexpr, W4: tl.constexpr):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE1, BLOCK_M)
@@ -96,9 +97,12 @@ def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, order_ptr, rw_ptr, sched_ptr, 
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < I
     e64 = e.to(tl.int64)
-    # w13 [E1, 2, I, D]: w1 rows then w3 rows; scales [E1, 2, NB_I, N_KG]
-    wg_ptrs = w_ptr + e64 * 2 * I * D + offs_n[None, :] * D + offs_k[:, None]
+    # w13 [E1, 2, I, D]: w1 rows then w3 rows; scales [E1, 2, NB_I, N_KG]. With W4 the first E4 experts
+    # are FP4 (codes [E4, 2, I, D/2], scale bytes [E4, 2, I, D/32]) and w_ptr holds the rest from E4 on.
+    wg_ptrs = w_ptr + (e64 - E4) * 2 * I * D + offs_n[None, :] * D + offs_k[:, None]
     wu_ptrs = wg_ptrs + I * D
+    pg_ptr = p_ptr + e64 * 2 * I * (D // 2)
+    gg_ptr = g_ptr + e64 * 2 * I * (D // 32)
     sg_ptrs = ws_ptr + e64 * 2 * NB_I * N_KG + (offs_n // BLOCK_K) * N_KG
     su_ptrs = sg_ptrs + NB_I * N_KG
     x_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
@@ -107,10 +111,15 @@ def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, order_ptr, rw_ptr, sched_ptr, 
     for kb in range(0, N_KG):
         k_ok = offs_k < D - kb * BLOCK_K
         a = tl.load(x_ptrs + kb * BLOCK_K, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(wg_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        wu = tl.load(wu_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
         su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
+        if W4 and e < E4:
+            wg = fp4_tile(pg_ptr, gg_ptr, offs_n, n_ok, kb * BLOCK_K, D, sg, BLOCK_N, BLOCK_K)
+            wu = fp4_tile(pg_ptr + I * (D // 2), gg_ptr + I * (D // 32), offs_n, n_ok, kb * BLOCK_K, D, su,
+                          BLOCK_N, BLOCK_K)
+        else:
+            wg = tl.load(wg_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            wu = tl.load(wu_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if QAT_IN:
             sa = tl.load(xs_ptr + tok * N_KG + kb, mask=r_ok, other=0.0)
             acc_g += tl.dot(a, wg, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sg[None, :]
@@ -145,11 +154,11 @@ def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, order_ptr, rw_ptr, sched_ptr, 
 
 
 @triton.jit
-def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, order_ptr, sched_ptr, y_ptr, D, I, E1, stride_a, stride_y,
-                   EB: tl.constexpr, N_KG: tl.constexpr, NB_D: tl.constexpr,
+def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_ptr, y_ptr, D, I, E1, E4,
+                   stride_a, stride_y, EB: tl.constexpr, N_KG: tl.constexpr, NB_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    QAT: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISE_ACC: tl.constexpr):
+                   PRECISE_ACC: tl.constexpr, W4: tl.constexpr):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE2, BLOCK_M)
@@ -162,14 +171,18 @@ def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, order_ptr, sched_ptr, y_ptr, D,
     n_ok = offs_n < D
     e64 = e.to(tl.int64)
     a_ptrs = a_ptr + offs_r[:, None] * stride_a + offs_k[None, :]
-    w_ptrs = w_ptr + e64 * D * I + offs_n[None, :] * I + offs_k[:, None]     # w2 [E1, D, I]
+    w_ptrs = w_ptr + (e64 - E4) * D * I + offs_n[None, :] * I + offs_k[:, None]     # w2 [E1, D, I]
     s_ptrs = ws_ptr + e64 * NB_D * N_KG + (offs_n // BLOCK_K) * N_KG
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, N_KG):
         k_ok = offs_k < I - kb * BLOCK_K
         a = tl.load(a_ptrs + kb * BLOCK_K, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         sw = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
+        if W4 and e < E4:
+            w = fp4_tile(p_ptr + e64 * D * (I // 2), g_ptr + e64 * D * (I // 32), offs_n, n_ok, kb * BLOCK_K, I,
+                         sw, BLOCK_N, BLOCK_K)
+        else:
+            w = tl.load(w_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if QAT:
             sa = tl.load(as_ptr + offs_r * N_KG + kb, mask=r_ok, other=0.0)
             acc += tl.dot(a, w, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sw[None, :]
@@ -202,27 +215,40 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _check_experts(w: torch.Tensor, s: torch.Tensor, shape: tuple, name: str) -> None:
-    if w.dtype != torch.float8_e4m3fn or tuple(w.shape) != shape or not w.is_contiguous():
+Experts = torch.Tensor | Fp4Experts      # e4m3 [E1, *rows, N, K], or its first experts kept FP4
+
+
+def _check_experts(w: Experts, s: torch.Tensor, shape: tuple, name: str) -> dict:
+    """The kernel arguments of a stacked expert weight (`w_ptr`, `p_ptr`, `g_ptr`, `E4`, `W4`) after
+    checking it and its float32 128x128 block scales against the logical `shape`."""
+    if isinstance(w, Fp4Experts):
+        if w.shape != shape:
+            raise ValueError(f"{name}: expected {shape}, got FP4 experts of {w.shape}")
+        fp8 = w.fp8 if w.fp8.numel() else w.packed        # every expert FP4: the FP8 pointer is never read
+        args = dict(w_ptr=fp8, p_ptr=w.packed, g_ptr=w.groups, E4=w.num_fp4, W4=True)
+    elif w.dtype != torch.float8_e4m3fn or tuple(w.shape) != shape or not w.is_contiguous():
         raise ValueError(f"{name}: expected contiguous float8_e4m3fn {shape}, got {w.dtype} {tuple(w.shape)}")
+    else:
+        args = dict(w_ptr=w, p_ptr=w, g_ptr=w, E4=0, W4=False)
     want = shape[:-2] + (triton.cdiv(shape[-2], BLOCK_K), triton.cdiv(shape[-1], BLOCK_K))
     if s.dtype != torch.float32 or tuple(s.shape) != want or not s.is_contiguous():
         raise ValueError(f"{name} scales: expected contiguous float32 {want}, got {s.dtype} {tuple(s.shape)}")
+    return args
 
 
-def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, s13: torch.Tensor,
+def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: Experts, s13: torch.Tensor,
             order: torch.Tensor, route_w: torch.Tensor, sched: torch.Tensor, n_tiles: int, *, k1: int,
             n_clamped: int, limit: float, compute_dtype: torch.dtype, x_dtype: torch.dtype, quant_out: bool,
             block_m: int, num_warps: int = 4, num_stages: int = 3, precise_acc: int = 32
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, D]: e4m3 with per-128 scales `x_scale` [T, D/128] (QAT) or unquantised (bf16/fp32, x_scale
-    None); w13 [E1, 2, I, D] e4m3 + s13 [E1, 2, I/128, D/128]; order [n] (token*k1 + slot, sorted by
+    None); w13 [E1, 2, I, D] e4m3 (or `Fp4Experts`) + s13 [E1, 2, I/128, D/128]; order [n] (token*k1 + slot, sorted by
     expert); route_w [n] fp32 by (token, slot). Returns w2's input in sorted row order: (e4m3 [n, I],
     scales [n, I/128]) with `quant_out`, else ([n, I] compute_dtype, None)."""
     T, D = x.shape
     E1, _, I, _ = w13.shape
     n = order.numel()
-    _check_experts(w13, s13, (E1, 2, I, D), "moe_w13: w13")
+    weights = _check_experts(w13, s13, (E1, 2, I, D), "moe_w13: w13")
     if (x_scale is not None) != (x.dtype == torch.float8_e4m3fn):
         raise ValueError(f"moe_w13: x_scale must be given exactly when x is FP8 (x is {x.dtype})")
     if x_scale is not None and tuple(x_scale.shape) != (T, triton.cdiv(D, BLOCK_K)):
@@ -242,9 +268,10 @@ def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, s1
         return a, a_s
     x = x if x.stride(1) == 1 else x.contiguous()
     grid = (n_tiles, triton.cdiv(I, block_n))
-    _moe_w13_kernel[grid](x, x_scale if x_scale is not None else x, w13, s13, order, route_w.reshape(-1), sched,
-                          a, a_s if a_s is not None else a, I, D, E1, n_clamped, float(limit), x.stride(0),
-                          a.stride(0), K1=k1, EB=sched.shape[1], N_KG=triton.cdiv(D, BLOCK_K),
+    _moe_w13_kernel[grid](x_ptr=x, xs_ptr=x_scale if x_scale is not None else x, ws_ptr=s13, order_ptr=order,
+                          rw_ptr=route_w.reshape(-1), sched_ptr=sched, a_ptr=a, as_ptr=a_s if a_s is not None else a,
+                          I=I, D=D, E1=E1, n_clamped=n_clamped, limit=float(limit), stride_x=x.stride(0),
+                          stride_a=a.stride(0), **weights, K1=k1, EB=sched.shape[1], N_KG=triton.cdiv(D, BLOCK_K),
                           NB_I=triton.cdiv(I, BLOCK_K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
                           QAT_IN=x_scale is not None, QAT_OUT=quant_out, CDT=TL_DTYPES[compute_dtype],
                           XDT=TL_DTYPES[x_dtype], IEEE=compute_dtype == torch.float32, UPCAST=_interpreted(),
@@ -252,14 +279,14 @@ def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, s1
     return a, a_s
 
 
-def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor, order: torch.Tensor,
+def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: Experts, s2: torch.Tensor, order: torch.Tensor,
            sched: torch.Tensor, n_tiles: int, *, out_dtype: torch.dtype, block_m: int, block_n: int,
            num_warps: int = 4, num_stages: int = 3, precise_acc: int = 32) -> torch.Tensor:
     """a [n, I] in sorted row order (e4m3 + a_scale [n, I/128], or unquantised); w2 [E1, D, I] e4m3 +
     s2 [E1, D/128, I/128] -> y [n, D] out_dtype in (token, slot) order (row order[r] gets row r)."""
     n, I = a.shape
     E1, D, _ = w2.shape
-    _check_experts(w2, s2, (E1, D, I), "moe_w2: w2")
+    weights = _check_experts(w2, s2, (E1, D, I), "moe_w2: w2")
     if (a_scale is not None) != (a.dtype == torch.float8_e4m3fn):
         raise ValueError(f"moe_w2: a_scale must be given exactly when a is FP8 (a is {a.dtype})")
     if order.numel() != n:
@@ -273,8 +300,9 @@ def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, s2: 
     if cdt not in TL_DTYPES:
         raise ValueError(f"moe_w2: activation dtype {cdt} not one of {list(TL_DTYPES)}")
     grid = (n_tiles, triton.cdiv(D, block_n))
-    _moe_w2_kernel[grid](a, a_scale if a_scale is not None else a, w2, s2, order, sched, y, D, I, E1, a.stride(0),
-                         y.stride(0), EB=sched.shape[1], N_KG=triton.cdiv(I, BLOCK_K), NB_D=triton.cdiv(D, BLOCK_K),
+    _moe_w2_kernel[grid](a_ptr=a, as_ptr=a_scale if a_scale is not None else a, ws_ptr=s2, order_ptr=order,
+                         sched_ptr=sched, y_ptr=y, D=D, I=I, E1=E1, stride_a=a.stride(0), stride_y=y.stride(0),
+                         **weights, EB=sched.shape[1], N_KG=triton.cdiv(I, BLOCK_K), NB_D=triton.cdiv(D, BLOCK_K),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, QAT=a_scale is not None,
                          CDT=TL_DTYPES[cdt], IEEE=cdt == torch.float32, UPCAST=_interpreted(),
                          PRECISE_ACC=precise_acc, num_warps=num_warps, num_stages=num_stages)

@@ -1,7 +1,7 @@
 """The nvidia backend's MoE (Fp8LinearMethod + NvidiaMoEMethod: Triton routing, grouped FP8 GEMMs with
 the SwiGLU epilogue, fixed-order combine) against the core's portable MoE (PortableLinearMethod +
 PortableMoE) on tiny layers: QAT on and off, hash- and score-routed, 1 / a few / more tokens than
-experts x tile, empty experts, routing ties, FP4 experts re-encoded, bitwise independence of the
+experts x tile, empty experts, routing ties, FP4 experts kept FP4 (= re-encoded, bitwise), bitwise independence of the
 batch order, the fallbacks, and no host synchronisation in `apply` (on a GPU: a CUDA-graph replay).
 """
 from __future__ import annotations
@@ -73,12 +73,12 @@ def make_moe(cfg: ModelConfig, hash_routed: bool, seed: int) -> MoE:
 
 
 def prepare(moe: MoE, nvidia: bool, qat: bool, dtype=torch.float32, linears_first: bool = False,
-            tiles: dict | None = SMALL) -> MoE:
+            tiles: dict | None = SMALL, fp4_experts: bool = False) -> MoE:
     """Bind methods as the nvidia plugin / the core would and process weights in model order
     (`deepinfer_core.model.process_weights` visits the MoE before its linears)."""
     fp8_method = Fp8LinearMethod(dtype, qat) if nvidia else PortableLinearMethod(dtype, qat)
     methods = {"fp8": fp8_method, "fp4": fp8_method, "bf16": PortableLinearMethod(dtype, qat)}
-    moe.method = NvidiaMoEMethod(tiles) if nvidia else PortableMoE()
+    moe.method = NvidiaMoEMethod(tiles, fp4_experts=fp4_experts) if nvidia else PortableMoE()
     mods = list(moe.modules())
     for m in mods:
         if isinstance(m, Linear):
@@ -245,11 +245,19 @@ def test_batch_order_does_not_change_any_bit(kdev):
     assert torch.equal(out[perm], out_perm) and torch.equal(out[5], out[1])
 
 
-def test_fp4_experts_are_re_encoded_and_fused(kdev):
-    ours, ref = pair(config(expert_dtype="fp4"), False, True, seed=40)
-    assert NvidiaMoEMethod.fused(ours) and ours.nv_w13.dtype == torch.float8_e4m3fn
-    x, tok = inputs(3, 41)
-    assert rel(run(ours, x, tok, kdev), ref(x, tok)) < tolerance(kdev)
+@pytest.mark.parametrize("qat", [True, False])
+def test_fp4_experts_stay_fp4_and_give_the_re_encoded_bits(kdev, qat):
+    """With `fp4_experts`, routed FP4 experts are kept as the checkpoint's codes and scale bytes (the shared expert FP8);
+    the result equals the FP8 re-encoding's (the default) bit for bit and the portable MoE's."""
+    base = make_moe(config(expert_dtype="fp4"), False, seed=40)
+    ours, ref = prepare(copy.deepcopy(base), True, qat, fp4_experts=True), prepare(copy.deepcopy(base), False, qat)
+    fp8 = prepare(copy.deepcopy(base), True, qat)
+    assert ours.nv_fused.n_fp4 == E and ours.nv_w13.shape[0] == 1 and ours.nv_w13_codes.dtype == torch.uint8
+    assert fp8.nv_fused.n_fp4 == 0 and fp8.nv_w13.shape[0] == E + 1
+    x, tok = inputs(5, 41)
+    got = run(ours, x, tok, kdev)
+    assert torch.equal(got, run(fp8, x, tok, kdev))
+    assert rel(got, ref(x, tok)) < tolerance(kdev)
 
 
 def test_bf16_compute(kdev):

@@ -5,7 +5,11 @@ and the fixed-order combine from `deepinfer_kernels.moe`, with no host synchroni
 `process_weights` stacks every routed expert, plus the shared expert as expert E, into
 w13 [E+1, 2, I, D] / w2 [E+1, D, I] e4m3 with float32 128x128 block scales, registered on the MoE
 module (so `model.to(device)` moves them once) and frees the per-expert buffers, so memory is not
-doubled. FP4 experts are re-encoded to FP8 exactly as `Fp8LinearMethod` does. The numerics follow
+doubled. FP4 experts are re-encoded to FP8 exactly as `Fp8LinearMethod` does; with `fp4_experts`
+(the engine option of that name) the routed ones stay FP4 instead: their packed codes and UE8M0
+group bytes as the checkpoint stores them, with the block scales of their exact FP8 re-encoding,
+which the grouped GEMMs rebuild tile by tile in registers (`deepinfer_kernels.fp4_experts`: the same
+bits as the re-encoded weights, about half the bytes). The numerics follow
 the experts' own linear method (`Fp8LinearMethod`): its compute dtype, and activation quantisation
 exactly where it would apply it (simulate_qat and the layer's act_quant). A layer whose experts are
 not FP8 (bf16 model, FP4 that cannot be re-encoded, another linear method) keeps the core's
@@ -25,6 +29,7 @@ import triton
 
 from deepinfer_core.ops.portable_moe import PortableMoE
 from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block
+from deepinfer_kernels.fp4_experts import GROUP, Fp4Experts
 
 from .linear import Fp8LinearMethod
 
@@ -40,6 +45,7 @@ class _Fused:
     quant_in: bool          # act_quant of the w1/w3 input
     quant_mid: bool         # act_quant of the w2 input
     swiglu_limit: float
+    n_fp4: int              # experts 0..n_fp4-1 kept FP4 (nv_*_codes / nv_*_groups), the rest FP8
 
 
 class _FusedAway:
@@ -70,6 +76,38 @@ def _expert_fp8(lin) -> tuple[torch.Tensor, torch.Tensor] | None:
     return lin.weight, e8m0_to_float(lin.scale)
 
 
+def _stack_experts(linears: list[tuple], I: int, D: int, n_fp4: int) -> dict[str, torch.Tensor] | None:
+    """The MoE's stacked expert buffers from its experts' (w1, w3, w2) linears: w13 [E1, 2, I, D] /
+    w2 [E1, D, I] e4m3 with float32 128x128 block scales (`nv_w13`, `nv_s13`, `nv_w2`, `nv_s2`); with
+    `n_fp4`, experts below it stay FP4 (`nv_w13_codes` [n_fp4, 2, I, D/2] / `nv_w13_groups`
+    [n_fp4, 2, I, D/32] uint8, likewise `nv_w2_*`), their block scales those of the exact FP8
+    re-encoding, and `nv_w13` / `nv_w2` hold the experts from n_fp4 on. None: an expert is not
+    servable as FP8."""
+    E1, nbi, nbd = len(linears), triton.cdiv(I, BLOCK), triton.cdiv(D, BLOCK)
+    dev = linears[0][0].weight.device
+    out = dict(nv_w13=torch.empty((E1 - n_fp4, 2, I, D), dtype=torch.float8_e4m3fn, device=dev),
+               nv_s13=torch.empty((E1, 2, nbi, nbd), dtype=torch.float32, device=dev),
+               nv_w2=torch.empty((E1 - n_fp4, D, I), dtype=torch.float8_e4m3fn, device=dev),
+               nv_s2=torch.empty((E1, nbd, nbi), dtype=torch.float32, device=dev))
+    if n_fp4:
+        out.update(nv_w13_codes=torch.empty((n_fp4, 2, I, D // 2), dtype=torch.uint8, device=dev),
+                   nv_w13_groups=torch.empty((n_fp4, 2, I, D // GROUP), dtype=torch.uint8, device=dev),
+                   nv_w2_codes=torch.empty((n_fp4, D, I // 2), dtype=torch.uint8, device=dev),
+                   nv_w2_groups=torch.empty((n_fp4, D, I // GROUP), dtype=torch.uint8, device=dev))
+    for i, (l1, l3, l2) in enumerate(linears):
+        for name, index, lin in (("w13", (i, 0), l1), ("w13", (i, 1), l3), ("w2", (i,), l2)):
+            enc = _expert_fp8(lin)
+            if enc is None:
+                return None
+            out[f"nv_s{name[1:]}"][index].copy_(enc[1])
+            if i < n_fp4:       # the checkpoint's bytes as they are; the FP8 tile is rebuilt in registers
+                out[f"nv_{name}_codes"][index].copy_(lin.weight.view(torch.uint8))
+                out[f"nv_{name}_groups"][index].copy_(lin.scale.view(torch.uint8))
+            else:
+                out[f"nv_{name}"][(index[0] - n_fp4, *index[1:])].copy_(enc[0])
+    return out
+
+
 def _numerics(lin) -> tuple[torch.dtype, bool]:
     """(compute dtype, act_quant applied) as Fp8LinearMethod.apply decides them for this layer."""
     method = lin.method
@@ -80,15 +118,16 @@ class NvidiaMoEMethod:
     """Same interface as the core's PortableMoE: `process_weights(moe)` once after loading, then
     `apply(moe, x, input_ids)` per forward."""
 
-    def __init__(self, config: dict | None = None, batch_invariant: bool = False) -> None:
+    def __init__(self, config: dict | None = None, batch_invariant: bool = False, fp4_experts: bool = False) -> None:
         self.portable = PortableMoE()
         self.config = config        # tile-config override for `fused_moe` (tuning, tests); None = heuristic
         self.batch_invariant = batch_invariant
+        self.fp4_experts = fp4_experts      # keep FP4 routed experts FP4 (else re-encode them to FP8)
 
     def batch_invariant_variant(self) -> "NvidiaMoEMethod":
         """Fixed grouped-GEMM tiles for every batch and the router GEMM on fixed tiles (the
         batch_invariant feature's protocol); the combine already sums in slot order."""
-        return type(self)(self.config, batch_invariant=True)
+        return type(self)(self.config, batch_invariant=True, fp4_experts=self.fp4_experts)
 
     @staticmethod
     def fused(moe) -> bool:
@@ -126,31 +165,23 @@ class NvidiaMoEMethod:
         if q1 != q3 or len({dt1, dt3, dt2}) != 1:
             log.warning("MoE layer %s: w1/w3/w2 numerics differ; portable MoE", moe.layer_id)
             return
-        E1, nbi, nbd = len(experts), triton.cdiv(I, BLOCK), triton.cdiv(D, BLOCK)
+        n_fp4 = len(moe.experts) if self.fp4_experts and D % GROUP == 0 and I % GROUP == 0 and all(
+            lin.fmt == "fp4" for trio in linears[:-1] for lin in trio) else 0
+        buffers = _stack_experts(linears, I, D, n_fp4)
+        if buffers is None:      # nothing freed yet: the portable method takes the layer as loaded
+            log.warning("MoE layer %s: expert weights not servable as FP8 (%s); portable MoE", moe.layer_id, w1.fmt)
+            return
         dev = w1.weight.device
-        w13 = torch.empty((E1, 2, I, D), dtype=torch.float8_e4m3fn, device=dev)
-        s13 = torch.empty((E1, 2, nbi, nbd), dtype=torch.float32, device=dev)
-        w2 = torch.empty((E1, D, I), dtype=torch.float8_e4m3fn, device=dev)
-        s2 = torch.empty((E1, nbd, nbi), dtype=torch.float32, device=dev)
-        for i, (l1, l3, l2) in enumerate(linears):
-            for dst_w, dst_s, lin in ((w13[i, 0], s13[i, 0], l1), (w13[i, 1], s13[i, 1], l3), (w2[i], s2[i], l2)):
-                enc = _expert_fp8(lin)
-                if enc is None:      # nothing freed yet: the portable method takes the layer as loaded
-                    log.warning("MoE layer %s: expert weights not servable as FP8 (%s); portable MoE",
-                                moe.layer_id, lin.fmt)
-                    return
-                dst_w.copy_(enc[0])
-                dst_s.copy_(enc[1])
         for lin in (lin for trio in linears for lin in trio):
             lin.register_buffer("weight", torch.empty(0, dtype=torch.float8_e4m3fn, device=dev), persistent=False)
             lin.scale = None
             if hasattr(lin, "fp8_scale"):
                 lin.fp8_scale = None
             lin.method = _FusedAway()
-        for name, t in (("nv_w13", w13), ("nv_s13", s13), ("nv_w2", w2), ("nv_s2", s2)):
+        for name, t in buffers.items():
             moe.register_buffer(name, t, persistent=False)
         moe.nv_fused = _Fused(n_routed=len(moe.experts), compute_dtype=dt1, quant_in=q1, quant_mid=q2,
-                              swiglu_limit=float(moe.experts[0].swiglu_limit))
+                              swiglu_limit=float(moe.experts[0].swiglu_limit), n_fp4=n_fp4)
 
     def route(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k+1] int32, weights [T, k+1] fp32); the last column is the shared expert."""
@@ -186,8 +217,12 @@ class NvidiaMoEMethod:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         ids, w = self.route(moe, x2, input_ids)
-        out = fused_moe(x2, ids, w, moe.nv_w13, moe.nv_s13, moe.nv_w2, moe.nv_s2, n_clamped=spec.n_routed,
+        w13, w2 = moe.nv_w13, moe.nv_w2
+        if spec.n_fp4:
+            w13 = Fp4Experts(moe.nv_w13_codes, moe.nv_w13_groups, w13)
+            w2 = Fp4Experts(moe.nv_w2_codes, moe.nv_w2_groups, w2)
+        out = fused_moe(x2, ids, w, w13, moe.nv_s13, w2, moe.nv_s2, n_clamped=spec.n_routed,
                         swiglu_limit=spec.swiglu_limit, quant_in=spec.quant_in, quant_mid=spec.quant_mid,
                         compute_dtype=spec.compute_dtype, shared_last=True,
-                        config=self._config(spec, x2.shape[0], ids.shape[1], moe.nv_w13.shape[0], x.device))
+                        config=self._config(spec, x2.shape[0], ids.shape[1], moe.nv_s13.shape[0], x.device))
         return out.view(*lead, out.shape[-1])

@@ -14,7 +14,7 @@ NAME = "nvidia"
 MIN_CAPABILITY = (9, 0)      # FP8 tensor cores (Hopper); SM100 runs the same Triton code
 DEEPINFER_PLUGIN_INFO = {
     "status": "partial",
-    "note": "Triton kernels for FP8 linear layers (FP4 experts re-encoded to FP8), the fused FP8 MoE, "
+    "note": "Triton kernels for FP8 linear layers (FP4 experts re-encoded to FP8, or kept FP4 with fp4_experts), the fused FP8 MoE, "
             "sparse attention with the indexer and compressors, mHC, fused RMSNorm/RoPE/KV quant; decode "
             "CUDA graphs. Not yet: SM100-specific paths",
 }
@@ -88,4 +88,4 @@ def deepinfer_moe_method(ctx):
     if not _serves(ctx):
         return None
     from .moe import NvidiaMoEMethod
-    return NvidiaMoEMethod()
+    return NvidiaMoEMethod(fp4_experts=ctx.options.model.fp4_experts)

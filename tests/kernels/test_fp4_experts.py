@@ -1,0 +1,127 @@
+"""FP4 experts decoded in registers (deepinfer_kernels.fp4_experts) give the FP8 path's bits: the fused
+MoE with routed experts kept as packed e2m1 codes + UE8M0 group scales (the shared expert FP8) equals,
+bit for bit, the same MoE on the load-time FP8 re-encoding of those experts, with QAT (W4A8) and
+without (W4A16), in float32 and bfloat16, for widths that are and are not multiples of 128; the
+decoded tiles equal `fp4_to_fp8_block`'s bytes; malformed FP4 experts are refused by name.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block, quantize_fp4, quantize_fp8_block
+from deepinfer_kernels.fp4_experts import Fp4Experts, fp4_tile
+from deepinfer_kernels.moe import fused_moe
+from deepinfer_kernels.moe_routing import route_topk
+
+E, K = 4, 2          # routed experts, top-k; the shared expert is expert E
+
+
+@triton.jit
+def _decode(p_ptr, g_ptr, s_ptr, out_ptr, N, K, NB_K: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    pid_n, kb = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    scale = tl.load(s_ptr + (offs_n // 128) * NB_K + kb, mask=n_ok, other=0.0)
+    tile = fp4_tile(p_ptr, g_ptr, offs_n, n_ok, kb * BLOCK_K, K, scale, BLOCK_N, BLOCK_K)
+    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n[None, :] * K + offs_k[:, None], tile, mask=n_ok[None, :] & (offs_k < K)[:, None])
+
+
+def random_fp4(n: int, k: int, gen: torch.Generator, spread: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every code (both signs, zeros) and group scales over `spread` binades."""
+    codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    groups = torch.randint(127 - spread, 128, (n, k // 32), generator=gen, dtype=torch.uint8)
+    return codes, groups
+
+
+@pytest.mark.parametrize("n,k", [(200, 320), (128, 128)])
+def test_decoded_tiles_are_the_re_encoded_bytes(kdev, n, k):
+    codes, groups = random_fp4(n, k, torch.Generator().manual_seed(n + k))
+    q, s8 = fp4_to_fp8_block(codes.view(torch.int8), groups)
+    out = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=kdev)
+    nbk = triton.cdiv(k, 128)
+    _decode[(triton.cdiv(n, 64), nbk)](codes.to(kdev), groups.to(kdev), e8m0_to_float(s8).to(kdev), out, n, k,
+                                       NB_K=nbk, BLOCK_N=64, BLOCK_K=128)
+    assert torch.equal(out.cpu().view(torch.uint8), q.view(torch.uint8))
+
+
+def stacked_experts(D: int, I: int, seed: int):
+    """(FP8 w13, s13, w2, s2) with the routed experts re-encoded from FP4, and the same weights as
+    (Fp4Experts w13, s13, Fp4Experts w2, s2)."""
+    gen = torch.Generator().manual_seed(seed)
+    mats = {"w13": [], "w2": []}
+    for e in range(E + 1):
+        for name, (n, k) in (("w13", (I, D)), ("w13", (I, D)), ("w2", (D, I))):
+            if e < E:
+                mats[name].append(("fp4", *quantize_fp4(torch.randn(n, k, generator=gen) * k ** -0.5, 32)))
+            else:
+                mats[name].append(("fp8", *quantize_fp8_block(torch.randn(n, k, generator=gen) * k ** -0.5)))
+    fp8_form, fp4_form = [], []
+    for name, rows in (("w13", (2,)), ("w2", ())):
+        ws, ss = [], []
+        for fmt, w, s in mats[name]:
+            q, s8 = fp4_to_fp8_block(w, s) if fmt == "fp4" else (w, s)
+            ws.append(q)
+            ss.append(e8m0_to_float(s8))
+        shape = (E + 1, *rows, *ws[0].shape)
+        w = torch.stack(ws).view(shape)
+        s = torch.stack(ss).view(E + 1, *rows, *ss[0].shape)
+        fp4 = [m for m in mats[name] if m[0] == "fp4"]
+        packed = torch.stack([m[1].view(torch.uint8) for m in fp4]).view(E, *rows, *fp4[0][1].shape)
+        groups = torch.stack([m[2].view(torch.uint8) for m in fp4]).view(E, *rows, *fp4[0][2].shape)
+        fp8_form += [w, s]
+        fp4_form += [Fp4Experts(packed.contiguous(), groups.contiguous(), w[E:].contiguous()), s]
+    return fp8_form, fp4_form
+
+
+def moe(x, weights, qat: bool, dtype, kdev):
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(x.shape[0], E, generator=gen)
+    ids, rw = route_topk(logits.to(kdev), K, bias=torch.zeros(E, device=kdev), renormalize=True,
+                         routed_scale=1.5, shared_expert=True)
+    w13, s13, w2, s2 = [_to(t, kdev) for t in weights]
+    return fused_moe(x.to(kdev, dtype), ids, rw, w13, s13, w2, s2, n_clamped=E, swiglu_limit=0.8, quant_in=qat,
+                     quant_mid=qat, compute_dtype=dtype, shared_last=True,
+                     config=dict(block_m1=16, block_m2=16, block_n2=128, num_warps1=4, num_stages1=2,
+                                 num_warps2=4, num_stages2=2))
+
+
+def _to(t, dev):
+    if isinstance(t, Fp4Experts):
+        return Fp4Experts(t.packed.to(dev), t.groups.to(dev), t.fp8.to(dev))
+    return t.to(dev)
+
+
+@pytest.mark.parametrize("qat,dtype,D,I", [(True, torch.float32, 256, 128), (False, torch.float32, 160, 96),
+                                           (True, torch.bfloat16, 128, 160), (False, torch.bfloat16, 128, 128)])
+def test_fp4_experts_give_the_re_encoded_bits(kdev, qat, dtype, D, I):
+    fp8_form, fp4_form = stacked_experts(D, I, seed=D + I)
+    x = torch.randn(11, D, generator=torch.Generator().manual_seed(3))
+    want = moe(x, fp8_form, qat, dtype, kdev)
+    got = moe(x, fp4_form, qat, dtype, kdev)
+    assert torch.isfinite(want).all() and want.abs().max() > 0
+    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+def test_malformed_fp4_experts_are_refused():
+    codes = torch.zeros(E, 2, 128, 64, dtype=torch.uint8)
+    groups = torch.zeros(E, 2, 128, 4, dtype=torch.uint8)
+    shared = torch.zeros(1, 2, 128, 128, dtype=torch.float8_e4m3fn)
+    assert Fp4Experts(codes, groups, shared).shape == (E + 1, 2, 128, 128)
+    with pytest.raises(ValueError, match="do not fit"):
+        Fp4Experts(codes, groups[..., :3], shared)
+    with pytest.raises(ValueError, match="uint8 codes"):
+        Fp4Experts(codes.view(torch.int8), groups, shared)
+    w2 = Fp4Experts(torch.zeros(E, 128, 64, dtype=torch.uint8), torch.zeros(E, 128, 4, dtype=torch.uint8),
+                    torch.zeros(1, 128, 128, dtype=torch.float8_e4m3fn))
+    x = torch.zeros(2, 256)
+    ids = torch.zeros(2, K + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="do not fit D=256"):
+        fused_moe(x, ids, torch.ones(2, K + 1), Fp4Experts(codes, groups, shared), torch.ones(E + 1, 2, 1, 1), w2,
+                  torch.ones(E + 1, 1, 1), n_clamped=E, swiglu_limit=0.0, quant_in=False, quant_mid=False,
+                  compute_dtype=torch.float32)
