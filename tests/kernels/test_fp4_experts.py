@@ -10,11 +10,16 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
-from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block, quantize_fp4, quantize_fp8_block
 from deepinfer_kernels.fp4_experts import Fp4Experts, fp4_tile
 from deepinfer_kernels.moe import fused_moe
 from deepinfer_kernels.moe_routing import route_topk
+
+from deepinfer_core.ops.quant import (
+    e8m0_to_float,
+    fp4_to_fp8_block,
+    quantize_fp4,
+    quantize_fp8_block,
+)
 
 E, K = 4, 2          # routed experts, top-k; the shared expert is expert E
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from deepinfer_kernels.fp4_experts import GROUP, Fp4Experts
 
 from deepinfer_core.ops.portable_moe import PortableMoE
 from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block
-from deepinfer_kernels.fp4_experts import GROUP, Fp4Experts
 
 from .linear import Fp8LinearMethod
 
