@@ -182,6 +182,10 @@ def fp4_to_fp8_block(w_packed: torch.Tensor, scale: torch.Tensor, block: int = 3
     the smallest non-zero, 0.5 * 2^(s_min - S), must stay >= 2^-9 (e4m3's smallest subnormal), i.e. the
     group scales of one block may span 14 binades at most. The result is checked bit for bit.
     """
+    if w_packed.is_meta:        # shapes only (weight accounting on the meta device): nothing to check
+        O, K, (bo, bi) = w_packed.shape[0], w_packed.shape[1] * 2, out_block
+        return (torch.empty((O, K), dtype=torch.float8_e4m3fn, device="meta"),
+                torch.empty((-(-O // bo), -(-K // bi)), dtype=torch.float8_e8m0fnu, device="meta"))
     v = unpack_fp4(w_packed)                                     # [O, K] e2m1 values (float32)
     O, K = v.shape
     bo, bi = out_block

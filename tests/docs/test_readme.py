@@ -399,6 +399,9 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/backend_agreement.py": Skip(GPU + " (it compares CUDA with the CPU)"),
     "python benchmarks/backend_agreement.py --greedy cpu": Skip(
         "4 LLMs x 16 prompts x 32 tokens on the CPU (minutes); writes benchmarks/results/"),
+    "python benchmarks/weight_memory.py": Skip(
+        "~80 s of CPU over the 43-layer meta graph, rewrites benchmarks/results/weight_memory.json; "
+        "tests/benchmarks/test_weight_memory.py runs the same accounting on the tiny config"),
     "python benchmarks/qat_divergence.py": Skip(
         "a measurement whose numbers the README quotes (4 forwards of the bundled model, ~1 min of CPU), "
         "nothing to assert"),
