@@ -49,11 +49,12 @@ def tensor_bytes(module: torch.nn.Module) -> dict[str, int]:
 def process_nvidia(model: torch.nn.Module, dtype: torch.dtype, simulate_qat: bool, fp4_experts: bool) -> None:
     """Bind the nvidia backend's linear and MoE methods as its plugin does and process the weights
     (on the meta device: shapes only)."""
+    from deepinfer_nvidia.linear import Bf16LinearMethod, Fp8LinearMethod
+    from deepinfer_nvidia.moe import NvidiaMoEMethod
+
     from deepinfer_core.model import process_weights
     from deepinfer_core.model.layers import Linear
     from deepinfer_core.model.moe import MoE
-    from deepinfer_nvidia.linear import Bf16LinearMethod, Fp8LinearMethod
-    from deepinfer_nvidia.moe import NvidiaMoEMethod
     fp8 = Fp8LinearMethod(dtype, simulate_qat)
     methods = {"fp8": fp8, "fp4": fp8, "bf16": Bf16LinearMethod(dtype, simulate_qat)}
     moe_method = NvidiaMoEMethod(fp4_experts=fp4_experts)

@@ -14,6 +14,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import weight_memory as WM  # noqa: E402
+
 from deepinfer_core.config import ModelConfig  # noqa: E402
 from deepinfer_core.model.deepseek_v4 import build_model  # noqa: E402
 from deepinfer_core.model.dummy_weights import fill_dummy_weights  # noqa: E402
