@@ -113,10 +113,14 @@ def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
         a = tl.load(x_ptrs + kb * BLOCK_K, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
         su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
-        if W4 and e < E4:
-            wg = fp4_tile(pg_ptr, gg_ptr, offs_n, n_ok, kb * BLOCK_K, D, sg, BLOCK_N, BLOCK_K)
-            wu = fp4_tile(pg_ptr + I * (D // 2), gg_ptr + I * (D // 32), offs_n, n_ok, kb * BLOCK_K, D, su,
-                          BLOCK_N, BLOCK_K)
+        if W4:              # a compile-time branch: the FP8 kernels stay exactly what they were
+            if e < E4:
+                wg = fp4_tile(pg_ptr, gg_ptr, offs_n, n_ok, kb * BLOCK_K, D, sg, BLOCK_N, BLOCK_K)
+                wu = fp4_tile(pg_ptr + I * (D // 2), gg_ptr + I * (D // 32), offs_n, n_ok, kb * BLOCK_K, D, su,
+                              BLOCK_N, BLOCK_K)
+            else:
+                wg = tl.load(wg_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                wu = tl.load(wu_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         else:
             wg = tl.load(wg_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             wu = tl.load(wu_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
@@ -178,9 +182,12 @@ def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
         k_ok = offs_k < I - kb * BLOCK_K
         a = tl.load(a_ptrs + kb * BLOCK_K, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         sw = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
-        if W4 and e < E4:
-            w = fp4_tile(p_ptr + e64 * D * (I // 2), g_ptr + e64 * D * (I // 32), offs_n, n_ok, kb * BLOCK_K, I,
-                         sw, BLOCK_N, BLOCK_K)
+        if W4:              # compile-time, as in _moe_w13_kernel
+            if e < E4:
+                w = fp4_tile(p_ptr + e64 * D * (I // 2), g_ptr + e64 * D * (I // 32), offs_n, n_ok, kb * BLOCK_K,
+                             I, sw, BLOCK_N, BLOCK_K)
+            else:
+                w = tl.load(w_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         else:
             w = tl.load(w_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if QAT:
