@@ -234,9 +234,12 @@ def test_more_tokens_than_experts_times_tile_and_empty_experts(kdev):
     assert rel(run(ours, x, tok, kdev), ref(x, tok)) < tolerance(kdev)
 
 
-def test_batch_order_does_not_change_any_bit(kdev):
+@pytest.mark.parametrize("experts", ["fp8", "fp4 kept fp4"])
+def test_batch_order_does_not_change_any_bit(kdev, experts):
     """Permuting the token rows permutes the output rows exactly; equal rows give equal outputs."""
-    ours, _ = pair(config(), False, True, seed=30)
+    fp4 = experts != "fp8"
+    ours, _ = pair(config(expert_dtype="fp4" if fp4 else "fp8"), False, True, seed=30, fp4_experts=fp4)
+    assert ours.nv_fused.n_fp4 == (E if fp4 else 0)
     x, tok = inputs(6, 31)
     x[5], tok[5] = x[1], tok[1]
     perm = torch.tensor([4, 2, 5, 0, 3, 1])
