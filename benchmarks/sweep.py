@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--layers", type=int, default=4, help="main layers built and run (CSA/HCA alternating)")
     m.add_argument("--full-layers", type=int, default=43, help="depth the figures are extrapolated to")
     m.add_argument("--expert-dtype", default="fp8", choices=("fp8", "fp4", "bf16"))
+    m.add_argument("--fp4-experts", action="store_true",
+                   help="with --expert-dtype fp4: keep the experts FP4 in the fused MoE (LLM(fp4_experts=True)) "
+                        "instead of re-encoding them to FP8 at load")
     m.add_argument("--vocab", type=int, default=None, help="override vocab_size (CPU smoke runs)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels (DEEPINFER_BATCH_INVARIANT)")
@@ -290,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
         base["vocab_size"] = a.vocab
     cfg_dict = bench_config(base, a.layers, a.expert_dtype)
     full_dict = full_config(base, cfg_dict, a.full_layers)
-    built = build_random_model(cfg_dict, a.device, a.dtype, not a.no_qat, a.seed, batch_invariant=a.batch_invariant)
+    built = build_random_model(cfg_dict, a.device, a.dtype, not a.no_qat, a.seed, batch_invariant=a.batch_invariant,
+                               options=dict(fp4_experts=a.fp4_experts))
     dev, cfg = built.ctx.device, built.cfg
     full_cfg = ModelConfig.from_dict(full_dict)
     ratios = [cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers)]
@@ -369,14 +373,15 @@ def main(argv: list[str] | None = None) -> dict:
             "(the measured model's figures are in each verdict's info); the transformers comparison uses the "
             "measured model; decode step = min(eager, CUDA graph) median"],
         "settings": {k: getattr(a, k) for k in ("warmup", "reps", "max_shape_seconds", "time_budget", "prefill_chunk",
-                                                "cuda_graph", "seed", "dtype", "no_qat", "kv_cache_dtype", "batch_invariant", "hf_max_prefill",
+                                                "cuda_graph", "seed", "dtype", "no_qat", "kv_cache_dtype", "batch_invariant", "expert_dtype",
+                                                "fp4_experts", "hf_max_prefill",
                                                 "hf_max_batch", "hf_max_context", "hf_max_tokens", "hf_reps")},
         "hf": hf_info, "prefill": prefill_rows, "decode": decode_rows, "verdicts": vs,
     }
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "sweep_" + gpu.replace(" ", "_") + ("_tiny" if a.tiny else "") + ("_kvfp8" if layout.kv_fp8 else "") \
-        + ("_invariant" if a.batch_invariant else "")
+        + ("_invariant" if a.batch_invariant else "") + ("_fp4experts" if a.fp4_experts else "")
     png = out_dir / f"{stem}.png"
     if a.no_plot:
         result["plot"] = "not drawn: --no-plot"

@@ -24,6 +24,7 @@ from torch import nn
 from deepinfer_core.cache.sequence_state import SequenceState
 from deepinfer_core.cache.state_cache import CacheLayout, StateCache
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.engine_config import EngineConfig
 from deepinfer_core.contracts import resolve_model_ops, resolve_sampler
 from deepinfer_core.model import ModelOps, bind_ops, build_model, process_weights
 from deepinfer_core.model.attention import Numerics
@@ -109,7 +110,8 @@ class Built:
 def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str = "bfloat16",
                        simulate_qat: bool = True, seed: int = 0, options: dict | None = None,
                        batch_invariant: bool = False) -> Built:
-    """load_model's path with random weights instead of a checkpoint. The weights stay in checkpoint
+    """load_model's path with random weights instead of a checkpoint (`options`: engine options the
+    backends read, e.g. fp4_experts). The weights stay in checkpoint
     format until `finish_model` (so transformers can be given the same weights first). The MTP blocks
     are dropped: the sweep never runs them."""
     cfg = ModelConfig.from_dict(cfg_dict)
@@ -118,7 +120,7 @@ def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str 
     device = device or platform.device_type
     ctx = BuildContext(model_config=cfg, platform=platform, device=device, dtype=normalize_dtype(dtype),
                        simulate_qat=bool(simulate_qat), batch_invariant=batch_invariant,
-                       options=dict(options or {}))
+                       options=EngineConfig.from_options(**(options or {})))
     pm.configure(ctx)
     ops = resolve_model_ops(pm, ctx)
     if batch_invariant:
