@@ -24,8 +24,8 @@ from torch import nn
 from deepinfer_core.cache.sequence_state import SequenceState
 from deepinfer_core.cache.state_cache import CacheLayout, StateCache
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.engine_config import EngineConfig
 from deepinfer_core.contracts import resolve_model_ops, resolve_sampler
+from deepinfer_core.engine_config import EngineConfig
 from deepinfer_core.model import ModelOps, bind_ops, build_model, process_weights
 from deepinfer_core.model.attention import Numerics
 from deepinfer_core.model.dummy_weights import fill_dummy_weights
