@@ -1,0 +1,53 @@
+"""python -m deepinfer_core.serve [--model PATH] [engine flags] [--host 127.0.0.1 --port 8000 --api-key KEY]
+
+Serves `/v1/models`, `/v1/completions`, `/tokenize`, `/detokenize` and `/health` over the engine,
+which steps in a thread of its own (engine_loop.py). Without --model: DEEPINFER_HF_MODEL_DIR, else the
+bundled tiny model, as `LLM()`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..generate import _add_engine_flags, engine_options_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m deepinfer_core.serve", description=__doc__.split("\n\n")[0])
+    srv = ap.add_argument_group("server")
+    srv.add_argument("--model", default=None, help="checkpoint directory (default: as LLM())")
+    srv.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    srv.add_argument("--max-requests", type=int, default=1024,
+                     help="requests admitted at once (running + waiting); more get 503 with Retry-After")
+    _add_engine_flags(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from .app import build_app
+    except ImportError as exc:
+        print(f"python -m deepinfer_core.serve: {exc.name} is missing; pip install 'deepinfer-core[server]'",
+              file=sys.stderr)
+        return 2
+    from ..api.llm import LLM
+    from .engine_loop import EngineLoop
+    llm = LLM(model=args.model, **engine_options_from_args(args))
+    loop = EngineLoop(llm.engine, max_requests=args.max_requests)
+    loop.start()
+    name = args.served_model_name or args.model or str(llm.model_dir)
+    try:
+        uvicorn.run(build_app(llm, loop, name, args.api_key), host=args.host, port=args.port, log_level="info")
+    finally:
+        loop.stop(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The engine's own thread, beside the HTTP server's event loop.
+
+The engine steps in a dedicated thread so that neither loop waits for the other: handlers submit and
+abort requests through a command queue (never touching the engine), and each request's outputs come
+back on an asyncio queue of its own, put there with `call_soon_threadsafe`. The thread blocks on the
+command queue when the engine is idle and drains it between steps otherwise, so a request submitted
+mid-generation joins the next step. Detokenisation stays in the engine's output processing (a few
+tokens per step for streamed requests); JSON and SSE framing stay in the handlers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ..api.outputs import RequestOutput
+from ..api.sampling_params import SamplingParams
+
+log = logging.getLogger("deepinfer.serve")
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    outputs: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting or running than the server admits (answered 503)."""
+
+
+class EngineLoop:
+    def __init__(self, engine, max_requests: int = 1024):
+        self.engine = engine
+        self.max_requests = max_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Submit] = {}          # the thread's view: requests in the engine
+        self._admitted = 0                           # the handlers' view: submitted, not yet finished
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
+        self._stopping = threading.Event()
+        self.error: BaseException | None = None      # what stopped the thread, if anything did
+
+    # ---- the handlers' side ------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stopping.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def num_admitted(self) -> int:
+        return self._admitted
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a streamed request and yield its outputs (deltas) until it finishes. A ValueError
+        the engine raises at submission is raised here, before anything was yielded. Leaving the
+        iteration early (a client that went away) aborts the request."""
+        with self._lock:
+            if self._admitted >= self.max_requests:
+                raise QueueFull(f"{self._admitted} requests in the server; the limit is {self.max_requests}")
+            self._admitted += 1
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._commands.put(_Submit(request_id, prompt_token_ids, params, prompt, outputs, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._admitted -= 1
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                busy = self.engine.has_unfinished_requests()
+                self._apply(self._commands.get() if not busy else None)
+                while True:                          # everything queued so far joins the next step
+                    try:
+                        self._apply(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out)
+        except BaseException as exc:                 # the engine failed: every waiting handler hears it
+            log.exception("engine thread stopped")
+            self.error = exc
+            for sub in self._live.values():
+                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, RuntimeError(f"engine failed: {exc}"))
+
+    def _apply(self, command) -> None:
+        if isinstance(command, _Submit):
+            try:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                        prompt=command.prompt, stream=True)
+            except ValueError as exc:
+                command.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
+                return
+            self._live[command.request_id] = command
+        elif isinstance(command, _Abort) and self._live.pop(command.request_id, None) is not None:
+            self.engine.abort_request(command.request_id)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        sub = self._live.get(out.request_id)
+        if sub is None:
+            return
+        if out.finished:
+            del self._live[out.request_id]
+        sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, out)

@@ -1,0 +1,137 @@
+"""The OpenAI-compatible server on localhost (bundled model, CPU) with the real `openai` client:
+completions streamed and not, n=2, logprobs, batched prompts, seeded and greedy requests equal to
+`LLM.generate` with the same parameters; bad requests are 400s naming the field; the API key; a
+client that goes away mid-stream leaves no request in the engine."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.serve.app import build_app
+from deepinfer_core.serve.engine_loop import EngineLoop
+from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
+
+MODEL = "tiny"
+PROMPTS = ["ROMEO.\nBut soft, what light", "KING.\nMy lord, the"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(bundled_tiny_model_dir(tmp_path_factory.mktemp("bundled")))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    llm = LLM(model=model_dir, max_model_len=512, num_speculative_tokens=0)
+    loop = EngineLoop(llm.engine, max_requests=64)
+    loop.start()
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(llm, loop, MODEL, api_key="sk-test"), host="127.0.0.1",
+                                        port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", llm, loop
+    srv.should_exit = True
+    thread.join(30)
+    loop.stop(30)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM(model=model_dir, max_model_len=512, num_speculative_tokens=0)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0)
+
+
+def test_greedy_and_seeded_completions_equal_llm_generate(server, offline):
+    url, _, _ = server
+    for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=7, top_p=0.9)):
+        got = client(url).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, **kw)
+        want = offline.generate(PROMPTS, SamplingParams(max_tokens=12, **kw), use_tqdm=False)
+        assert [c.text for c in got.choices] == [o.outputs[0].text for o in want]
+        assert got.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in want)
+        assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in want)
+
+
+def test_streamed_completion_joins_to_the_same_text(server, offline):
+    url, _, _ = server
+    chunks = list(client(url).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0.0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    want = offline.generate(PROMPTS[:1], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0]
+    assert text == want.outputs[0].text and len([c for c in chunks if c.choices]) > 1
+    assert chunks[-1].usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_n_and_logprobs(server):
+    url, _, _ = server
+    got = client(url).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=5, n=2, seed=3, logprobs=2)
+    assert sorted(c.index for c in got.choices) == [0, 1, 2, 3]
+    for c in got.choices:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == 5
+        assert all(len(top) >= 2 for top in c.logprobs.top_logprobs)
+        assert "".join(c.logprobs.tokens) == c.text
+
+
+@pytest.mark.parametrize("body,field", [
+    (dict(model=MODEL, prompt="x", temperature=-1), "temperature"),
+    (dict(model=MODEL, prompt="x", top_p=0), "top_p"),
+    (dict(model=MODEL, prompt="x", logprobs=50), "logprobs"),
+    (dict(model=MODEL, prompt="x", max_tokens="many"), "max_tokens"),
+    (dict(model=MODEL, prompt="x", no_such_field=1), "no_such_field"),
+    (dict(model="gpt-4", prompt="x"), "model"),
+    (dict(model=MODEL), "prompt"),
+    (dict(model=MODEL, prompt="x" * 5000), "prompt"),
+    (dict(model=MODEL, prompt=[0, 10**9]), "prompt"),
+])
+def test_bad_requests_are_400s_naming_the_field(server, body, field):
+    url, _, _ = server
+    r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-test"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field or field in err["message"], err
+
+
+def test_bad_json_wrong_key_and_health(server):
+    url, _, _ = server
+    r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"Authorization": "Bearer sk-test",
+                                                                             "Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_a_client_that_goes_away_mid_stream_leaves_nothing_behind(server):
+    url, llm, loop = server
+    with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": "Bearer sk-test"}, timeout=60,
+                      json=dict(model=MODEL, prompt=PROMPTS[0], max_tokens=400, ignore_eos=True, stream=True)) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    deadline = time.time() + 30
+    while loop.num_admitted or llm.engine.has_unfinished_requests():
+        assert time.time() < deadline, "the aborted request is still in the engine"
+        time.sleep(0.05)
+    assert client(url).completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].finish_reason
