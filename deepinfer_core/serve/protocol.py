@@ -17,12 +17,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
+class _Sampling(BaseModel):
+    """The sampling fields both APIs share."""
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -31,7 +30,6 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    logprobs: int | None = Field(None, ge=0, le=20)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -41,6 +39,22 @@ class CompletionRequest(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    def _params(self, **more: Any) -> SamplingParams:
+        shared = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens",
+                  "include_stop_str_in_output")
+        return SamplingParams(**{k: getattr(self, k) for k in shared}, **more)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=20)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as text or token ids, one per entry of a batched `prompt`."""
@@ -54,11 +68,65 @@ class CompletionRequest(BaseModel):
         return [x if isinstance(x, str) else list(x) for x in p]
 
     def sampling_params(self) -> SamplingParams:
-        fields: dict[str, Any] = {k: getattr(self, k) for k in (
-            "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
-            "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
-            "skip_special_tokens", "include_stop_str_in_output")}
-        return SamplingParams(**fields)
+        return self._params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None     # thinking / enable_thinking / thinking_mode / reasoning_effort
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+    def thinking_mode(self) -> tuple[str, str | None]:
+        """(thinking_mode, reasoning_effort) from chat_template_kwargs and the top-level field."""
+        kw = dict(self.chat_template_kwargs or {})
+        unknown = sorted(set(kw) - {"thinking", "enable_thinking", "thinking_mode", "reasoning_effort"})
+        if unknown:
+            raise ValueError(f"chat_template_kwargs: unknown keys {unknown}; allowed: thinking, enable_thinking, "
+                             f"thinking_mode, reasoning_effort")
+        on = kw.get("thinking", kw.get("enable_thinking"))
+        mode = kw.get("thinking_mode") or ("thinking" if on else "chat")
+        return mode, self.reasoning_effort or kw.get("reasoning_effort")
+
+    def sampling_params(self, grammar_after: list[int] | None) -> SamplingParams:
+        """`grammar_after`: the token ids that end the reasoning (thinking mode): a response_format
+        grammar applies from there on."""
+        if self.tools:
+            raise ValueError("tools: tool calls are not served yet (the DSML parser is not written); "
+                             "send the request without tools")
+        if self.logprobs is False and self.top_logprobs is not None:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("max_completion_tokens: give it or max_tokens, not both")
+        so_args = None
+        if self.response_format is not None:
+            so_args = response_format_so_args(self.response_format)
+            if so_args is not None and grammar_after:
+                so_args["trigger_token_ids"] = list(grammar_after)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(max_tokens=max_tokens, logprobs=logprobs, so_args=so_args)
+
+
+def response_format_so_args(fmt: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's response_format as structured-output arguments (None: plain text)."""
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"schema_type": "json", "schema": {"type": "object"}}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format.json_schema.schema: a JSON schema object is required")
+        return {"schema_type": "json", "schema": spec["schema"]}
+    raise ValueError(f"response_format.type: {kind!r}; allowed: 'text', 'json_object', 'json_schema'")
 
 
 class TokenizeRequest(BaseModel):

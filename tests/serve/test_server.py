@@ -1,20 +1,24 @@
 """The OpenAI-compatible server on localhost (bundled model, CPU) with the real `openai` client:
 completions streamed and not, n=2, logprobs, batched prompts, seeded and greedy requests equal to
 `LLM.generate` with the same parameters; bad requests are 400s naming the field; the API key; a
-client that goes away mid-stream leaves no request in the engine."""
+client that goes away mid-stream leaves no request in the engine. Chat: equal to `LLM.chat`, streamed
+or not; thinking mode's `reasoning_content`; a `json_schema` response that validates."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import uvicorn
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.serve.app import build_app
+from deepinfer_core.serve.chat import ReasoningSplit
 from deepinfer_core.serve.engine_loop import EngineLoop
 from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
 
@@ -135,3 +139,62 @@ def test_a_client_that_goes_away_mid_stream_leaves_nothing_behind(server):
         assert time.time() < deadline, "the aborted request is still in the engine"
         time.sleep(0.05)
     assert client(url).completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].finish_reason
+
+
+# ---- chat -------------------------------------------------------------------------------------
+MESSAGES = [{"role": "user", "content": "Speak the prologue."}]
+
+
+def test_chat_equals_llm_chat_streamed_or_not(server, offline):
+    url, _, _ = server
+    got = client(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0.0)
+    want = offline.chat(MESSAGES, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
+    assert got.choices[0].message.content == want.outputs[0].text and got.choices[0].message.role == "assistant"
+    chunks = list(client(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                                      temperature=0.0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+
+
+def test_thinking_mode_returns_reasoning_content(server, offline):
+    url, _, _ = server
+    got = client(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0.0,
+                                              extra_body={"chat_template_kwargs": {"thinking": True}})
+    want = offline.chat(MESSAGES, SamplingParams(max_tokens=24, temperature=0.0), thinking_mode="thinking",
+                        use_tqdm=False)[0].outputs[0].text
+    reasoning, _, content = want.partition("</think>")
+    message = got.choices[0].message
+    assert message.reasoning_content == reasoning and message.content == content and reasoning
+
+
+def test_reasoning_split_across_deltas():
+    split = ReasoningSplit(reasoning=True)
+    assert [split.feed(t) for t in ("I think", " so</think>Yes", ".")] == [("I think", ""), (" so", "Yes"), ("", ".")]
+    assert ReasoningSplit(reasoning=False).feed("a</think>b") == ("", "a</think>b")
+
+
+def test_json_schema_response_validates(server):
+    url, _, _ = server
+    schema = {"type": "object", "properties": {"act": {"enum": [1, 2, 3, 4, 5]}, "scene": {"enum": ["I", "II", "III"]}},
+              "required": ["act", "scene"], "additionalProperties": False}
+    got = client(url).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=96, seed=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "where", "schema": schema}})
+    assert got.choices[0].finish_reason == "stop", got.choices[0]
+    jsonschema.validate(json.loads(got.choices[0].message.content), schema)
+
+
+@pytest.mark.parametrize("body,field", [
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    (dict(response_format={"type": "yaml"}), "response_format.type"),
+    (dict(chat_template_kwargs={"thinkin": True}), "chat_template_kwargs"),
+    (dict(top_logprobs=3), "top_logprobs"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "role"),
+])
+def test_bad_chat_requests_are_400s_naming_the_field(server, body, field):
+    url, _, _ = server
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, **body},
+                   headers={"Authorization": "Bearer sk-test"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field or field in err["message"], err
