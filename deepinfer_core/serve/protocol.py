@@ -78,7 +78,8 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None     # thinking / enable_thinking / thinking_mode / reasoning_effort
+    # thinking / enable_thinking / thinking_mode / reasoning_effort
+    chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
