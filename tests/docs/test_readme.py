@@ -305,6 +305,13 @@ def check_speculative_snippet(r: Result) -> None:
     assert 1.3 < tau <= 4.0, r.stdout
 
 
+def check_openai_client(r: Result) -> None:
+    # the example's server answered a completion and a streamed thinking-mode chat reply
+    lines = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+    assert {"completion", "reasoning", "answer"} <= set(lines), r.stdout
+    assert isinstance(ast.literal_eval(lines["completion"]), str) and ast.literal_eval(lines["reasoning"]), r.stdout
+
+
 def exits_0(r: Result) -> None:
     """Nothing printed to check: the block builds objects only (it must still run)."""
 
@@ -342,6 +349,11 @@ TABLE: dict[str, Run | Skip] = {
     ),
     "python examples/offline_inference.py": Run(check_offline_inference),
     "python examples/structured_outputs.py": Run(check_structured_outputs),
+    "python examples/openai_client.py --model /tmp/tiny-v4": Run(check_openai_client),
+    "pip install fastapi uvicorn": Skip("installs packages (build.sh --test already has them)"),
+    "python -m deepinfer_core.serve --model /tmp/tiny-v4 --port 8000 --api-key sk-local": Skip(
+        "a server runs until it is stopped; examples/openai_client.py (run above) starts and stops one, "
+        "tests/serve/test_server.py tests one"),
     # the placeholder path: one line naming it, status 2
     "DEEPINFER_HF_MODEL_DIR=/path/to/DeepSeek-V4-Flash python examples/offline_inference.py": Run(
         check_placeholder_model_dir, status=2
