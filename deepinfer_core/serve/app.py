@@ -1,5 +1,5 @@
 """The HTTP routes (FastAPI): `/v1/models`, `/v1/completions`, `/v1/chat/completions` (streamed as
-SSE or not), `/tokenize`, `/detokenize`, `/health`. Every bad request is a 400 with an OpenAI-shaped
+SSE or not), `/tokenize`, `/detokenize`, `/health`, `/metrics`. Every bad request is a 400 with an OpenAI-shaped
 error naming the field; a full server answers 503 with Retry-After; with an API key, every route but
 `/health` needs `Authorization: Bearer KEY` (401 otherwise).
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse
 
 from .chat import create_chat_completion
 from .completions import create_completion
@@ -45,6 +46,11 @@ def build_app(llm, engine_loop: EngineLoop, model_name: str, api_key: str | None
         if engine_loop.error is not None:
             return error_response(503, f"engine stopped: {engine_loop.error}", None, "server_error")
         return {"status": "ok"}
+
+    @app.get("/metrics", dependencies=[Depends(authorized)])
+    async def metrics():
+        return PlainTextResponse(engine_loop.metrics.render(engine_loop.num_admitted),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():

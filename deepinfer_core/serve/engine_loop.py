@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..api.outputs import RequestOutput
 from ..api.sampling_params import SamplingParams
+from .metrics import ServerMetrics
 
 log = logging.getLogger("deepinfer.serve")
 
@@ -41,6 +42,10 @@ class QueueFull(RuntimeError):
     """More requests are waiting or running than the server admits (answered 503)."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread failed; no request can be served (answered 503)."""
+
+
 class EngineLoop:
     def __init__(self, engine, max_requests: int = 1024):
         self.engine = engine
@@ -52,6 +57,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
         self._stopping = threading.Event()
         self.error: BaseException | None = None      # what stopped the thread, if anything did
+        self.metrics = ServerMetrics()
 
     # ---- the handlers' side ------------------------------------------------------------------
     def start(self) -> None:
@@ -72,6 +78,8 @@ class EngineLoop:
         the engine raises at submission is raised here, before anything was yielded. Leaving the
         iteration early (a client that went away) aborts the request."""
         with self._lock:
+            if self.error is not None:
+                raise EngineStopped(f"the engine stopped: {self.error}")
             if self._admitted >= self.max_requests:
                 raise QueueFull(f"{self._admitted} requests in the server; the limit is {self.max_requests}")
             self._admitted += 1
@@ -97,6 +105,7 @@ class EngineLoop:
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self.metrics.observe_step(self.engine)
             while not self._stopping.is_set():
                 busy = self.engine.has_unfinished_requests()
                 self._apply(self._commands.get() if not busy else None)
@@ -107,12 +116,23 @@ class EngineLoop:
                         break
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
+                        self.metrics.observe_output(out)
                         self._deliver(out)
+                self.metrics.observe_step(self.engine)
         except BaseException as exc:                 # the engine failed: every waiting handler hears it
             log.exception("engine thread stopped")
-            self.error = exc
-            for sub in self._live.values():
-                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, RuntimeError(f"engine failed: {exc}"))
+            with self._lock:                         # no submission after this one gets in
+                self.error = exc
+            waiting = list(self._live.values())
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(command, _Submit):
+                    waiting.append(command)
+            for sub in waiting:
+                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, EngineStopped(f"the engine stopped: {exc}"))
 
     def _apply(self, command) -> None:
         if isinstance(command, _Submit):
@@ -125,6 +145,7 @@ class EngineLoop:
             self._live[command.request_id] = command
         elif isinstance(command, _Abort) and self._live.pop(command.request_id, None) is not None:
             self.engine.abort_request(command.request_id)
+            self.metrics.observe_abort()
 
     def _deliver(self, out: RequestOutput) -> None:
         sub = self._live.get(out.request_id)

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from ..api.outputs import CompletionOutput, RequestOutput
-from .engine_loop import QueueFull
+from .engine_loop import EngineStopped, QueueFull
 from .errors import ApiError
 
 
@@ -21,6 +21,8 @@ async def first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Req
     await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
     if isinstance(failed, QueueFull):
         raise ApiError(503, str(failed), None, "server_busy", headers={"Retry-After": "1"})
+    if isinstance(failed, EngineStopped):
+        raise ApiError(503, str(failed), None, "server_error")
     if isinstance(failed, ValueError):
         raise ApiError(400, str(failed), "prompt" if "prompt" in str(failed) else None)
     raise failed

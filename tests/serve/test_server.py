@@ -5,7 +5,10 @@ client that goes away mid-stream leaves no request in the engine. Chat: equal to
 or not; thinking mode's `reasoning_content`; a `json_schema` response that validates."""
 from __future__ import annotations
 
+import asyncio
 import json
+import random
+import resource
 import socket
 import threading
 import time
@@ -40,7 +43,7 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(model_dir):
     llm = LLM(model=model_dir, max_model_len=512, num_speculative_tokens=0)
-    loop = EngineLoop(llm.engine, max_requests=64)
+    loop = EngineLoop(llm.engine, max_requests=512)
     loop.start()
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(llm, loop, MODEL, api_key="sk-test"), host="127.0.0.1",
@@ -198,3 +201,95 @@ def test_bad_chat_requests_are_400s_naming_the_field(server, body, field):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field or field in err["message"], err
+
+
+# ---- load and faults ----------------------------------------------------------------------------
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sk-test"}).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def wait_idle(url: str, loop: EngineLoop) -> None:
+    deadline = time.time() + 60
+    while loop.num_admitted or metric(url, "deepinfer_requests_running") or metric(url, "deepinfer_cache_used_blocks"):
+        assert time.time() < deadline, "requests still in the server"
+        time.sleep(0.05)
+
+
+def test_256_concurrent_streams_complete_equal_offline_and_health_stays_fast(server, offline):
+    url, _, loop = server
+    prompts = [f"{PROMPTS[i % 2]} {i}" for i in range(256)]
+
+    async def stream(client: httpx.AsyncClient, i: int) -> str:
+        body = dict(model=MODEL, prompt=prompts[i], max_tokens=8, seed=i, stream=True)
+        text = []
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        return "".join(text)
+
+    async def health(client: httpx.AsyncClient, done: asyncio.Event) -> list[float]:
+        latencies = []
+        while not done.is_set():
+            t0 = time.perf_counter()
+            assert (await client.get(f"{url}/health")).status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.01)
+        return latencies
+
+    async def main():
+        limits = httpx.Limits(max_connections=300)
+        async with httpx.AsyncClient(headers={"Authorization": "Bearer sk-test"}, timeout=300, limits=limits) as c:
+            done = asyncio.Event()
+            probe = asyncio.create_task(health(c, done))
+            texts = await asyncio.gather(*(stream(c, i) for i in range(256)))
+            done.set()
+            return texts, await probe
+
+    texts, latencies = asyncio.run(main())
+    want = offline.generate(prompts, [SamplingParams(max_tokens=8, seed=i) for i in range(256)], use_tqdm=False)
+    assert texts == [o.outputs[0].text for o in want]
+    latencies.sort()
+    assert len(latencies) >= 10 and latencies[int(0.99 * (len(latencies) - 1))] < 0.05, latencies[-5:]
+    wait_idle(url, loop)
+
+
+def test_random_disconnects_leak_no_slot_or_block(server):
+    url, _, loop = server
+    rng = random.Random(0)
+
+    async def leave_after(client: httpx.AsyncClient, chunks: int) -> None:
+        body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=64, ignore_eos=True, stream=True)
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data:")
+                if seen > chunks:
+                    return                              # closes the connection mid-stream
+
+    async def main():
+        async with httpx.AsyncClient(headers={"Authorization": "Bearer sk-test"}, timeout=120) as c:
+            await asyncio.gather(*(leave_after(c, rng.randrange(0, 6)) for _ in range(64)))
+
+    asyncio.run(main())
+    wait_idle(url, loop)
+    assert metric(url, "deepinfer_cache_used_slots") == 0
+    assert client(url).completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].finish_reason
+
+
+def test_a_thousand_requests_in_a_row_grow_nothing(server):
+    url, _, loop = server
+    body = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=1)
+    with httpx.Client(headers={"Authorization": "Bearer sk-test"}, timeout=60) as c:
+        def run(n: int) -> None:
+            for _ in range(n):
+                assert c.post(f"{url}/v1/completions", json=body).status_code == 200
+        run(100)                                              # warm-up
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        run(900)
+    wait_idle(url, loop)
+    assert metric(url, "deepinfer_cache_used_slots") == 0
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
+    assert grown_kib < 64 * 1024, f"peak RSS grew {grown_kib} KiB over 900 requests"
