@@ -66,7 +66,8 @@ class ServerMetrics:
         if spec is not None:
             gauges["deepinfer_spec_decode_drafted_tokens_total"] = spec.num_drafted_tokens
             gauges["deepinfer_spec_decode_accepted_tokens_total"] = spec.num_accepted_tokens
-            gauges["deepinfer_spec_decode_acceptance_rate"] = spec.num_accepted_tokens / max(1, spec.num_verified_tokens)
+            rate = spec.num_accepted_tokens / max(1, spec.num_verified_tokens)
+            gauges["deepinfer_spec_decode_acceptance_rate"] = rate
         with self.lock:
             self.gauges = gauges
 
@@ -97,11 +98,13 @@ class ServerMetrics:
             lines = [f"# TYPE {name} gauge\n{name} {value}" for name, value in sorted(self.gauges.items())]
             lines += ["# TYPE deepinfer_server_admitted_requests gauge",
                       f"deepinfer_server_admitted_requests {admitted}",
-                      "# TYPE deepinfer_prompt_tokens_total counter", f"deepinfer_prompt_tokens_total {self.prompt_tokens}",
+                      "# TYPE deepinfer_prompt_tokens_total counter",
+                      f"deepinfer_prompt_tokens_total {self.prompt_tokens}",
                       "# TYPE deepinfer_generation_tokens_total counter",
                       f"deepinfer_generation_tokens_total {self.generation_tokens}",
                       "# TYPE deepinfer_requests_finished_total counter"]
-            lines += [f'deepinfer_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
+            lines += [f'deepinfer_requests_finished_total{{reason="{r}"}} {n}'
+                      for r, n in sorted(self.finished.items())]
             lines += self.ttft.lines("deepinfer_time_to_first_token_seconds")
             lines += self.tpot.lines("deepinfer_time_per_output_token_seconds")
             lines += self.e2e.lines("deepinfer_e2e_request_latency_seconds")
