@@ -350,6 +350,7 @@ TABLE: dict[str, Run | Skip] = {
     "python examples/offline_inference.py": Run(check_offline_inference),
     "python examples/structured_outputs.py": Run(check_structured_outputs),
     "python examples/openai_client.py --model /tmp/tiny-v4": Run(check_openai_client),
+    "python -m deepinfer_core.serve": Skip("the server's command as the status table names it (its full form is above)"),
     "pip install fastapi uvicorn": Skip("installs packages (build.sh --test already has them)"),
     "python -m deepinfer_core.serve --model /tmp/tiny-v4 --port 8000 --api-key sk-local": Skip(
         "a server runs until it is stopped; examples/openai_client.py (run above) starts and stops one, "
