@@ -1,12 +1,15 @@
 """python -m deepinfer_core.serve [--model PATH] [engine flags] [--host 127.0.0.1 --port 8000 --api-key KEY]
 
-Serves `/v1/models`, `/v1/completions`, `/tokenize`, `/detokenize` and `/health` over the engine,
+Serves `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`, `/detokenize`, `/health`
+and `/metrics` over the engine,
 which steps in a thread of its own (engine_loop.py). Without --model: DEEPINFER_HF_MODEL_DIR, else the
 bundled tiny model, as `LLM()`.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 
 from ..generate import _add_engine_flags, engine_options_from_args
@@ -22,8 +25,29 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     srv.add_argument("--max-requests", type=int, default=1024,
                      help="requests admitted at once (running + waiting); more get 503 with Retry-After")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGTERM / Ctrl-C: stop admitting, let running requests finish for this many "
+                          "seconds, then abort the rest and exit 0")
     _add_engine_flags(ap)
     return ap
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """SIGINT / SIGTERM start uvicorn's graceful shutdown, after which the process exits 0
+            (uvicorn itself re-raises the signal once it has shut down)."""
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    return Server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     loop.start()
     name = args.served_model_name or args.model or str(llm.model_dir)
     try:
-        uvicorn.run(build_app(llm, loop, name, args.api_key), host=args.host, port=args.port, log_level="info")
+        server_class = _server_class()
+        config = uvicorn.Config(build_app(llm, loop, name, args.api_key), host=args.host, port=args.port,
+                                log_level="info", timeout_graceful_shutdown=args.shutdown_timeout)
+        server_class(config).run()
     finally:
         loop.stop(timeout=30)
     return 0

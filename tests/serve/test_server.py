@@ -9,7 +9,9 @@ import asyncio
 import json
 import random
 import resource
+import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -293,3 +295,37 @@ def test_a_thousand_requests_in_a_row_grow_nothing(server):
     assert metric(url, "deepinfer_cache_used_slots") == 0
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
     assert grown_kib < 64 * 1024, f"peak RSS grew {grown_kib} KiB over 900 requests"
+
+
+def test_sigterm_finishes_the_running_request_and_exits_0(model_dir):
+    """SIGTERM: no new connections, the running stream finishes, exit status 0 (`deepinfer serve`)."""
+    port = free_port()
+    proc = subprocess.Popen(["deepinfer", "serve", "--model", model_dir, "--port", str(port), "--max-model-len",
+                             "512", "--num-speculative-tokens", "0", "--shutdown-timeout", "60"])
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.time() < deadline, "the server did not start"
+                time.sleep(0.2)
+        body = dict(model=model_dir, prompt=PROMPTS[0], max_tokens=48, ignore_eos=True, stream=True)
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+        assert proc.wait(120) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health")
+    finally:
+        proc.kill()
+
+
+def test_the_console_script_names_its_commands(capsys):
+    from deepinfer_core import cli
+    assert cli.main([]) == 2 and cli.main(["serv"]) == 2
+    assert "deepinfer {serve,generate}" in capsys.readouterr().err
