@@ -15,7 +15,7 @@ from ..api.chat import THINK_END, chat_prompts, encode_chat_prompt
 from ..api.outputs import CompletionOutput
 from .errors import ApiError, field_named
 from .protocol import ChatRequest
-from .streams import collect, first_outputs, merged, usage
+from .streams import collect, first_outputs, merged, token_text, usage
 
 
 @dataclass
@@ -48,7 +48,7 @@ async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer):
     thinking = mode == "thinking"
     if body.stream:
         return StreamingResponse(_sse({**head, "object": "chat.completion.chunk"}, firsts, streams, thinking,
-                                      body.include_usage, tokenizer), media_type="text/event-stream")
+                                      body.include_usage, tokenizer, params.logprobs), media_type="text/event-stream")
     request, outs = await collect(firsts[0], streams[0])
     choices = []
     for c in outs:
@@ -57,26 +57,25 @@ async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer):
         if thinking:
             message["reasoning_content"] = reasoning
         choices.append(dict(index=c.index, message=message, finish_reason=c.finish_reason,
-                            logprobs=_logprobs(c, tokenizer) if params.logprobs is not None else None))
+                            logprobs=_logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None))
     return {**head, "choices": choices,
             "usage": usage(len(request.prompt_token_ids), sum(len(c.token_ids) for c in outs))}
 
 
-def _logprobs(c: CompletionOutput, tokenizer) -> dict:
-    """The chat API's logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    def entry(tok: int, lp: float) -> dict:
-        text = tokenizer.decode([tok], skip_special_tokens=False)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+def _logprobs(c: CompletionOutput, tokenizer, top: int) -> dict:
+    """The chat API's logprobs: {"content": [{token, logprob, bytes, top_logprobs (the `top` most
+    likely, by rank)}]}."""
+    def entry(t: int, lp) -> dict:
+        text = token_text(t, lp, tokenizer)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
     content = []
     for tok, lps in zip(c.token_ids, c.logprobs or []):
-        chosen = entry(tok, lps[tok].logprob if tok in lps else float("-inf"))
-        ranked = sorted((t for t in lps if t != tok or lps[t].rank is not None), key=lambda t: lps[t].rank or 0)
-        chosen["top_logprobs"] = [entry(t, lps[t].logprob) for t in ranked if lps[t].rank is not None]
-        content.append(chosen)
+        ranked = sorted((t for t in lps if lps[t].rank <= top), key=lambda t: lps[t].rank)
+        content.append({**entry(tok, lps[tok]), "top_logprobs": [entry(t, lps[t]) for t in ranked]})
     return {"content": content}
 
 
-async def _sse(head: dict, firsts, streams, thinking: bool, include_usage: bool, tokenizer):
+async def _sse(head: dict, firsts, streams, thinking: bool, include_usage: bool, tokenizer, top: int | None):
     splits: dict[int, ReasoningSplit] = {}
     completion_tokens = 0
     async for _, item in merged(firsts, streams):
@@ -93,7 +92,7 @@ async def _sse(head: dict, firsts, streams, thinking: bool, include_usage: bool,
             if content or not thinking:
                 delta["content"] = content
             choice = dict(index=c.index, delta=delta, finish_reason=c.finish_reason,
-                          logprobs=_logprobs(c, tokenizer) if c.logprobs is not None else None)
+                          logprobs=_logprobs(c, tokenizer, top) if top is not None else None)
             yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
     if include_usage:
         prompt = len(firsts[0].prompt_token_ids)

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from ..api.outputs import CompletionOutput
 from .errors import ApiError, field_named
 from .protocol import CompletionRequest
-from .streams import collect, first_outputs, merged, usage
+from .streams import collect, first_outputs, merged, token_text, usage
 
 
 async def create_completion(body: CompletionRequest, engine_loop, tokenizer):
@@ -42,13 +42,14 @@ def _choice(index: int, c: CompletionOutput, tokenizer, with_logprobs: bool) -> 
 
 
 def logprobs_object(c: CompletionOutput, tokenizer) -> dict:
-    """The completions API's logprobs of one choice (or one delta)."""
+    """The completions API's logprobs of one choice (or one delta): the sampled token and the top-K
+    (with the sampled one), as vLLM returns them."""
     tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
     for tok, entry in zip(c.token_ids, c.logprobs or []):
-        text = tokenizer.decode([tok], skip_special_tokens=False)
+        text = token_text(tok, entry[tok], tokenizer)
         tokens.append(text)
-        token_lps.append(entry[tok].logprob if tok in entry else None)
-        tops.append({tokenizer.decode([t], skip_special_tokens=False): lp.logprob for t, lp in entry.items()})
+        token_lps.append(entry[tok].logprob)
+        tops.append({token_text(t, lp, tokenizer): lp.logprob for t, lp in entry.items()})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from ..api.outputs import CompletionOutput, RequestOutput
+from ..api.outputs import CompletionOutput, Logprob, RequestOutput
 from .engine_loop import EngineStopped, QueueFull
 from .errors import ApiError
 
@@ -74,6 +74,13 @@ async def merged(firsts: list[RequestOutput], streams) -> AsyncIterator[tuple[in
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+
+def token_text(token_id: int, logprob: Logprob, tokenizer) -> str:
+    """A logprob entry's token as text (the engine decodes it already when it detokenises)."""
+    if logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

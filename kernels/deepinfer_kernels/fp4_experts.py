@@ -50,10 +50,6 @@ class Fp4Experts:
         """The logical [E1, *rows, N, K] of the stacked weight."""
         return (self.num_fp4 + self.fp8.shape[0],) + tuple(self.fp8.shape[1:])
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.groups, self.fp8))
-
 
 @triton.jit
 def _pow2(i):

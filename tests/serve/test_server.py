@@ -172,6 +172,17 @@ def test_thinking_mode_returns_reasoning_content(server, offline):
     assert message.reasoning_content == reasoning and message.content == content and reasoning
 
 
+def test_chat_logprobs_hold_the_top_k(server):
+    url, _, _ = server
+    got = client(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, seed=2, logprobs=True,
+                                              top_logprobs=2)
+    content = got.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == got.choices[0].message.content and len(content) == 6
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.logprob <= e.top_logprobs[0].logprob
+
+
 def test_reasoning_split_across_deltas():
     split = ReasoningSplit(reasoning=True)
     assert [split.feed(t) for t in ("I think", " so</think>Yes", ".")] == [("I think", ""), (" so", "Yes"), ("", ".")]
