@@ -159,8 +159,7 @@ class ModelOptions(_Section):
     fp4_experts: bool = _opt(False, "nvidia backend: keep the checkpoint's FP4 routed experts FP4 and decode "
                              "them in the MoE kernels (same results as the default, their FP8 re-encoding at "
                              "load, with about half the expert bytes; opt-in until it has run compiled on a "
-                             "GPU); backends that dequantise experts at load hold them in the compute dtype "
-                             "either way", BOOL)
+                             "GPU); refused on backends that cannot", BOOL)
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,9 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, **opti
         check_batch_invariant(ops, sampler)
     logits_processors = pm.logits_processors(ctx)
     proposer = resolve_proposer(pm, ctx)
+    if config.model.fp4_experts and not getattr(ops.moe, "fp4_experts", False):
+        raise ValueError(f"fp4_experts=True: the MoE method of this platform ({platform.name}: "
+                         f"{type(ops.moe).__qualname__}) cannot keep FP4 experts FP4; the nvidia backend can")
     if config.model.load_format == "dummy":
         from ..model.dummy_weights import fill_dummy_weights
         model = build_model(cfg, device=device)       # real buffers on the device, filled in place

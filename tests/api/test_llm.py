@@ -363,3 +363,9 @@ def test_model_from_env(patched, monkeypatch, tmp_path):
 def test_bad_tokenizer_argument(patched):
     with pytest.raises(ValueError, match="tokenizer"):
         LLM("m", tokenizer="/no/such/dir")
+
+
+def test_fp4_experts_is_refused_where_the_backend_cannot_keep_them(tiny_ckpt_dir):
+    """An option we accept does what it says: the CPU's portable MoE dequantises experts at load."""
+    with pytest.raises(ValueError, match=r"fp4_experts=True: .*PortableMoE.*nvidia backend"):
+        LLM(model=str(tiny_ckpt_dir), fp4_experts=True)
