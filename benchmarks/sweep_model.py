@@ -32,7 +32,7 @@ from deepinfer_core.model.dummy_weights import fill_dummy_weights
 from deepinfer_core.ops.kv_fp8 import pack_kv_fp8
 from deepinfer_core.plugin_context import BuildContext, normalize_dtype
 from deepinfer_core.plugins import get_plugin_manager
-from deepinfer_core.runner.model_runner import check_batch_invariant
+from deepinfer_core.runner.model_runner import check_batch_invariant, check_fp4_experts
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,6 +123,7 @@ def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str 
                        options=EngineConfig.from_options(**(options or {})))
     pm.configure(ctx)
     ops = resolve_model_ops(pm, ctx)
+    check_fp4_experts(ops, ctx)
     if batch_invariant:
         check_batch_invariant(ops, resolve_sampler(pm, ctx))
     model = build_model(cfg, device=device)          # torch.empty buffers, filled below

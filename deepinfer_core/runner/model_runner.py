@@ -56,6 +56,13 @@ def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool) 
     return kv_cache_dtype == "fp8"
 
 
+def check_fp4_experts(ops: ModelOps, ctx: BuildContext) -> None:
+    """fp4_experts was asked for: the chosen MoE method must keep FP4 experts FP4 (`fp4_experts`)."""
+    if ctx.options.model.fp4_experts and not getattr(ops.moe, "fp4_experts", False):
+        raise ValueError(f"fp4_experts=True: the MoE method of this platform ({ctx.platform.name}: "
+                         f"{type(ops.moe).__qualname__}) cannot keep FP4 experts FP4; the nvidia backend can")
+
+
 def check_batch_invariant(ops: ModelOps, sampler: TokenSampler) -> None:
     """Batch invariance was asked for: every op object must declare it (`batch_invariant = True`,
     set by the batch_invariant feature plugin), else nothing would make the output invariant."""
@@ -143,9 +150,7 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, **opti
         check_batch_invariant(ops, sampler)
     logits_processors = pm.logits_processors(ctx)
     proposer = resolve_proposer(pm, ctx)
-    if config.model.fp4_experts and not getattr(ops.moe, "fp4_experts", False):
-        raise ValueError(f"fp4_experts=True: the MoE method of this platform ({platform.name}: "
-                         f"{type(ops.moe).__qualname__}) cannot keep FP4 experts FP4; the nvidia backend can")
+    check_fp4_experts(ops, ctx)
     if config.model.load_format == "dummy":
         from ..model.dummy_weights import fill_dummy_weights
         model = build_model(cfg, device=device)       # real buffers on the device, filled in place
