@@ -1,7 +1,11 @@
 """`/v1/chat/completions`: messages rendered in the DeepSeek-V4 chat format (`api/chat.py`, as
 `LLM.chat`), the answer returned as the assistant message. In thinking mode the prompt opens the
 reasoning, and the text up to `</think>` comes back as `reasoning_content` (in stream deltas too);
-a `response_format` grammar then starts after `</think>` (a structured-output trigger)."""
+a `response_format` grammar then starts after `</think>` (a structured-output trigger).
+
+With tools (tool_choice "auto"), a DSML tool-call block in the content part (after the reasoning) becomes
+`message.tool_calls` / `delta.tool_calls` (api/tool_calls.py), the text before it the content (null when
+empty), and finish_reason "tool_calls"."""
 from __future__ import annotations
 
 import json
@@ -13,6 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from ..api.chat import THINK_END, chat_prompts, encode_chat_prompt
 from ..api.outputs import CompletionOutput
+from ..api.tool_calls import ToolCallStream, parse_tool_calls
 from .errors import ApiError, field_named
 from .protocol import ChatRequest
 from .streams import collect, first_outputs, merged, token_text, usage
@@ -36,7 +41,8 @@ class ReasoningSplit:
 async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer):
     try:
         mode, effort = body.thinking_mode()
-        prompt = chat_prompts(body.messages, mode, effort)[0]
+        tools, parse_tools = body.tool_settings()
+        prompt = chat_prompts(body.messages, mode, effort, tools)[0]
         think_end = tokenizer.encode(THINK_END, add_special_tokens=False)
         params = body.sampling_params(think_end if mode == "thinking" else None)
     except ValueError as exc:
@@ -47,19 +53,30 @@ async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer):
     head = dict(id=cid, object="chat.completion", created=int(time.time()), model=body.model)
     thinking = mode == "thinking"
     if body.stream:
-        return StreamingResponse(_sse({**head, "object": "chat.completion.chunk"}, firsts, streams, thinking,
-                                      body.include_usage, tokenizer, params.logprobs), media_type="text/event-stream")
+        stream = _sse({**head, "object": "chat.completion.chunk"}, firsts, streams, thinking, parse_tools,
+                      body.include_usage, tokenizer, params.logprobs)
+        return StreamingResponse(stream, media_type="text/event-stream")
     request, outs = await collect(firsts[0], streams[0])
-    choices = []
-    for c in outs:
-        reasoning, content = ReasoningSplit(thinking).feed(c.text)
-        message = {"role": "assistant", "content": content}
-        if thinking:
-            message["reasoning_content"] = reasoning
-        choices.append(dict(index=c.index, message=message, finish_reason=c.finish_reason,
-                            logprobs=_logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None))
+    choices = [{**chat_choice(c, thinking, parse_tools),
+                "logprobs": _logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None}
+               for c in outs]
     return {**head, "choices": choices,
             "usage": usage(len(request.prompt_token_ids), sum(len(c.token_ids) for c in outs))}
+
+
+def chat_choice(c: CompletionOutput, thinking: bool, parse_tools: bool) -> dict:
+    """One whole completion as a chat choice (without logprobs): reasoning split off first, then any DSML
+    tool calls parsed out of the content."""
+    reasoning, content = ReasoningSplit(thinking).feed(c.text)
+    message: dict = {"role": "assistant", "content": content}
+    finish_reason = c.finish_reason
+    parsed = parse_tool_calls(content) if parse_tools else None
+    if parsed is not None and parsed.tool_calls:
+        message = {"role": "assistant", "content": parsed.content or None, "tool_calls": parsed.tool_calls}
+        finish_reason = "tool_calls"
+    if thinking:
+        message["reasoning_content"] = reasoning
+    return {"index": c.index, "message": message, "finish_reason": finish_reason}
 
 
 def _logprobs(c: CompletionOutput, tokenizer, top: int) -> dict:
@@ -75,27 +92,54 @@ def _logprobs(c: CompletionOutput, tokenizer, top: int) -> dict:
     return {"content": content}
 
 
-async def _sse(head: dict, firsts, streams, thinking: bool, include_usage: bool, tokenizer, top: int | None):
-    splits: dict[int, ReasoningSplit] = {}
+@dataclass
+class _ChoiceStream:
+    """What one streamed choice carries between its deltas."""
+
+    split: ReasoningSplit
+    tools: ToolCallStream | None    # None: tool calls are not parsed
+
+
+def _delta(state: _ChoiceStream, c: CompletionOutput, thinking: bool) -> tuple[dict, str | None]:
+    """(delta, finish_reason) of one engine delta: reasoning first, then tool calls out of the content; the
+    last delta flushes the text the tool-call parser held back."""
+    reasoning, content = state.split.feed(c.text)
+    calls: list[dict] = []
+    if state.tools is not None:
+        content, calls = state.tools.feed(content)
+        if c.finish_reason is not None:
+            tail, more = state.tools.finish()
+            content, calls = content + tail, calls + more
+    delta: dict = {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content or not (thinking or calls):
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    called = state.tools is not None and state.tools.num_calls > 0
+    return delta, ("tool_calls" if called and c.finish_reason is not None else c.finish_reason)
+
+
+async def _sse(head: dict, firsts, streams, thinking: bool, parse_tools: bool, include_usage: bool, tokenizer,
+               top: int | None):
+    states: dict[int, _ChoiceStream] = {}
     completion_tokens = 0
     async for _, item in merged(firsts, streams):
         for c in item.outputs:
             completion_tokens += len(c.token_ids)
-            split = splits.get(c.index)
-            delta: dict = {}
-            if split is None:
-                split = splits[c.index] = ReasoningSplit(thinking)
-                delta["role"] = "assistant"
-            reasoning, content = split.feed(c.text)
-            if reasoning:
-                delta["reasoning_content"] = reasoning
-            if content or not thinking:
-                delta["content"] = content
-            choice = dict(index=c.index, delta=delta, finish_reason=c.finish_reason,
+            state = states.get(c.index)
+            first = state is None
+            if state is None:
+                tools = ToolCallStream() if parse_tools else None
+                state = states[c.index] = _ChoiceStream(ReasoningSplit(thinking), tools)
+            delta, finish_reason = _delta(state, c, thinking)
+            if first:
+                delta = {"role": "assistant", **delta}
+            choice = dict(index=c.index, delta=delta, finish_reason=finish_reason,
                           logprobs=_logprobs(c, tokenizer, top) if top is not None else None)
             yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
     if include_usage:
         prompt = len(firsts[0].prompt_token_ids)
         yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt, completion_tokens)})}\n\n"
     yield "data: [DONE]\n\n"
-

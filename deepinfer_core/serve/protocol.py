@@ -81,7 +81,7 @@ class ChatRequest(_Sampling):
     # thinking / enable_thinking / thinking_mode / reasoning_effort
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Any = None          # checked by tool_settings, whose errors name the tool and the key
     tool_choice: Any = None
 
     def thinking_mode(self) -> tuple[str, str | None]:
@@ -95,12 +95,29 @@ class ChatRequest(_Sampling):
         mode = kw.get("thinking_mode") or ("thinking" if on else "chat")
         return mode, self.reasoning_effort or kw.get("reasoning_effort")
 
+    def tool_settings(self) -> tuple[list[dict[str, Any]] | None, bool]:
+        """(the tools to render into the prompt, whether to parse DSML tool calls out of the answer).
+
+        tool_choice "none" still renders the tools and only turns the parsing off, as vLLM does by default
+        (its --exclude-tools-when-tool-choice-none is off): the prompt does not depend on tool_choice.
+        "required" and a named function are refused rather than accepted and ignored: nothing here forces
+        the model to call a tool (that would need a DSML grammar)."""
+        if self.tools is not None:
+            check_tools(self.tools)
+        tools = self.tools or None           # [] renders no tools block, as in render_chat
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        if choice == "required" or isinstance(choice, dict):
+            raise ValueError(f"tool_choice: {choice!r} is not supported (forcing a tool call is not implemented); "
+                             f"allowed: 'none', 'auto'")
+        if choice not in ("none", "auto"):
+            raise ValueError(f"tool_choice: {choice!r} is not valid; allowed: 'none', 'auto'")
+        if choice == "auto" and tools is None:
+            raise ValueError("tool_choice: 'auto' needs `tools`")
+        return tools, choice == "auto"
+
     def sampling_params(self, grammar_after: list[int] | None) -> SamplingParams:
         """`grammar_after`: the token ids that end the reasoning (thinking mode): a response_format
         grammar applies from there on."""
-        if self.tools:
-            raise ValueError("tools: tool calls are not served yet (the DSML parser is not written); "
-                             "send the request without tools")
         if self.logprobs is False and self.top_logprobs is not None:
             raise ValueError("top_logprobs: needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -113,6 +130,43 @@ class ChatRequest(_Sampling):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._params(max_tokens=max_tokens, logprobs=logprobs, so_args=so_args)
+
+
+_TOOL_KEYS = {"type", "function"}
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+
+
+def check_tools(tools: Any) -> None:
+    """OpenAI's `tools`: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    if not isinstance(tools, list):
+        raise ValueError("tools: a list of {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")
+    for i, tool in enumerate(tools):
+        problem = _tool_problem(tool)
+        if problem:
+            raise ValueError(f"tools: tools[{i}]: {problem}")
+
+
+def _tool_problem(tool: Any) -> str | None:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        return "needs 'type': 'function'"
+    if set(tool) - _TOOL_KEYS:
+        return f"unknown keys {sorted(set(tool) - _TOOL_KEYS)}; allowed: {sorted(_TOOL_KEYS)}"
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        return "'function' must be an object"
+    if set(fn) - _FUNCTION_KEYS:
+        return f"unknown keys in 'function': {sorted(set(fn) - _FUNCTION_KEYS)}; allowed: {sorted(_FUNCTION_KEYS)}"
+    name = fn.get("name")
+    # The name is written into a DSML attribute (name="..."), which has no escapes.
+    if not isinstance(name, str) or not name or any(c in name for c in '"<>') or name != "".join(name.split()):
+        return "function.name must be a non-empty string without quotes, angle brackets or whitespace"
+    if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+        return "function.parameters must be a JSON schema object"
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        return "function.description must be a string"
+    if fn.get("strict"):
+        return "function.strict=true is not supported (the arguments are not constrained to the schema)"
+    return None
 
 
 def response_format_so_args(fmt: dict[str, Any]) -> dict[str, Any] | None:
