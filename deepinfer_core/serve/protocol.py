@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..api.sampling_params import SamplingParams
+from ..api.structured_outputs import structured_outputs_to_so_args
 
 
 class StreamOptions(BaseModel):
@@ -39,6 +40,29 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # structured outputs as vLLM spells them: the new object, or the older guided_* fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _structured(self) -> tuple[str, dict[str, Any]] | None:
+        """(field given, so_args) of `structured_outputs` or one guided_* field; None when none is given."""
+        guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{k}") is not None}
+        given = ["structured_outputs"] if self.structured_outputs is not None else []
+        given += [f"guided_{k}" for k in guided]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give one of structured_outputs, guided_json, guided_regex, guided_choice, "
+                             f"guided_grammar (got {', '.join(given)})")
+        if not given:
+            return None
+        try:
+            so_args = structured_outputs_to_so_args(self.structured_outputs if guided == {} else guided)
+        except ValueError as exc:      # SamplingParams' wording: name the request field instead
+            raise ValueError(f"{given[0]}: {str(exc).removeprefix('SamplingParams: ')}") from None
+        return given[0], so_args
 
     def _params(self, **more: Any) -> SamplingParams:
         shared = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids", "presence_penalty",
@@ -68,7 +92,9 @@ class CompletionRequest(_Sampling):
         return [x if isinstance(x, str) else list(x) for x in p]
 
     def sampling_params(self) -> SamplingParams:
-        return self._params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        structured = self._structured()
+        return self._params(max_tokens=self.max_tokens, logprobs=self.logprobs,
+                            so_args=structured[1] if structured else None)
 
 
 class ChatRequest(_Sampling):
@@ -123,10 +149,15 @@ class ChatRequest(_Sampling):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("max_completion_tokens: give it or max_tokens, not both")
         so_args = None
+        structured = self._structured()
         if self.response_format is not None:
+            if structured is not None:
+                raise ValueError(f"{structured[0]}: give it or response_format, not both")
             so_args = response_format_so_args(self.response_format)
-            if so_args is not None and grammar_after:
-                so_args["trigger_token_ids"] = list(grammar_after)
+        elif structured is not None:
+            so_args = structured[1]
+        if so_args is not None and grammar_after:
+            so_args["trigger_token_ids"] = list(grammar_after)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._params(max_tokens=max_tokens, logprobs=logprobs, so_args=so_args)

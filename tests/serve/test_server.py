@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import resource
 import signal
 import socket
@@ -200,8 +201,24 @@ def test_json_schema_response_validates(server):
     jsonschema.validate(json.loads(got.choices[0].message.content), schema)
 
 
+def test_guided_and_structured_outputs_fields(server):
+    """vLLM's extensions: guided_choice on a completion, structured_outputs (regex) on a chat reply."""
+    url, _, _ = server
+    c = client(url)
+    got = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, seed=1, temperature=1.0,
+                               extra_body={"guided_choice": ["Juliet", "the sun"]})
+    assert got.choices[0].text in ("Juliet", "the sun"), got.choices[0]
+    chat = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, seed=2,
+                                     extra_body={"structured_outputs": {"regex": "Act [IV]{1,3}"}})
+    assert re.fullmatch(r"Act [IV]{1,3}", chat.choices[0].message.content), chat.choices[0]
+
+
 @pytest.mark.parametrize("body,field", [
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    (dict(guided_regex="a+", guided_choice=["a"]), "guided_choice"),
+    (dict(structured_outputs={"regx": "a"}), "structured_outputs"),
+    (dict(guided_json={"type": "object"}, response_format={"type": "json_object"}), "guided_json"),
+    (dict(tools=[{"type": "function", "function": {"parameters": {}}}]), "tools"),          # no name
+    (dict(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
     (dict(response_format={"type": "yaml"}), "response_format.type"),
     (dict(chat_template_kwargs={"thinkin": True}), "chat_template_kwargs"),
     (dict(top_logprobs=3), "top_logprobs"),
