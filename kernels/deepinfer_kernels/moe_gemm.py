@@ -78,6 +78,62 @@ def _wide_dot(a, w, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr)
 
 
 @triton.jit
+def _w13_loop(x_ptrs, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, gg_ptr, sg_ptrs, I, D,
+              N_KG: tl.constexpr, NB_I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, QAT_IN: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+              PRECISE_ACC: tl.constexpr, FP4: tl.constexpr):
+    """The w1 (gate) and w3 (up) accumulators of one tile over all of D; FP4: the expert's weights are
+    decoded from its codes (`fp4_tile`), else loaded as e4m3."""
+    wu_ptrs = wg_ptrs + I * D
+    su_ptrs = sg_ptrs + NB_I * N_KG
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, N_KG):
+        k_ok = offs_k < D - kb * BLOCK_K
+        a = tl.load(x_ptrs + kb * BLOCK_K, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
+        su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
+        if FP4:
+            wg = fp4_tile(pg_ptr, gg_ptr, offs_n, n_ok, kb * BLOCK_K, D, sg, BLOCK_N, BLOCK_K)
+            wu = fp4_tile(pg_ptr + I * (D // 2), gg_ptr + I * (D // 32), offs_n, n_ok, kb * BLOCK_K, D, su,
+                          BLOCK_N, BLOCK_K)
+        else:
+            wg = tl.load(wg_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            wu = tl.load(wu_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if QAT_IN:
+            sa = tl.load(xs_ptr + tok * N_KG + kb, mask=r_ok, other=0.0)
+            acc_g += tl.dot(a, wg, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sg[None, :]
+            acc_u += tl.dot(a, wu, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * su[None, :]
+        else:
+            acc_g += _wide_dot(a, wg, CDT, IEEE, UPCAST) * sg[None, :]
+            acc_u += _wide_dot(a, wu, CDT, IEEE, UPCAST) * su[None, :]
+    return acc_g, acc_u
+
+
+@triton.jit
+def _w2_loop(a_ptrs, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, p_ptr, g_ptr, s_ptrs, I,
+             N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             QAT: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+             PRECISE_ACC: tl.constexpr, FP4: tl.constexpr):
+    """One w2 tile's accumulator over all of I (FP4 as in `_w13_loop`)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, N_KG):
+        k_ok = offs_k < I - kb * BLOCK_K
+        a = tl.load(a_ptrs + kb * BLOCK_K, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        sw = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
+        if FP4:
+            w = fp4_tile(p_ptr, g_ptr, offs_n, n_ok, kb * BLOCK_K, I, sw, BLOCK_N, BLOCK_K)
+        else:
+            w = tl.load(w_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if QAT:
+            sa = tl.load(as_ptr + offs_r * N_KG + kb, mask=r_ok, other=0.0)
+            acc += tl.dot(a, w, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sw[None, :]
+        else:
+            acc += _wide_dot(a, w, CDT, IEEE, UPCAST) * sw[None, :]
+    return acc
+
+
+@triton.jit
 def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_ptr, sched_ptr, a_ptr, as_ptr,
                     I, D, E1, E4, n_clamped, limit, stride_x, stride_a,
                     K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr,
@@ -100,37 +156,24 @@ def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
     # w13 [E1, 2, I, D]: w1 rows then w3 rows; scales [E1, 2, NB_I, N_KG]. With W4 the first E4 experts
     # are FP4 (codes [E4, 2, I, D/2], scale bytes [E4, 2, I, D/32]) and w_ptr holds the rest from E4 on.
     wg_ptrs = w_ptr + (e64 - E4) * 2 * I * D + offs_n[None, :] * D + offs_k[:, None]
-    wu_ptrs = wg_ptrs + I * D
     pg_ptr = p_ptr + e64 * 2 * I * (D // 2)
     gg_ptr = g_ptr + e64 * 2 * I * (D // 32)
     sg_ptrs = ws_ptr + e64 * 2 * NB_I * N_KG + (offs_n // BLOCK_K) * N_KG
-    su_ptrs = sg_ptrs + NB_I * N_KG
     x_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, N_KG):
-        k_ok = offs_k < D - kb * BLOCK_K
-        a = tl.load(x_ptrs + kb * BLOCK_K, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
-        su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
-        if W4:              # a compile-time branch: the FP8 kernels stay exactly what they were
-            if e < E4:
-                wg = fp4_tile(pg_ptr, gg_ptr, offs_n, n_ok, kb * BLOCK_K, D, sg, BLOCK_N, BLOCK_K)
-                wu = fp4_tile(pg_ptr + I * (D // 2), gg_ptr + I * (D // 32), offs_n, n_ok, kb * BLOCK_K, D, su,
-                              BLOCK_N, BLOCK_K)
-            else:
-                wg = tl.load(wg_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                wu = tl.load(wu_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+    # the branch sits outside the K loops (one loop per weight form) so that each loop's loads pipeline
+    if W4:              # a compile-time branch: the FP8 kernels stay exactly what they were
+        if e < E4:
+            acc_g, acc_u = _w13_loop(x_ptrs, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, gg_ptr,
+                                     sg_ptrs, I, D, N_KG, NB_I, BLOCK_M, BLOCK_N, BLOCK_K, QAT_IN, CDT, IEEE,
+                                     UPCAST, PRECISE_ACC, True)
         else:
-            wg = tl.load(wg_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            wu = tl.load(wu_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if QAT_IN:
-            sa = tl.load(xs_ptr + tok * N_KG + kb, mask=r_ok, other=0.0)
-            acc_g += tl.dot(a, wg, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sg[None, :]
-            acc_u += tl.dot(a, wu, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * su[None, :]
-        else:
-            acc_g += _wide_dot(a, wg, CDT, IEEE, UPCAST) * sg[None, :]
-            acc_u += _wide_dot(a, wu, CDT, IEEE, UPCAST) * su[None, :]
+            acc_g, acc_u = _w13_loop(x_ptrs, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, gg_ptr,
+                                     sg_ptrs, I, D, N_KG, NB_I, BLOCK_M, BLOCK_N, BLOCK_K, QAT_IN, CDT, IEEE,
+                                     UPCAST, PRECISE_ACC, False)
+    else:
+        acc_g, acc_u = _w13_loop(x_ptrs, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, gg_ptr, sg_ptrs,
+                                 I, D, N_KG, NB_I, BLOCK_M, BLOCK_N, BLOCK_K, QAT_IN, CDT, IEEE, UPCAST, PRECISE_ACC,
+                                 False)
     # the reference's w1/w3 return the compute dtype, then SwiGLU runs in fp32
     g, u = acc_g, acc_u
     if CDT != tl.float32:
@@ -177,24 +220,25 @@ def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
     a_ptrs = a_ptr + offs_r[:, None] * stride_a + offs_k[None, :]
     w_ptrs = w_ptr + (e64 - E4) * D * I + offs_n[None, :] * I + offs_k[:, None]     # w2 [E1, D, I]
     s_ptrs = ws_ptr + e64 * NB_D * N_KG + (offs_n // BLOCK_K) * N_KG
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, N_KG):
-        k_ok = offs_k < I - kb * BLOCK_K
-        a = tl.load(a_ptrs + kb * BLOCK_K, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        sw = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
-        if W4:              # compile-time, as in _moe_w13_kernel
-            if e < E4:
-                w = fp4_tile(p_ptr + e64 * D * (I // 2), g_ptr + e64 * D * (I // 32), offs_n, n_ok, kb * BLOCK_K,
-                             I, sw, BLOCK_N, BLOCK_K)
-            else:
-                w = tl.load(w_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+    pe_ptr = p_ptr + e64 * D * (I // 2)
+    ge_ptr = g_ptr + e64 * D * (I // 32)
+    if W4:              # compile-time, as in _moe_w13_kernel
+        if e < E4:
+            acc = _w2_loop(a_ptrs, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, pe_ptr, ge_ptr, s_ptrs, I,
+                           N_KG, BLOCK_M, BLOCK_N, BLOCK_K, QAT, CDT, IEEE, UPCAST, PRECISE_ACC, True)
         else:
-            w = tl.load(w_ptrs + kb * BLOCK_K, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if QAT:
-            sa = tl.load(as_ptr + offs_r * N_KG + kb, mask=r_ok, other=0.0)
-            acc += tl.dot(a, w, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sw[None, :]
-        else:
-            acc += _wide_dot(a, w, CDT, IEEE, UPCAST) * sw[None, :]
+            acc = _w2_loop(a_ptrs, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, pe_ptr, ge_ptr, s_ptrs, I,
+                           N_KG, BLOCK_M, BLOCK_N, BLOCK_K, QAT, CDT, IEEE, UPCAST, PRECISE_ACC, False)
+    else:
+        acc = _w2_loop(a_ptrs, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, pe_ptr, ge_ptr, s_ptrs, I,
+                       N_KG, BLOCK_M, BLOCK_N, BLOCK_K, QAT, CDT, IEEE, UPCAST, PRECISE_ACC, False)
+    dest = tl.load(order_ptr + offs_r, mask=r_ok, other=0)
+    y_ptrs = y_ptr + dest[:, None] * stride_y + offs_n[None, :]
+    if y_ptr.dtype.element_ty != tl.float32:
+        acc = _round(acc, y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+
+
     dest = tl.load(order_ptr + offs_r, mask=r_ok, other=0)
     y_ptrs = y_ptr + dest[:, None] * stride_y + offs_n[None, :]
     if y_ptr.dtype.element_ty != tl.float32:
