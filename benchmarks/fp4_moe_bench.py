@@ -72,13 +72,30 @@ def diagnose(T, x, ids, rw, forms, out, variants, E) -> None:
     a, b = run("fp4", x, ids, rw), run("fp4", x, ids, rw)
     ref = run("fp8", x, ids, rw)
     bad = (a != ref).any(dim=1).nonzero().flatten().tolist()
-    rel = ((a.float() - ref.float()).abs().max() / ref.float().abs().max()).item()  # noqa: E501
-    print(f"  diag b{T}: fp4 repeatable {torch.equal(a, b)}; rows differing {len(bad)}/{T} {bad[:8]}; max rel {rel:.2e}")
+    diff = (a.float() - ref.float()).abs().max()
+    rel = (diff / ref.float().abs().max()).item()
+    print(f"  diag b{T}: fp4 repeatable {torch.equal(a, b)}; rows differing {len(bad)}/{T} {bad[:8]}; "
+          f"max rel {rel:.2e}")
     for t in bad[:3]:
-        one4, one8 = run("fp4", x[t:t + 1], ids[t:t + 1], rw[t:t + 1]), run("fp8", x[t:t + 1], ids[t:t + 1], rw[t:t + 1])
+        one = (x[t:t + 1], ids[t:t + 1], rw[t:t + 1])
+        one4, one8 = run("fp4", *one), run("fp8", *one)
         same_expert = [(ids == e).sum().item() for e in ids[t].tolist()]
         print(f"    token {t} alone equal {torch.equal(one4, one8)}; experts {ids[t].tolist()} rows {same_expert}")
     from deepinfer_kernels import moe_gemm
+
+    class NoFusion:               # the same launches with FMA contraction off (is contraction the difference?)
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda **kw: self.fn[grid](**kw, enable_fp_fusion=False)
+    saved = moe_gemm._moe_w13_kernel, moe_gemm._moe_w2_kernel
+    moe_gemm._moe_w13_kernel, moe_gemm._moe_w2_kernel = NoFusion(saved[0]), NoFusion(saved[1])
+    try:
+        a, ref = run("fp4", x, ids, rw), run("fp8", x, ids, rw)
+        print(f"  diag b{T} without FMA contraction: fp4 == fp8 {torch.equal(a, ref)}")
+    finally:
+        moe_gemm._moe_w13_kernel, moe_gemm._moe_w2_kernel = saved
     for fn in (moe_gemm._moe_w13_kernel, moe_gemm._moe_w2_kernel):
         try:
             for cache in fn.device_caches.values():
