@@ -357,9 +357,9 @@ TABLE: dict[str, Run | Skip] = {
     "\"Hello\"}], \"max_tokens\": 16}'": Skip("needs the server of the line above running; tests/serve/test_server.py "
                                               "sends the same requests with httpx and the openai client"),
     "python benchmarks/serve_bench.py --dummy-layers 4 --launch \"--max-model-len 2048 --max-num-seqs 256\" "
-    "--input-len 1024 --output-len 128 --concurrency 1,16,64,256 --label v4flash_4L": Skip(
+    "--input-len 512 --output-len 128 --concurrency 1,16,64,256 --label v4flash_4L": Skip(
         "a V4-Flash-width model on the H200; tests/benchmarks/test_serve_bench.py runs it end to end on a tiny one"),
-    "python benchmarks/throughput.py --layers 4 --input-len 1024 --output-len 128 --sweep-batches 1,16,64,256 "
+    "python benchmarks/throughput.py --layers 4 --input-len 512 --output-len 128 --sweep-batches 1,16,64,256 "
     "--max-model-len 2048 --label v4flash_4L_serve_cmp": Skip(
         "a V4-Flash-width model on the H200; its CPU path runs in tests/benchmarks/test_throughput.py"),
     "python -m deepinfer_core.serve --model /tmp/tiny-v4 --port 8000 --api-key sk-local": Skip(

@@ -136,3 +136,15 @@ def test_malformed_fp4_experts_are_refused():
         fused_moe(x, ids, torch.ones(2, K + 1), Fp4Experts(codes, groups, shared), torch.ones(E + 1, 2, 1, 1), w2,
                   torch.ones(E + 1, 1, 1), n_clamped=E, swiglu_limit=0.0, quant_in=False, quant_mid=False,
                   compute_dtype=torch.float32)
+
+
+def test_decoding_a_group_at_a_time_stays_close_under_the_interpreter(kdev, monkeypatch):
+    """The GPU decodes 32 inputs per step and chains the dots (bitwise there: tests above, compiled);
+    the interpreter's numpy dots round such a chain differently, so here: the same result to fp32 noise."""
+    from deepinfer_kernels import moe_gemm
+    monkeypatch.setattr(moe_gemm, "_fp4_sub", lambda: 32)
+    fp8_form, fp4_form = stacked_experts(256, 128, seed=5)
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(3))
+    for qat in (True, False):
+        want, got = moe(x, fp8_form, qat, torch.float32, kdev), moe(x, fp4_form, qat, torch.float32, kdev)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
