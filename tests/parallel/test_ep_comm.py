@@ -11,6 +11,7 @@ The failure tests check that a peer that raises, dies or skips a collective make
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import socket
 import time
@@ -36,6 +37,7 @@ HIDDEN = 8
 NUM_TOKENS = 29
 TIMEOUT_S = 60.0        # collective timeout: a hang fails fast
 SPAWN_DEADLINE_S = 45.0
+SKIP_TIMEOUT_S = 3.0    # the group timeout of the test where a live peer skips a collective
 
 # (name, seed, dtype of x and expert outputs, per-rank token counts by world size); global row 0 is a
 # placeholder (no expert), so a rank whose chunk is exactly that row sends nothing
@@ -116,7 +118,12 @@ def _case_failure(groups, rank: int, world: int, out_dir: Path, mode: str) -> di
     x, ids, weights = make_problem(7, torch.float32)
     num_slots = NUM_SLOTS // world * world              # 15 slots on 3 ranks
     ids = torch.where(ids >= 0, ids % num_slots, -1)
-    run_layer(x, ids, weights, NUM_SLOTS // world, rank, groups.ep)    # one good round first
+    ep = groups.ep
+    if mode == "skip":
+        # a live peer that skips a call is only caught by the timeout: a short one on this group alone
+        # (the world's rendezvous keeps the long one, so a slow process start cannot trip it)
+        ep = torch.distributed.new_group(list(range(world)), timeout=datetime.timedelta(seconds=SKIP_TIMEOUT_S))
+    run_layer(x, ids, weights, NUM_SLOTS // world, rank, ep)    # one good round first
     if rank == 1:
         if mode == "raise":
             raise RuntimeError("injected failure on rank 1")
@@ -129,13 +136,13 @@ def _case_failure(groups, rank: int, world: int, out_dir: Path, mode: str) -> di
         return {"skipped": True}
     start = time.monotonic()
     try:
-        run_layer(x, ids, weights, NUM_SLOTS // world, rank, groups.ep)
+        run_layer(x, ids, weights, NUM_SLOTS // world, rank, ep)
     except EPCommError as exc:
         return {"error": "EPCommError", "message": str(exc), "elapsed": time.monotonic() - start}
     return {"error": None}
 
 
-def _worker(rank: int, world: int, port: int, case: str, out_dir: str, timeout_s: float) -> None:
+def _worker(rank: int, world: int, port: int, case: str, out_dir: str) -> None:
     # the variables torchrun sets; init_process_groups reads them
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)          # up to four ranks share two cores
@@ -143,7 +150,7 @@ def _worker(rank: int, world: int, port: int, case: str, out_dir: str, timeout_s
     code = 0
     try:
         layout = ParallelLayout.from_env(expert_parallel=True)
-        groups = init_process_groups(layout, backend="gloo", timeout_s=timeout_s)
+        groups = init_process_groups(layout, backend="gloo", timeout_s=TIMEOUT_S)
         if case == "rounds":
             result = _case_rounds(groups, rank, world, out)
         else:
@@ -166,10 +173,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(case: str, world: int, out_dir: Path, timeout_s: float = TIMEOUT_S):
+def spawn(case: str, world: int, out_dir: Path):
     """Run `case` on `world` ranks; returns (results by rank, exit codes). Kills and fails on a hang."""
     out_dir.mkdir(exist_ok=True)
-    ctx = mp.spawn(_worker, args=(world, _free_port(), case, str(out_dir), timeout_s), nprocs=world,
+    ctx = mp.spawn(_worker, args=(world, _free_port(), case, str(out_dir)), nprocs=world,
                    join=False)
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     for proc in ctx.processes:
@@ -257,20 +264,20 @@ def test_dispatch_combine_over_gloo(tmp_path, world):
         _check_layout_counts_bytes(ranks, world, name, seed, dtype, sizes)
 
 
-@pytest.mark.parametrize("mode, timeout_s", [("raise", TIMEOUT_S), ("exit", TIMEOUT_S), ("skip", 3.0)])
-def test_failed_peer_fails_the_others_fast(tmp_path, mode, timeout_s):
+@pytest.mark.parametrize("mode", ["raise", "exit", "skip"])
+def test_failed_peer_fails_the_others_fast(tmp_path, mode):
     """A peer that raises or dies closes its connections (the others fail at once, far inside the 60 s
     timeout); one that stays alive but skips a collective is caught by the group timeout (3 s here)."""
     world = 3
     start = time.monotonic()
-    results, codes = spawn(mode, world, tmp_path / mode, timeout_s=timeout_s)
+    results, codes = spawn(mode, world, tmp_path / mode)
     assert time.monotonic() - start < 30
     survivors = [r for r in range(world) if r != 1]
     for r in survivors:
         res = results[r]
         assert res is not None and res["error"] == "EPCommError", (r, res)
         assert "EP rank" in res["message"] and "same number of times" in res["message"]
-        assert res["elapsed"] < (timeout_s + 10 if mode == "skip" else 20), res
+        assert res["elapsed"] < (SKIP_TIMEOUT_S + 10 if mode == "skip" else 20), res
     if mode == "raise":
         assert results[1]["message"] == "injected failure on rank 1" and codes[1] == 1
     elif mode == "exit":
