@@ -57,16 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules,
 
 import serve_bench_http as SH  # noqa: E402
 import serve_bench_metrics as SM  # noqa: E402
+from throughput_metrics import int_list  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-
-
-def int_list(text: str) -> list[int]:
-    out = [int(p) for p in text.split(",") if p.strip()]
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of ints >= 1")
-    return out
 
 
 def parser() -> argparse.ArgumentParser:

@@ -73,14 +73,6 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def int_list(text: str) -> list[int]:
-    """'1,16,64' -> [1, 16, 64] (each >= 1)."""
-    out = [int(p) for p in text.split(",") if p.strip()]
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of ints >= 1")
-    return out
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--input-len", type=int, default=1024, help="prompt length in tokens (random ids, seeded)")
     w.add_argument("--output-len", type=int, default=256, help="generated tokens per prompt (ignore_eos)")
     w.add_argument("--num-prompts", type=int, default=64, help="prompts of the measured call")
-    w.add_argument("--sweep-batches", type=int_list, default=None,
+    w.add_argument("--sweep-batches", type=TM.int_list, default=None,
                    help="e.g. 1,16,64,256: one measurement per concurrency (num_prompts = it) with one LLM "
                    "(max_num_seqs = the largest); replaces --num-prompts")
     w.add_argument("--warmup-output-len", type=int, default=8,

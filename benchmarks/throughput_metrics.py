@@ -21,6 +21,7 @@ drop a few edge gaps, never admit a gap from a mixed step.
 """
 from __future__ import annotations
 
+import argparse
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -150,3 +151,11 @@ def print_table(rows: list[dict]) -> None:
     if ratios:
         pairs = ", ".join(f"conc {c}: {v:.3f}" for c, v in sorted(ratios.items()))
         print(f"async on / off steady step: {pairs}")
+
+
+def int_list(text: str) -> list[int]:
+    """'1,16,64' -> [1, 16, 64] (each >= 1)."""
+    out = [int(p) for p in text.split(",") if p.strip()]
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of ints >= 1")
+    return out

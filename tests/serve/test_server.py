@@ -11,56 +11,27 @@ import random
 import re
 import resource
 import signal
-import socket
 import subprocess
-import threading
 import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.serve.app import build_app
 from deepinfer_core.serve.chat import ReasoningSplit
 from deepinfer_core.serve.engine_loop import EngineLoop
-from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
 
 MODEL = "tiny"
 PROMPTS = ["ROMEO.\nBut soft, what light", "KING.\nMy lord, the"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(bundled_tiny_model_dir(tmp_path_factory.mktemp("bundled")))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
+def server(model_dir, start_server):
     llm = LLM(model=model_dir, max_model_len=512, num_speculative_tokens=0)
-    loop = EngineLoop(llm.engine, max_requests=512)
-    loop.start()
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(llm, loop, MODEL, api_key="sk-test"), host="127.0.0.1",
-                                        port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm, loop
-    srv.should_exit = True
-    thread.join(30)
-    loop.stop(30)
+    url, loop = start_server(llm, 512, MODEL, "sk-test")
+    yield url, llm, loop
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +296,7 @@ def test_a_thousand_requests_in_a_row_grow_nothing(server):
     assert grown_kib < 64 * 1024, f"peak RSS grew {grown_kib} KiB over 900 requests"
 
 
-def test_sigterm_finishes_the_running_request_and_exits_0(model_dir):
+def test_sigterm_finishes_the_running_request_and_exits_0(model_dir, free_port):
     """SIGTERM: no new connections, the running stream finishes, exit status 0 (`deepinfer serve`)."""
     port = free_port()
     proc = subprocess.Popen(["deepinfer", "serve", "--model", model_dir, "--port", str(port), "--max-model-len",

@@ -12,22 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.api.chat import _render_tool_calls, encode_chat_prompt, render_chat
 from deepinfer_core.api.outputs import CompletionOutput, RequestOutput
-from deepinfer_core.serve.app import build_app
 from deepinfer_core.serve.chat import _sse, chat_choice
-from deepinfer_core.serve.engine_loop import EngineLoop
-from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
 
 MODEL = "tiny"
 WEATHER = {
@@ -47,12 +40,6 @@ CALLS = [
     {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}},
 ]
 BLOCK = _render_tool_calls(CALLS)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def completion(text: str, finish_reason: str = "stop") -> CompletionOutput:
@@ -162,28 +149,10 @@ ROUND = MESSAGES + [
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(bundled_tiny_model_dir(tmp_path_factory.mktemp("bundled")))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
+def server(model_dir, start_server):
     llm = LLM(model=model_dir, max_model_len=1024, num_speculative_tokens=0)
-    loop = EngineLoop(llm.engine, max_requests=64)
-    loop.start()
-    port = free_port()
-    app = build_app(llm, loop, MODEL, api_key="sk-test")
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm.get_tokenizer()
-    srv.should_exit = True
-    thread.join(30)
-    loop.stop(30)
+    url, loop = start_server(llm, 64, MODEL, "sk-test")
+    yield url, llm.get_tokenizer()
 
 
 @pytest.fixture(scope="module")
