@@ -196,11 +196,13 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                           slot_counts=torch.bincount(wire_slot, minlength=slots_per_rank), handle=handle)
 
 
-def combine(expert_out: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
+def combine(expert_out: torch.Tensor, handle: CombineHandle, init: torch.Tensor | None = None) -> torch.Tensor:
     """Return each pair's output to its source rank and sum per token in top-k order.
 
     `expert_out` [P, D]: one row per pair of the DispatchResult, in its (expert-major) order, already
     weighted. Returns [T, D] in fp32 (fp64 when `expert_out` is fp64); tokens with no expert get 0.
+    `init` [T, D]: where the sum starts instead of zeros (cast to the accumulation dtype), so a caller
+    can add the shared expert first, as the single-process MoE does (same bits, same order).
     """
     num_pairs = handle.expert_order.numel()
     if expert_out.dim() != 2 or expert_out.shape[0] != num_pairs:
@@ -214,7 +216,12 @@ def combine(expert_out: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
     acc_dtype = torch.float64 if expert_out.dtype == torch.float64 else torch.float32
     back = _from_bytes(back_bytes, expert_out.dtype, (hidden,)).to(acc_dtype)
     back = torch.cat([back, back.new_zeros(1, hidden)])     # the row that skipped (token, k) gather
-    out = torch.zeros(handle.num_tokens, hidden, dtype=acc_dtype, device=expert_out.device)
+    if init is None:
+        out = torch.zeros(handle.num_tokens, hidden, dtype=acc_dtype, device=expert_out.device)
+    elif tuple(init.shape) != (handle.num_tokens, hidden):
+        raise ValueError(f"init.shape={tuple(init.shape)}: must be [T, D] = [{handle.num_tokens}, {hidden}]")
+    else:
+        out = init.to(dtype=acc_dtype, device=expert_out.device, copy=True)
     for k in range(handle.topk):             # fixed order k = 0..K−1 (§7.1): one add per position
         out += back[handle.gather_index[:, k]]
 

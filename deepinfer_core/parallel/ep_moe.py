@@ -1,0 +1,168 @@
+"""Expert-parallel MoE inside the model: the MoE method of an EP rank (spec parallelism.md §3.2, §5, §7).
+
+One MoE layer on EP rank r (every rank of the EP group, an idle one with T = 0 rows too):
+    route locally (the wrapped method's gate: logical top-k, tid2eid on hash layers) ->
+    sort each token's top-k by logical expert id -> physical slots (`choose_physical`) ->
+    dispatch -> this rank's slots run on the rows they received (the wrapped method's expert math) ->
+    combine, starting the sum from the shared expert's output.
+
+Invariants:
+* Exactly one `dispatch` and one `combine` per layer call, whatever T is (0 included): the EP group's
+  collectives stay in step as long as every rank calls the same layers in the same order (§3.1).
+* Order of additions per token = the portable method's: fp32 shared-expert output first, then the routed
+  contributions in ascending logical-expert order (the portable loop walks experts ascending; sorting the
+  top-k by id makes combine's fixed k order the same order). With a row-invariant expert GEMM (the
+  batch-invariant feature) the result is bitwise that of the single-process method, for any EP size,
+  placement or replica choice; with the plain CPU GEMM the expert rows see other batch shapes, so only
+  the last bits may differ.
+* The expert math is the wrapped method's: `moe.experts[slot](rows, route_weight, silu=inner.silu)`,
+  i.e. the same `Expert.forward` (SwiGLU clamp, weight before w2, dtype casts) and the same bound linear
+  method (QAT activation fake-quant included). Only the experts of this rank's slots are kept
+  (`shard_experts`); replicas on one rank are copies of the same logical expert.
+* Weights are selected in memory after a full load (`shard_experts`): every rank still reads every
+  expert tensor once. Reading only `phys_to_log[own slots]` from the shards is not done yet.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .ep_comm import combine, dispatch
+from .expert_map import ExpertPlacement, choose_physical
+
+
+def local_slots_logical(placement: ExpertPlacement, layer: int, ep_rank: int, ep_size: int) -> list[int]:
+    """Logical expert held by each of EP rank `ep_rank`'s slots in `layer`, in slot order."""
+    slots = placement.slots_of_rank(ep_rank, ep_size)
+    return placement.phys_to_log[layer, slots.start:slots.stop].tolist()
+
+
+def shard_experts(experts: Sequence[nn.Module], placement: ExpertPlacement, layer: int, ep_rank: int,
+                  ep_size: int) -> nn.ModuleList:
+    """The experts of this rank's slots, in slot order, from a layer's full list of logical experts.
+
+    The first slot of a logical expert takes the loaded module itself; a further replica on this rank
+    gets a deep copy, so each slot owns its buffers (weight moves of EPLB rewrite one slot, not two)."""
+    if len(experts) != placement.num_experts:
+        raise ValueError(f"{len(experts)} experts in layer {layer}; the placement has {placement.num_experts} "
+                         "logical experts per layer (shard a full, unsharded layer)")
+    seen: set[int] = set()
+    local = []
+    for e in local_slots_logical(placement, layer, ep_rank, ep_size):
+        local.append(experts[e] if e not in seen else copy.deepcopy(experts[e]))
+        seen.add(e)
+    return nn.ModuleList(local)
+
+
+@dataclass
+class EPMoEMethod:
+    """MoE method of one EP rank; wraps the single-process method chosen by `deepinfer_moe_method`
+    (PortableMoE or a subclass) for its gate, elementwise functions and expert math.
+
+    `group` None = a world of one (no collective; the local path of ep_comm), then `ep_size` must be 1.
+    `placement` covers the model's main MoE layers (index = `moe.layer_id`)."""
+
+    inner: object
+    placement: ExpertPlacement
+    ep_rank: int
+    ep_size: int
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.placement.num_slots % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size}: must divide the placement's {self.placement.num_slots} "
+                             "physical slots per layer")
+        if self.group is not None and dist.get_world_size(self.group) != self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} but the EP group has {dist.get_world_size(self.group)} ranks")
+        if self.group is None and self.ep_size != 1:
+            raise ValueError(f"ep_size={self.ep_size} needs an EP process group (group=None is a world of one)")
+
+    @property
+    def batch_invariant(self) -> bool:
+        return bool(getattr(self.inner, "batch_invariant", False))
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.placement.num_slots // self.ep_size
+
+    def process_weights(self, moe: nn.Module) -> None:
+        """The wrapped method's runtime form, then keep only this rank's slots. Idempotent per layer:
+        a layer already sharded (its `ep_sharded` flag) is left alone."""
+        self.inner.process_weights(moe)
+        if getattr(moe, "ep_sharded", False):
+            return
+        moe.experts = shard_experts(moe.experts, self.placement, moe.layer_id, self.ep_rank, self.ep_size)
+        moe.ep_sharded = True
+
+    def apply(self, moe: nn.Module, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        inner = self.inner
+        num_tokens, topk = x.shape[0], moe.gate.topk
+        if num_tokens:
+            weights, idx = inner.route(moe.gate, x, input_ids, inner.gate_logits(moe.gate, x), inner.softplus)
+            shared = moe.shared_experts(x, silu=inner.silu).float()
+        else:       # an idle rank: nothing to route, but it must still serve the others' rows
+            weights = torch.empty(0, topk, dtype=torch.float32, device=x.device)
+            idx = torch.empty(0, topk, dtype=torch.int64, device=x.device)
+            shared = torch.empty(0, x.shape[1], dtype=torch.float32, device=x.device)
+        # ascending logical id per token: combine's k order is then the portable loop's expert order
+        idx, perm = torch.sort(idx, dim=1, stable=True)
+        weights = weights.gather(1, perm)
+        rows = torch.arange(num_tokens, device=x.device)
+        phys = choose_physical(idx, rows, self.ep_rank, self.placement, moe.layer_id).to(x.device)
+        res = dispatch(x, phys, weights, self.slots_per_rank, self.group)
+        out = self._run_experts(moe, res)
+        return combine(out, res.handle, init=shared).to(x.dtype)
+
+    def _run_experts(self, moe: nn.Module, res) -> torch.Tensor:
+        """One call per local slot with rows (its pairs are contiguous: dispatch orders them by slot)."""
+        out = res.x.new_empty(res.row_index.shape[0], res.x.shape[1])
+        start = 0
+        for slot, n in enumerate(res.slot_counts.tolist()):
+            if n == 0:
+                continue
+            seg = slice(start, start + n)
+            out[seg] = moe.experts[slot](res.x[res.row_index[seg]], res.weights[seg], silu=self.inner.silu)
+            start += n
+        return out
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The main MoE layers in forward order (MTP / drafter blocks are not expert-parallel yet)."""
+    return [layer.ffn for layer in model.layers]
+
+
+@torch.no_grad()
+def bind_expert_parallel(model: nn.Module, placement: ExpertPlacement, ep_rank: int, ep_size: int,
+                         group: dist.ProcessGroup | None) -> EPMoEMethod:
+    """After `bind_ops` + `process_weights`: wrap every main MoE layer's method in one EPMoEMethod and
+    drop the experts of other ranks' slots. Returns the method (shared by the layers)."""
+    layers = moe_layers(model)
+    if placement.num_layers != len(layers):
+        raise ValueError(f"placement has {placement.num_layers} layers; the model has {len(layers)} MoE layers")
+    inners = {type(m.method) for m in layers}
+    if len(inners) != 1:
+        raise ValueError(f"MoE layers use different methods {sorted(t.__name__ for t in inners)}; one expected")
+    method = EPMoEMethod(layers[0].method, placement, ep_rank, ep_size, group)
+    for moe in layers:
+        moe.method = method
+        method.process_weights(moe)
+    return method
+
+
+@torch.no_grad()
+def idle_forward(model: nn.Module, dtype: torch.dtype) -> None:
+    """The MoE half of a placeholder forward: a rank with no tokens this step joins every main MoE
+    layer's dispatch and combine, in forward order, with T = 0 (it computes the others' rows)."""
+    hidden = model.cfg.hidden_size
+    device = model.embed.weight.device
+    x = torch.empty(0, hidden, dtype=dtype, device=device)
+    ids = torch.empty(0, dtype=torch.int64, device=device)
+    for moe in moe_layers(model):
+        if not isinstance(moe.method, EPMoEMethod):
+            raise TypeError("idle_forward needs expert-parallel MoE layers (bind_expert_parallel first)")
+        moe.method.apply(moe, x, ids)
