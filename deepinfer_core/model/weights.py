@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,7 @@ class LoadReport:
     cast: list[str] = field(default_factory=list)   # plain floats stored in another float dtype
     mtp_dropped: bool = False                       # no mtp.* tensors: model.mtp emptied
     seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)   # not read: the caller's `skip` (other EP ranks' experts)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class _Plan:
     plain: set[str]                    # prefixes of quantized linears given as plain float weights
     cast: dict[str, torch.dtype]       # name -> dtype a plain float tensor is converted to
     mtp_dropped: bool
+    skipped: list[str] = field(default_factory=list)   # checkpoint tensors `skip` leaves unread
 
 
 @dataclass(frozen=True)
@@ -230,10 +233,12 @@ def _load_dtype(buf: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dt
 
 
 def _plan(expected: dict[str, torch.Tensor], entries: dict[str, _Entry], *,
-          compute_dtype: torch.dtype | None = None, require_mtp: bool = False) -> _Plan:
+          compute_dtype: torch.dtype | None = None, require_mtp: bool = False,
+          skip: Callable[[str], bool] | None = None) -> _Plan:
     """Match the checkpoint's headers against the model's buffers (see `_Plan`)."""
     problems: list[str] = []
     ignored: list[str] = []
+    skipped: list[str] = []
     plain: set[str] = set()
     cast: dict[str, torch.dtype] = {}
     # No mtp.* tensor at all: a checkpoint saved without the MTP head (it only drafts tokens for
@@ -279,11 +284,13 @@ def _plan(expected: dict[str, torch.Tensor], entries: dict[str, _Entry], *,
             continue
         if IGNORED_PATTERN.match(name):
             ignored.append(name)
+        elif skip is not None and skip(name):
+            skipped.append(name)
         else:
             e = entries[name]
             problems.append(f"{name}: unexpected tensor ({list(e.shape)} {_dt(e.dtype)} "
                             f"in {e.shard.name})")
-    return _Plan(sorted(problems), ignored, plain, cast, mtp_absent and not require_mtp)
+    return _Plan(sorted(problems), ignored, plain, cast, mtp_absent and not require_mtp, skipped)
 
 
 def _log_casts(cast: dict[str, torch.dtype], expected: dict[str, torch.Tensor],
@@ -332,18 +339,20 @@ def check_checkpoint(model: nn.Module, path: str | Path, *, require_mtp: bool = 
 
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path: str | Path, *, compute_dtype: torch.dtype | None = None,
-                    require_mtp: bool = False) -> LoadReport:
+                    require_mtp: bool = False, skip: Callable[[str], bool] | None = None) -> LoadReport:
     """Load every checkpoint tensor into the same-named buffer of `model` (strict, see module doc).
 
     `compute_dtype`: the run's dtype; float32 keeps float32-stored tensors exact (`_load_dtype`).
     `require_mtp`: refuse a checkpoint without MTP tensors instead of dropping `model.mtp`; for
     speculative decoding (MTP drafting; the engine drafts when they are present, speculative/engine_step.py).
+    `skip`: checkpoint names the model deliberately lacks (an EP rank's model holds only its own experts,
+    parallel/ep_moe.py): they are neither read nor reported as unexpected.
     """
     t0 = time.perf_counter()
     weight_map, shards = _shard_files(Path(path))
     entries, problems = _scan(weight_map, shards)
     expected = model.state_dict(keep_vars=True)
-    plan = _plan(expected, entries, compute_dtype=compute_dtype, require_mtp=require_mtp)
+    plan = _plan(expected, entries, compute_dtype=compute_dtype, require_mtp=require_mtp, skip=skip)
     problems = sorted(problems + plan.problems)
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match the model ({len(problems)} problems):\n  "
@@ -360,7 +369,7 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, compute_dtype: torch.
         _log_casts(plan.cast, expected, entries)
 
     report = LoadReport(ignored=plan.ignored, substituted=sorted(f"{p}.weight" for p in plan.plain),
-                        cast=sorted(plan.cast), mtp_dropped=plan.mtp_dropped)
+                        cast=sorted(plan.cast), mtp_dropped=plan.mtp_dropped, skipped=plan.skipped)
     by_shard: dict[Path, list[str]] = {}
     for name in expected:
         if name in entries:

@@ -19,13 +19,18 @@ Invariants:
   i.e. the same `Expert.forward` (SwiGLU clamp, weight before w2, dtype casts) and the same bound linear
   method (QAT activation fake-quant included). Only the experts of this rank's slots are kept
   (`shard_experts`); replicas on one rank are copies of the same logical expert.
-* Weights are selected in memory after a full load (`shard_experts`): every rank still reads every
-  expert tensor once. Reading only `phys_to_log[own slots]` from the shards is not done yet.
+* Loading (`ExpertShard` passed to `load_model`): before the checkpoint is read, `prune_remote_experts`
+  empties the experts no slot of this rank holds, and the loader skips their tensors, so a rank reads
+  only `phys_to_log[own slots]` (each logical expert once, replicas copied after loading). The dummy
+  load format fills the full model and then shards it in memory (`shard_experts`).
+* MTP / drafter blocks keep the wrapped method and all their experts (local, no collective): only the
+  main layers are expert-parallel so far.
 """
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +39,19 @@ from torch import nn
 
 from .ep_comm import combine, dispatch
 from .expert_map import ExpertPlacement, choose_physical
+
+_EXPERT_NAME = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.")    # a main layer's routed expert
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's share of the routed experts: what the loader reads and the MoE method runs.
+    `group` None = a world of one (then `ep_size` is 1)."""
+
+    placement: ExpertPlacement
+    ep_rank: int
+    ep_size: int
+    group: dist.ProcessGroup | None = None
 
 
 def local_slots_logical(placement: ExpertPlacement, layer: int, ep_rank: int, ep_size: int) -> list[int]:
@@ -91,9 +109,14 @@ class EPMoEMethod:
         return self.placement.num_slots // self.ep_size
 
     def process_weights(self, moe: nn.Module) -> None:
-        """The wrapped method's runtime form, then keep only this rank's slots. Idempotent per layer:
-        a layer already sharded (its `ep_sharded` flag) is left alone."""
+        """Keep only this rank's slots, then the wrapped method's runtime form (so a method that packs
+        the experts packs this rank's slots, in slot order)."""
+        self.shard(moe)
         self.inner.process_weights(moe)
+
+    def shard(self, moe: nn.Module) -> None:
+        """`moe.experts` becomes the list of this rank's slots; a layer already sharded (its
+        `ep_sharded` flag) is left alone."""
         if getattr(moe, "ep_sharded", False):
             return
         moe.experts = shard_experts(moe.experts, self.placement, moe.layer_id, self.ep_rank, self.ep_size)
@@ -131,6 +154,24 @@ class EPMoEMethod:
         return out
 
 
+def prune_remote_experts(model: nn.Module, shard: ExpertShard) -> Callable[[str], bool]:
+    """Before loading (model on the meta device): replace each main layer's logical experts that no slot
+    of this rank holds by an empty module (no buffers, so the loader expects none of their tensors).
+    Returns the loader's `skip` predicate: exactly the checkpoint names of the removed experts."""
+    removed: set[tuple[int, int]] = set()
+    for i, moe in enumerate(moe_layers(model)):
+        keep = set(local_slots_logical(shard.placement, moe.layer_id, shard.ep_rank, shard.ep_size))
+        for e in range(len(moe.experts)):
+            if e not in keep:
+                moe.experts[e] = nn.Module()
+                removed.add((i, e))
+
+    def skip(name: str) -> bool:
+        m = _EXPERT_NAME.match(name)
+        return m is not None and (int(m[1]), int(m[2])) in removed
+    return skip
+
+
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     """The main MoE layers in forward order (MTP / drafter blocks are not expert-parallel yet)."""
     return [layer.ffn for layer in model.layers]
@@ -140,7 +181,8 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 def bind_expert_parallel(model: nn.Module, placement: ExpertPlacement, ep_rank: int, ep_size: int,
                          group: dist.ProcessGroup | None) -> EPMoEMethod:
     """After `bind_ops` + `process_weights`: wrap every main MoE layer's method in one EPMoEMethod and
-    drop the experts of other ranks' slots. Returns the method (shared by the layers)."""
+    drop the experts of other ranks' slots (the wrapped method's processing is not repeated; it must
+    leave the experts a per-expert list, as PortableMoE does). Returns the method (shared by the layers)."""
     layers = moe_layers(model)
     if placement.num_layers != len(layers):
         raise ValueError(f"placement has {placement.num_layers} layers; the model has {len(layers)} MoE layers")
@@ -150,7 +192,7 @@ def bind_expert_parallel(model: nn.Module, placement: ExpertPlacement, ep_rank: 
     method = EPMoEMethod(layers[0].method, placement, ep_rank, ep_size, group)
     for moe in layers:
         moe.method = method
-        method.process_weights(moe)
+        method.shard(moe)
     return method
 
 

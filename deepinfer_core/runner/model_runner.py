@@ -130,10 +130,13 @@ def _config(config: EngineConfig | None, options: dict) -> EngineConfig:
     return config if config is not None else EngineConfig.from_options(**options)
 
 
-def load_model(model_dir: str | Path, config: EngineConfig | None = None, **options) -> LoadedModel:
+def load_model(model_dir: str | Path, config: EngineConfig | None = None, expert_shard=None,
+               **options) -> LoadedModel:
     """Config -> hooks -> graph on the meta device -> checkpoint (one shard at a time) -> runtime weights.
     `load_format="dummy"`: the graph on the device, filled with random weights in the checkpoint's format
-    (only config.json is read), then the same runtime conversion."""
+    (only config.json is read), then the same runtime conversion.
+    `expert_shard` (parallel.ep_moe.ExpertShard, an EP rank): read only this rank's experts and bind
+    the expert-parallel MoE method; None = every expert, the single-process method."""
     config = _config(config, options)
     t0 = time.perf_counter()
     cfg = ModelConfig.from_file(model_dir)
@@ -160,20 +163,28 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, **opti
             load_checkpoint,  # local: the loader pulls in safetensors
         )
         model = build_model(cfg, device="meta")
-        load_checkpoint(model, model_dir, compute_dtype=ctx.torch_dtype)   # may drop model.mtp
+        skip = None
+        if expert_shard is not None:
+            from ..parallel.ep_moe import prune_remote_experts
+            skip = prune_remote_experts(model, expert_shard)
+        load_checkpoint(model, model_dir, compute_dtype=ctx.torch_dtype, skip=skip)   # may drop model.mtp
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))
     process_weights(model)
+    if expert_shard is not None:
+        from ..parallel.ep_moe import bind_expert_parallel
+        bind_expert_parallel(model, expert_shard.placement, expert_shard.ep_rank, expert_shard.ep_size,
+                             expert_shard.group)
     model.to(device)
     return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops,
                        logits_processors=logits_processors, proposer=proposer)
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **options):
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, expert_shard=None, **options):
         """`config`: the resolved engine options (`LLM` passes its own); or `options` by name, as for
-        `LLM(...)` (tests, tools)."""
+        `LLM(...)` (tests, tools). `expert_shard`: an EP rank's experts (see `load_model`)."""
         self.config = config = _config(config, options)
-        self.loaded = load_model(model_dir, config)
+        self.loaded = load_model(model_dir, config, expert_shard)
         self.model = self.loaded.model
         self.sampler = self.loaded.sampler      # chosen through deepinfer_sampler, once
         self.logits_processors = self.loaded.logits_processors

@@ -5,7 +5,7 @@ simulate_qat=False), every prompt in one batch: the logits of every prompt row o
 greedy decode step. Each spawned world (2 and 4 ranks) gives every rank a contiguous share of the
 prompts (data parallel; at world 4 rank 3 has none and runs `idle_forward`, i.e. it only joins each MoE
 layer's dispatch/combine with T = 0) and shards the routed experts over all ranks with redundant slots
-(replicas), hash layers included.
+(replicas), hash layers included; each rank's loader reads only the experts of its own slots.
 
 Bitwise where it can be: with DEEPINFER_BATCH_INVARIANT (batch_invariant=True: every GEMM row-invariant)
 the EP logits must equal the oracle's bit for bit (the EP method adds the shared expert and then the
@@ -25,7 +25,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from deepinfer_core.parallel.ep_moe import EPMoEMethod, bind_expert_parallel, idle_forward, shard_experts
+from deepinfer_core.config import ModelConfig
+from deepinfer_core.model import build_model
+from deepinfer_core.model.weights import CheckpointError, load_checkpoint
+from deepinfer_core.parallel.ep_moe import EPMoEMethod, ExpertShard, idle_forward, prune_remote_experts, shard_experts
 from deepinfer_core.parallel.expert_map import ExpertPlacement
 
 PROMPT_LENS = (5, 9, 3, 7, 4, 6)
@@ -39,10 +42,10 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def make_runner(ckpt: str, batch_invariant: bool):
+def make_runner(ckpt: str, batch_invariant: bool, expert_shard: ExpertShard | None = None):
     from deepinfer_core.runner.model_runner import ModelRunner
-    runner = ModelRunner(ckpt, dtype="float32", simulate_qat=False, device="cpu", batch_invariant=batch_invariant)
-    return runner
+    return ModelRunner(ckpt, dtype="float32", simulate_qat=False, device="cpu", batch_invariant=batch_invariant,
+                       expert_shard=expert_shard)
 
 
 def run_prompts(runner, ps: list[list[int]], idle_step=None) -> dict:
@@ -61,13 +64,9 @@ def run_prompts(runner, ps: list[list[int]], idle_step=None) -> dict:
     return {"prefill": prefill, "decode": decode}
 
 
-def num_moe_layers(runner) -> int:
-    return len(runner.model.layers)
-
-
-def placement_for(runner, ep_size: int, redundant: int) -> ExpertPlacement:
-    cfg = runner.model_config
-    return ExpertPlacement.initial(num_moe_layers(runner), cfg.n_routed_experts, ep_size, redundant)
+def placement_for(ckpt: str, ep_size: int, redundant: int) -> ExpertPlacement:
+    cfg = ModelConfig.from_file(ckpt)
+    return ExpertPlacement.initial(cfg.num_hidden_layers, cfg.n_routed_experts, ep_size, redundant)
 
 
 # ---- spawned ranks --------------------------------------------------------------------------------------
@@ -79,9 +78,10 @@ def _worker(rank: int, world: int, port: int, ckpt: str, batch_invariant: bool, 
     try:
         groups = init_process_groups(ParallelLayout.from_env(expert_parallel=True), backend="gloo",
                                      timeout_s=TIMEOUT_S)
-        runner = make_runner(ckpt, batch_invariant)
-        runner.new_sequence()         # sizes the cache now (no forward on the CPU), before EP is bound
-        method = bind_expert_parallel(runner.model, placement_for(runner, world, world), rank, world, groups.ep)
+        # the loader reads only this rank's experts (replicas: R = world redundant slots)
+        shard = ExpertShard(placement_for(ckpt, world, world), rank, world, groups.ep)
+        runner = make_runner(ckpt, batch_invariant, shard)
+        method = runner.model.layers[0].ffn.method
         lo = sum(SPLITS[world][:rank])
         mine = prompts()[lo:lo + SPLITS[world][rank]]
         result = run_prompts(runner, mine, lambda: idle_forward(runner.model, runner.dtype))
@@ -172,9 +172,9 @@ def test_world_of_one(redundant, oracle, tiny_ckpt_dir):
     """The local path (group None): bitwise without replicas in both modes (each expert sees the oracle's
     rows in the oracle's order); with replicas bitwise only with row-invariant GEMMs."""
     batch_invariant, want = oracle
-    runner = make_runner(str(tiny_ckpt_dir), batch_invariant)
-    runner.new_sequence()
-    bind_expert_parallel(runner.model, placement_for(runner, 1, redundant), 0, 1, None)
+    runner = make_runner(str(tiny_ckpt_dir), batch_invariant,
+                         ExpertShard(placement_for(str(tiny_ckpt_dir), 1, redundant), 0, 1))
+    assert isinstance(runner.model.layers[0].ffn.method, EPMoEMethod)
     got = run_prompts(runner, prompts())
     exact = batch_invariant or redundant == 0
     _assert_match(got["prefill"], want["prefill"], exact, "prefill")
@@ -194,3 +194,36 @@ def test_shard_experts_keeps_own_slots():
         shard_experts(experts[:3], placement, 0, 0, 2)
     with pytest.raises(ValueError, match="EP process group"):
         EPMoEMethod(object(), placement, 0, 2, None)
+
+
+def test_loader_reads_only_own_experts(tiny_ckpt_dir):
+    """An EP rank's model lacks the experts none of its slots hold: the loader skips exactly those
+    tensors (never reads them) and loads the others with the same bits as a full load."""
+    ckpt = str(tiny_ckpt_dir)
+    cfg = ModelConfig.from_file(ckpt)
+    full = build_model(cfg, device="meta")
+    full_report = load_checkpoint(full, ckpt)
+    placement = placement_for(ckpt, 4, 4)                      # 12 slots, 3 per rank; rank 1: logical 3, 4, 5
+    model = build_model(cfg, device="meta")
+    skip = prune_remote_experts(model, ExpertShard(placement, 1, 4))
+    with pytest.raises(CheckpointError, match="unexpected tensor"):
+        _load_pruned_without_skip(cfg, ckpt)    # the strict loader refuses what the rank lacks
+    report = load_checkpoint(model, ckpt, skip=skip)
+    per_expert = len(full.layers[0].ffn.experts[0].state_dict())
+    remote = cfg.num_hidden_layers * (cfg.n_routed_experts - 3) * per_expert
+    assert len(report.skipped) == remote and report.tensors_loaded == full_report.tensors_loaded - remote
+    assert report.bytes_loaded < full_report.bytes_loaded
+    for layer, full_layer in zip(model.layers, full.layers):
+        for e in range(cfg.n_routed_experts):
+            got = layer.ffn.experts[e].state_dict()
+            if e in (3, 4, 5):
+                want = full_layer.ffn.experts[e].state_dict()
+                assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+            else:
+                assert not got
+
+
+def _load_pruned_without_skip(cfg, ckpt: str) -> None:
+    model = build_model(cfg, device="meta")
+    prune_remote_experts(model, ExpertShard(placement_for(ckpt, 4, 4), 1, 4))
+    load_checkpoint(model, ckpt)
