@@ -8,11 +8,14 @@ float32, QAT off, batch-invariant GEMMs (row-invariant, as the EP oracle test ne
 the prompts then see the same numbers whatever batch, chunk or rank they land in).
 
 A rank that dies mid-run (the test hook: os._exit inside the lockstep loop) must make `generate`
-raise one RuntimeError naming that rank, well within the ranks' collective timeout.
-The DP=2 engine is reused for the failure check, so the file spawns 6 processes in all.
+raise one RuntimeError naming that rank, well within the ranks' collective timeout; so must a rank
+killed from outside (SIGKILL). Each engine is reused for its failure check: 6 processes in all.
 """
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -73,10 +76,19 @@ def test_dp2_matches_one_process_then_a_dead_rank_fails_fast(oracle, tiny_ckpt_d
             llm.generate(prompt_token_ids=prompts()[:1], sampling_params=GREEDY)
 
 
-def test_dp4_matches_one_process(oracle, tiny_ckpt_dir):
+def test_dp4_matches_one_process_then_a_killed_rank_fails_fast(oracle, tiny_ckpt_dir):
     with DataParallelLLM(str(tiny_ckpt_dir), data_parallel_size=4, timeout_s=TIMEOUT_S, **COMMON, **TIGHT) as llm:
         assert _dp_tokens(llm) == oracle
         _check_stats(llm)
+        assert any(s.idle_forwards for s in llm.last_stats)     # a rank ran placeholders for the others
+        # SIGKILL from outside, one second into a run that takes several
+        killer = threading.Timer(1.0, os.kill, (llm._procs[2].pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 2 of 4 died \(killed by SIGKILL\)"):
+            llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
+        killer.join()
+        assert time.monotonic() - t0 < TIMEOUT_S / 2
 
 
 def test_assignment_is_by_load_and_deterministic():
