@@ -166,7 +166,7 @@ class LLM:
         completion's text instead, DS-DeepInfer's compat mode). A loop over the online engine:
         the prompts are added, then stepped until all of them are finished."""
         parsed = parse_prompts(prompts, prompt_token_ids)
-        params = self._per_request_params(sampling_params, len(parsed))
+        params = per_request_params(sampling_params, len(parsed))
         engine = self.engine
         # Each request is validated at submission; a bad one is reported, the others still run.
         index: dict[str, int] = {}
@@ -204,18 +204,6 @@ class LLM:
         prompts = chat_prompts(messages, thinking_mode, reasoning_effort, tools)
         ids = [encode_chat_prompt(self.tokenizer, p) for p in prompts]
         return self.generate(prompts, sampling_params, prompt_token_ids=ids, use_tqdm=use_tqdm)
-
-    def _per_request_params(self, sp: Any, n: int) -> list[SamplingParams]:
-        if sp is None:
-            sp = SamplingParams()
-        if isinstance(sp, SamplingParams):
-            return [copy.deepcopy(sp) for _ in range(n)]   # deep copy: requests never share state
-        if not isinstance(sp, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in sp):
-            raise TypeError(f"generate: sampling_params must be a SamplingParams or a list of them, "
-                            f"got {type(sp).__name__}")
-        if len(sp) != n:
-            raise ValueError(f"generate: sampling_params has {len(sp)} entries for {n} prompts")
-        return [copy.deepcopy(p) for p in sp]
 
     def _submit(self, index: int, text: str | None, ids: list[int] | None, params: SamplingParams) -> str:
         """Add one prompt to the engine; returns its request id (ValueError: refused, nothing added)."""
@@ -315,3 +303,18 @@ def _progress(total: int, use_tqdm: bool) -> Any:
     if not use_tqdm or total == 0:
         return _NoProgress()
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+def per_request_params(sp: Any, n: int) -> list[SamplingParams]:
+    """`generate`'s sampling_params as one SamplingParams per prompt (deep copies: requests never share
+    state)."""
+    if sp is None:
+        sp = SamplingParams()
+    if isinstance(sp, SamplingParams):
+        return [copy.deepcopy(sp) for _ in range(n)]
+    if not isinstance(sp, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in sp):
+        raise TypeError(f"generate: sampling_params must be a SamplingParams or a list of them, "
+                        f"got {type(sp).__name__}")
+    if len(sp) != n:
+        raise ValueError(f"generate: sampling_params has {len(sp)} entries for {n} prompts")
+    return [copy.deepcopy(p) for p in sp]

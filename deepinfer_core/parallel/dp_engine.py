@@ -24,7 +24,6 @@ freely; lockstep only pairs the forwards), EPLB rearrangement, and the `data_par
 """
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import queue
@@ -35,7 +34,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from ..api.llm import _resolve_model, parse_prompts
+from ..api.llm import _resolve_model, parse_prompts, per_request_params
 from ..api.outputs import InvalidRequestError, RequestOutput
 from ..api.sampling_params import SamplingParams
 from ..api.tokenizer import load_tokenizer
@@ -234,7 +233,7 @@ class DataParallelLLM:
         if self._failed is not None or not self._procs:
             raise RuntimeError(f"DataParallelLLM: the engine has stopped ({self._failed or 'closed'})")
         parsed = parse_prompts(prompts, prompt_token_ids)
-        params = _per_request_params(sampling_params, len(parsed))
+        params = per_request_params(sampling_params, len(parsed))
         errors: dict[int, ValueError] = {}
         requests: list[RankRequest] = []
         for i, (entry, p) in enumerate(zip(parsed, params)):
@@ -281,16 +280,3 @@ class DataParallelLLM:
         counter = self._request_counter + i
         seed = params.seed if params.seed is not None else mix_seed(self.config.model.seed, counter)
         return RankRequest(i, str(counter), text, list(ids), params, seed)
-
-
-def _per_request_params(sp: Any, n: int) -> list[SamplingParams]:
-    if sp is None:
-        sp = SamplingParams()
-    if isinstance(sp, SamplingParams):
-        return [copy.deepcopy(sp) for _ in range(n)]
-    if not isinstance(sp, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in sp):
-        raise TypeError(f"generate: sampling_params must be a SamplingParams or a list of them, "
-                        f"got {type(sp).__name__}")
-    if len(sp) != n:
-        raise ValueError(f"generate: sampling_params has {len(sp)} entries for {n} prompts")
-    return [copy.deepcopy(p) for p in sp]

@@ -13,14 +13,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from deepinfer_core.parallel.ep_comm import EPCommError, combine, dispatch
 from deepinfer_core.parallel.groups import (
@@ -167,31 +165,6 @@ def _worker(rank: int, world: int, port: int, case: str, out_dir: str) -> None:
     destroy_process_groups(groups)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(case: str, world: int, out_dir: Path):
-    """Run `case` on `world` ranks; returns (results by rank, exit codes). Kills and fails on a hang."""
-    out_dir.mkdir(exist_ok=True)
-    ctx = mp.spawn(_worker, args=(world, _free_port(), case, str(out_dir)), nprocs=world,
-                   join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    for proc in ctx.processes:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, proc in enumerate(ctx.processes) if proc.is_alive()]
-    for proc in ctx.processes:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    assert not hung, f"ranks {hung} of {world} still running after {SPAWN_DEADLINE_S} s (case {case})"
-    results = [torch.load(out_dir / f"rank{r}.pt") if (out_dir / f"rank{r}.pt").exists() else None
-               for r in range(world)]
-    return results, [proc.exitcode for proc in ctx.processes]
-
-
 # ---- tests ---------------------------------------------------------------------------------------------
 def _expected_bytes(ids: torch.Tensor, sizes: list[int], dtype: torch.dtype, world: int) -> list[dict]:
     """T11: payload bytes per rank from the routing table alone."""
@@ -251,11 +224,11 @@ def _check_layout_counts_bytes(ranks: list[dict], world: int, name: str, seed: i
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_dispatch_combine_over_gloo(tmp_path, world):
+def test_dispatch_combine_over_gloo(tmp_path, world, run_ranks):
     """T2/T3/T11 in one spawn per world size (process start dominates the cost): groups from torchrun
     variables; per round, outputs equal the oracle and the world-of-one path bitwise; expert-major
     receive layout, per-slot counts and byte counters equal what the routing table implies."""
-    ranks, codes = spawn("rounds", world, tmp_path / "rounds")
+    ranks, codes = run_ranks(_worker, world, tmp_path / "rounds", SPAWN_DEADLINE_S, "rounds")
     errors = [f"rank {i}: {r}" for i, r in enumerate(ranks) if r is None or "error" in r]
     assert codes == [0] * world and not errors, (codes, errors)
     _check_groups(ranks, world)
@@ -265,12 +238,12 @@ def test_dispatch_combine_over_gloo(tmp_path, world):
 
 
 @pytest.mark.parametrize("mode", ["raise", "exit", "skip"])
-def test_failed_peer_fails_the_others_fast(tmp_path, mode):
+def test_failed_peer_fails_the_others_fast(tmp_path, mode, run_ranks):
     """A peer that raises or dies closes its connections (the others fail at once, far inside the 60 s
     timeout); one that stays alive but skips a collective is caught by the group timeout (3 s here)."""
     world = 3
     start = time.monotonic()
-    results, codes = spawn(mode, world, tmp_path / mode)
+    results, codes = run_ranks(_worker, world, tmp_path / mode, SPAWN_DEADLINE_S, mode)
     assert time.monotonic() - start < 30
     survivors = [r for r in range(world) if r != 1]
     for r in survivors:

@@ -17,13 +17,10 @@ there are no replicas (each expert then sees exactly the oracle's rows).
 from __future__ import annotations
 
 import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model import build_model
@@ -98,30 +95,11 @@ def _worker(rank: int, world: int, port: int, ckpt: str, batch_invariant: bool, 
     destroy_process_groups(groups)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(world: int, ckpt: Path, batch_invariant: bool, out_dir: Path) -> list[dict]:
-    out_dir.mkdir(exist_ok=True)
-    ctx = mp.spawn(_worker, args=(world, _free_port(), str(ckpt), batch_invariant, str(out_dir)), nprocs=world,
-                   join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    for proc in ctx.processes:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, proc in enumerate(ctx.processes) if proc.is_alive()]
-    for proc in ctx.processes:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    assert not hung, f"ranks {hung} of {world} still running after {SPAWN_DEADLINE_S} s"
-    results = [torch.load(out_dir / f"rank{r}.pt") if (out_dir / f"rank{r}.pt").exists() else None
-               for r in range(world)]
+def spawn(run_ranks, world: int, ckpt: Path, batch_invariant: bool, out_dir: Path) -> list[dict]:
+    results, codes = run_ranks(_worker, world, out_dir, SPAWN_DEADLINE_S, str(ckpt), batch_invariant)
     for r, res in enumerate(results):
         assert res is not None and "error" not in res, f"rank {r}: {res}"
-    assert [p.exitcode for p in ctx.processes] == [0] * world
+    assert codes == [0] * world
     return results
 
 
@@ -147,11 +125,11 @@ def _assert_match(got: torch.Tensor, want: torch.Tensor, exact: bool, what: str)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_dp_ep_matches_one_process(world, oracle, tiny_ckpt_dir, tmp_path):
+def test_dp_ep_matches_one_process(world, oracle, tiny_ckpt_dir, tmp_path, run_ranks):
     """DP prompts + EP experts (with replicas) at world 2 and 4 (rank 3 of 4 idle) = the one-process
     run: bitwise with batch-invariant GEMMs, else tolerance + equal argmax."""
     batch_invariant, want = oracle
-    results = spawn(world, tiny_ckpt_dir, batch_invariant, tmp_path)
+    results = spawn(run_ranks, world, tiny_ckpt_dir, batch_invariant, tmp_path)
     ps = prompts()
     expected = _per_prompt(want, ps)
     for rank, res in enumerate(results):
