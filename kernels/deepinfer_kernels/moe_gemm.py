@@ -286,13 +286,6 @@ def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
 
-    dest = tl.load(order_ptr + offs_r, mask=r_ok, other=0)
-    y_ptrs = y_ptr + dest[:, None] * stride_y + offs_n[None, :]
-    if y_ptr.dtype.element_ty != tl.float32:
-        acc = _round(acc, y_ptr.dtype.element_ty)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
-
-
 @triton.jit
 def _moe_combine_kernel(y_ptr, out_ptr, T, D, K1: tl.constexpr, SHARED_LAST: tl.constexpr, BT: tl.constexpr,
                         BLOCK: tl.constexpr):
