@@ -422,6 +422,8 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/backend_agreement.py": Skip(GPU + " (it compares CUDA with the CPU)"),
     "python benchmarks/backend_agreement.py --greedy cpu": Skip(
         "4 LLMs x 16 prompts x 32 tokens on the CPU (minutes); writes benchmarks/results/"),
+    "python benchmarks/eplb_balance.py": Skip("rewrites benchmarks/results/eplb_balance.json; its generators and "
+                                              "policies run in tests/parallel/test_eplb.py"),
     "python benchmarks/fp4_moe_bench.py": Skip("CUDA only (one V4-Flash MoE layer on the GPU); the kernels it times "
                                               "run under the interpreter in tests/kernels/test_fp4_experts.py"),
     "python benchmarks/weight_memory.py": Skip(

@@ -7,7 +7,9 @@ Loads are built from torch.rand/randperm with fixed generators and evaluated by 
 on one thread), so nothing depends on BLAS or the thread count; the comments give the measured values."""
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,36 +24,8 @@ from deepinfer_core.parallel.eplb import (
 )
 from deepinfer_core.parallel.expert_map import ExpertPlacement, choose_physical, padded_redundant
 
-E = 256
-
-
-# ---- synthetic loads [W, L, E] (token counts) -----------------------------------------------------------
-def _counts(probs: torch.Tensor, pairs: int, g: torch.Generator) -> torch.Tensor:
-    """Expected counts with +-20% uniform noise per (step, layer, expert), rounded to tokens."""
-    noise = 0.8 + 0.4 * torch.rand(probs.shape, generator=g, dtype=torch.float64)
-    return (probs / probs.sum(-1, keepdim=True) * pairs * noise).round()
-
-
-def zipf_load(steps: int, layers: int, s: float, seed: int, pairs: int = 8192) -> torch.Tensor:
-    """Expert popularity ~ 1/rank^s, a different expert order per layer, stationary over steps."""
-    g = torch.Generator().manual_seed(seed)
-    base = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** s
-    probs = torch.stack([base[torch.randperm(E, generator=g)] for _ in range(layers)])
-    return _counts(probs.expand(steps, -1, -1), pairs, g)
-
-
-def hot_load(steps: int, layers: int, seed: int, hot: int = 4, factor: float = 10.0) -> torch.Tensor:
-    """Uniform experts except `hot` random ones per step and layer with `factor` x the load."""
-    g = torch.Generator().manual_seed(seed)
-    probs = torch.ones(steps, layers, E, dtype=torch.float64)
-    chosen = torch.rand(steps, layers, E, generator=g).argsort(-1)[..., :hot]
-    return _counts(probs.scatter(-1, chosen, factor), 8192, g)
-
-
-def v4_like_load(steps: int, layers: int, seed: int) -> torch.Tensor:
-    """Three very skewed hash-routed layers (token frequency, no bias correction), then milder ones."""
-    return torch.cat([zipf_load(steps, 3, 1.2, seed), zipf_load(steps, layers - 3, 0.6, seed + 1)], dim=1)
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from eplb_balance import E, hot_load, v4_like_load, zipf_load  # noqa: E402
 
 SUITES = {"zipf": lambda: zipf_load(32, 4, 1.0, 1), "hot": lambda: hot_load(32, 4, 2),
           "v4_like": lambda: v4_like_load(32, 5, 3)}
