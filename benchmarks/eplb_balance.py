@@ -9,18 +9,20 @@ three hash-routed layers alone.
 Prints a table and writes benchmarks/results/eplb_balance.json. The load generators below are also the
 ones tests/parallel/test_eplb.py checks the policies with.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
+import time
 
 import torch
 
 from deepinfer_core.parallel.eplb import imbalance, rank_load, rebalance, rebalance_simple
 from deepinfer_core.parallel.expert_map import ExpertPlacement
 
-E = 256                 # V4's routed experts per layer
+E = 256  # V4's routed experts per layer
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -59,21 +61,37 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     load = v4_like_load(2 * args.steps, args.layers, args.seed)
-    plan_on, score_on = load[:args.steps], load[args.steps:]
+    plan_on, score_on = load[: args.steps], load[args.steps :]
     rows = []
-    print(f"{'EP':>3} {'R':>3} {'static':>7} {'rebalance':>10} {'simple':>7} {'hash static':>12} {'hash rebal.':>12}")
+    print(
+        f"{'EP':>3} {'R':>3} {'static':>7} {'rebalance':>10} {'simple':>7} {'hash static':>12} {'hash rebal.':>12}"
+        f" {'plan s':>7}"
+    )
     for ep, redundant in ((2, 0), (2, 32), (4, 0), (4, 32), (8, 0), (8, 16), (8, 32)):
         static = ExpertPlacement.initial(args.layers, E, ep, redundant)
         slots = static.num_slots
-        plans = {"static": static, "rebalance": rebalance(plan_on, slots, slots // ep),
-                 "rebalance_simple": rebalance_simple(plan_on, slots, slots // ep)}
+        start = time.perf_counter()
+        planned = rebalance(plan_on, slots, slots // ep)
+        plan_s = time.perf_counter() - start
+        plans = {
+            "static": static,
+            "rebalance": planned,
+            "rebalance_simple": rebalance_simple(plan_on, slots, slots // ep),
+        }
         held = {k: rank_load(score_on, p, ep) for k, p in plans.items()}
-        row = dict(ep=ep, redundant=slots - E, **{k: round(imbalance(v), 4) for k, v in held.items()},
-                   hash_static=round(imbalance(held["static"][:, :3]), 4),
-                   hash_rebalance=round(imbalance(held["rebalance"][:, :3]), 4))
+        row = dict(
+            ep=ep,
+            redundant=slots - E,
+            rebalance_seconds=round(plan_s, 3),
+            **{k: round(imbalance(v), 4) for k, v in held.items()},
+            hash_static=round(imbalance(held["static"][:, :3]), 4),
+            hash_rebalance=round(imbalance(held["rebalance"][:, :3]), 4),
+        )
         rows.append(row)
-        print(f"{ep:>3} {row['redundant']:>3} {row['static']:>7.3f} {row['rebalance']:>10.3f} "
-              f"{row['rebalance_simple']:>7.3f} {row['hash_static']:>12.3f} {row['hash_rebalance']:>12.3f}")
+        print(
+            f"{ep:>3} {row['redundant']:>3} {row['static']:>7.3f} {row['rebalance']:>10.3f} "
+            f"{row['rebalance_simple']:>7.3f} {row['hash_static']:>12.3f} {row['hash_rebalance']:>12.3f} {plan_s:>7.2f}"
+        )
     out = REPO / "benchmarks" / "results" / "eplb_balance.json"
     out.write_text(json.dumps(dict(settings=vars(args), load="v4_like_load", rows=rows), indent=1) + "\n")
     print(f"wrote {out}")
