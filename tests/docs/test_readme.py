@@ -424,6 +424,9 @@ TABLE: dict[str, Run | Skip] = {
         "4 LLMs x 16 prompts x 32 tokens on the CPU (minutes); writes benchmarks/results/"),
     "python benchmarks/eplb_balance.py": Skip("rewrites benchmarks/results/eplb_balance.json; its generators and "
                                               "policies run in tests/parallel/test_eplb.py"),
+    "python benchmarks/fp4_moe_bench.py --diagnose": Skip("CUDA only, as the line without --diagnose"),
+    "python benchmarks/sweep.py --layers 4 --batches 1,8,64,256 --contexts 4k,16k --prefill 4k --cuda-graph "
+    "--expert-dtype fp4 --fp4-experts --no-hf": Skip("the sweep on FP4 experts: a V4-Flash-width model on the H200"),
     "python benchmarks/fp4_moe_bench.py": Skip("CUDA only (one V4-Flash MoE layer on the GPU); the kernels it times "
                                               "run under the interpreter in tests/kernels/test_fp4_experts.py"),
     "python benchmarks/weight_memory.py": Skip(
