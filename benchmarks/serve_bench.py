@@ -12,9 +12,9 @@ seeded, `--input-len` +- `--range-ratio`) or a `--dataset` line, `max_tokens` = 
 `ignore_eos`, temperature 0, `stream_options.include_usage`. Requests arrive on a seeded Poisson
 schedule (`--request-rate`, default inf = all at once; `--burstiness` as vLLM's) and at most
 `--max-concurrency` are in flight; `--concurrency 1,16,64` measures each value in turn
-(num_prompts = `--num-prompts`, else max(4 x C, 16)). Before each measurement a warm-up sends
-min(C, num_prompts) other prompts of the same lengths with `--warmup-output-len` tokens (new batch
-shapes compile or capture there, not in the measured window).
+(num_prompts = `--num-prompts`, or C x `--prompts-per-concurrency`, else max(4 x C, 16)). Before
+each measurement a warm-up sends min(C, num_prompts) other prompts of the same lengths with
+`--warmup-output-len` tokens (new batch shapes compile or capture there, not in the measured window).
 
 Figures per measurement (serve_bench_metrics.py says how tokens and chunks are counted): completed
 and failed requests (a failure is counted and its error kept), duration, request / output / total
@@ -114,6 +114,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="requests per measurement (default: max(4 x concurrency, 16); 64 without a concurrency limit)",
     )
+    w.add_argument(
+        "--prompts-per-concurrency",
+        type=int,
+        default=None,
+        help="requests per measurement = this x its concurrency (1: C prompts at once, the workload of "
+        "throughput.py --sweep-batches C; k: k such rounds); replaces --num-prompts",
+    )
     w.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
     w.add_argument("--warmup-output-len", type=int, default=4, help="tokens of each warm-up request (0: none)")
     w.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
@@ -150,6 +157,8 @@ class Bench:
         """(concurrency, num_prompts) per measurement."""
         a = self.a
         concs: list[int | None] = a.concurrency or [a.max_concurrency]
+        if a.prompts_per_concurrency:
+            return [(c, a.prompts_per_concurrency * c) for c in concs]
         return [(c, a.num_prompts or (max(4 * c, 16) if c else 64)) for c in concs]
 
     def requests(self, k: int, n: int, out_len: int | None = None, salt: int = 0) -> list[SM.BenchRequest]:
@@ -233,7 +242,11 @@ class Bench:
                     "concurrency": r["concurrency"],
                     "num_prompts": r["num_prompts"],
                     "output_tok_s": r["output_throughput"],
-                    "same_workload": not a.dataset
+                    # k x C equal requests at concurrency C, all at once, are k rounds of throughput.py's batch
+                    "same_workload": bool(r["concurrency"])
+                    and r["num_prompts"] % r["concurrency"] == 0
+                    and a.request_rate == float("inf")
+                    and not a.dataset
                     and a.range_ratio == 0
                     and r["failed"] == 0
                     and r["short_outputs"] == 0,
@@ -296,6 +309,10 @@ def resolve(argv: list[str] | None) -> argparse.Namespace:
             raise SystemExit(f"serve_bench: --{flag.replace('_', '-')} must be >= 1")
     if a.concurrency and a.max_concurrency:
         raise SystemExit("serve_bench: --concurrency is a list of --max-concurrency values; give one of them")
+    if a.prompts_per_concurrency is not None and (a.prompts_per_concurrency < 1 or a.num_prompts):
+        raise SystemExit("serve_bench: --prompts-per-concurrency must be >= 1 and replaces --num-prompts")
+    if a.prompts_per_concurrency and not (a.concurrency or a.max_concurrency):
+        raise SystemExit("serve_bench: --prompts-per-concurrency needs --concurrency or --max-concurrency")
     if a.dummy_layers and not a.launch:
         raise SystemExit("serve_bench: --dummy-layers shapes the model of a launched server; add --launch")
     if a.dummy_layers and SH.flag(shlex.split(a.launch), "--model"):

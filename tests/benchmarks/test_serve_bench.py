@@ -133,6 +133,15 @@ def test_random_prompts_are_seeded_and_vary_within_the_range(tmp_path):
 # ---- the client against a fake server ------------------------------------------------------------------
 
 
+def test_prompts_per_concurrency_plans_whole_rounds_of_the_batch():
+    a = SB.resolve(["--concurrency", "1,16", "--prompts-per-concurrency", "4"])
+    assert SB.Bench(a, None, None).plan() == [(1, 4), (16, 64)]
+    assert SB.Bench(SB.resolve(["--concurrency", "1,16"]), None, None).plan() == [(1, 16), (16, 64)]
+    for bad in (["--prompts-per-concurrency", "2"], ["--concurrency", "4", "--prompts-per-concurrency", "0"]):
+        with pytest.raises(SystemExit, match="prompts-per-concurrency"):
+            SB.resolve(bad)
+
+
 def test_client_reports_every_failure():
     """Request 0 streams 3 chunks + usage + [DONE]; 1 is refused (503); 2's stream breaks off before
     [DONE]: one completed request, two failed ones with their errors."""
@@ -215,4 +224,6 @@ def test_launch_end_to_end_on_the_tiny_model(tiny3_dir, tmp_path):
         assert r["output_throughput"] > 0 and r["peak_concurrency"] <= r["concurrency"]
         assert r["server_counters"]["deepinfer_generation_tokens_total"] == 30
     assert [c["concurrency"] for c in d["throughput_comparison"]] == [1, 4]
-    assert all(c["same_workload"] and c["input_len"] == 8 and c["output_len"] == 5 for c in d["throughput_comparison"])
+    assert all(c["input_len"] == 8 and c["output_len"] == 5 for c in d["throughput_comparison"])
+    # 6 requests are 6 rounds of throughput.py's batch at concurrency 1, not whole rounds at 4
+    assert [c["same_workload"] for c in d["throughput_comparison"]] == [True, False]
