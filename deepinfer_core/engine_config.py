@@ -204,14 +204,47 @@ class SchedulerOptions(_Section):
 
 @dataclass(frozen=True)
 class ParallelOptions(_Section):
-    """One device per engine: every size is 1 until multi-GPU lands."""
+    """Data parallelism (engine processes on one host, CPU ranks over gloo so far) with the routed experts
+    optionally sharded over them (expert parallelism) and rebalanced (EPLB); every other size is 1."""
 
     tensor_parallel_size: int = _opt(1, "devices the weights are split over", _only(1, SINGLE_GPU))
     pipeline_parallel_size: int = _opt(1, "pipeline stages", _only(1, SINGLE_GPU))
-    data_parallel_size: int = _opt(1, "engine replicas", _only(1, SINGLE_GPU))
-    expert_parallel_size: int = _opt(1, "devices the routed experts are split over", _only(1, SINGLE_GPU))
+    data_parallel_size: int = _opt(1, "engine processes on this host (attention data parallel), stepping in "
+                                   "lockstep; > 1: CPU ranks over gloo (GPU ranks are not built yet), no "
+                                   "speculative decoding", _positive())
+    enable_expert_parallel: bool = _opt(False, "shard the routed experts over the data_parallel_size ranks "
+                                        "(each loads only its own); False replicates them on every rank", BOOL)
+    enable_eplb: bool = _opt(False, "expert-parallel load balancing: count each expert's routed tokens and "
+                             "periodically move the hot experts' replicas (needs enable_expert_parallel)", BOOL)
+    num_redundant_experts: int = _opt(0, "extra physical expert slots holding replicas of hot experts, rounded "
+                                      "up to a multiple of data_parallel_size (needs enable_expert_parallel)",
+                                      Rule("an int >= 0", lambda v: _is_int(v) and v >= 0))
+    eplb_window_size: int = _opt(1000, "EPLB: the load statistics cover this many recent steps", _positive())
+    eplb_step_interval: int = _opt(3000, "EPLB: steps between two rearrangements", _positive())
+    expert_parallel_size: int = _opt(1, "devices the routed experts are split over",
+                                     _only(1, "set enable_expert_parallel instead: the experts are then split "
+                                              "over the data_parallel_size ranks"))
     context_parallel_size: int = _opt(1, "devices a long prompt is split over", _only(1, SINGLE_GPU))
     engram_parallel_size: int = _opt(1, "DS-DeepInfer's engram parallelism", _only(1, SINGLE_GPU))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Settings that would do nothing are refused, never ignored.
+        dp, ep = self.data_parallel_size, self.enable_expert_parallel
+        if ep and dp == 1:
+            raise ValueError("enable_expert_parallel=True with data_parallel_size=1: one rank holds every expert, "
+                             "there is nothing to shard; set data_parallel_size >= 2")
+        if self.enable_eplb and not ep:
+            raise ValueError("enable_eplb=True needs enable_expert_parallel=True (EPLB moves expert replicas "
+                             "between the expert-parallel ranks)")
+        if self.num_redundant_experts and not ep:
+            raise ValueError(f"num_redundant_experts={self.num_redundant_experts} needs enable_expert_parallel=True "
+                             "(replicas are extra slots of the sharded experts); allowed without it: 0")
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in ("eplb_window_size", "eplb_step_interval"):
+            if not self.enable_eplb and getattr(self, name) != defaults[name]:
+                raise ValueError(f"{name}={getattr(self, name)!r} needs enable_eplb=True; allowed without it: "
+                                 f"{defaults[name]!r} (the default)")
 
 
 @dataclass(frozen=True)
@@ -312,6 +345,7 @@ class EngineConfig(_Section):
             raise ValueError(f"kv_cache_dtype='fp8' needs dtype='bfloat16' (the RoPE dims stay bf16), "
                              f"got dtype={self.model.dtype!r}")
         drafts = self.speculative.num_speculative_tokens
+        self._check_data_parallel()
         if self.speculative.enable_mtp_varlen and self.model.batch_invariant:
             raise ValueError("enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1) with batch_invariant=True "
                              "(DEEPINFER_BATCH_INVARIANT=1): the verified draft length would follow the load, "
@@ -323,6 +357,25 @@ class EngineConfig(_Section):
             raise ValueError(f"num_speculative_tokens={drafts} (DEEPINFER_USE_NEXTN_DECODE) needs "
                              f"max_backtracking_tokens >= {drafts + 1} (DEEPINFER_MAX_BACKTRACKING_TOKENS): a "
                              f"verify step may roll back that many tokens; got {self.cache.max_backtracking_tokens}")
+
+    def _check_data_parallel(self) -> None:
+        """What data_parallel_size > 1 cannot run with yet (the DP engine: parallel/dp_engine.py)."""
+        dp = self.parallel.data_parallel_size
+        if dp == 1:
+            return
+        device, drafts = self.model.device, self.speculative.num_speculative_tokens
+        if device is not None and device != "cpu":
+            raise ValueError(f"data_parallel_size={dp} with device={device!r}: GPU data-parallel ranks are not "
+                             "built yet (the ranks run on the CPU over gloo); allowed with data_parallel_size > 1: "
+                             "device='cpu' or None")
+        if drafts not in (None, 0):
+            raise ValueError(f"data_parallel_size={dp} with num_speculative_tokens={drafts} "
+                             "(DEEPINFER_USE_NEXTN_DECODE): speculative decoding is not supported with data "
+                             "parallelism yet (its verify steps would need a vote on the MoE call count); allowed "
+                             "with data_parallel_size > 1: num_speculative_tokens=0 or None (= 0)")
+        if self.speculative.enable_mtp_varlen:
+            raise ValueError(f"data_parallel_size={dp} with enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1): "
+                             "speculative decoding is not supported with data parallelism yet")
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":

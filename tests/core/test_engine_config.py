@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_core import engine_config as ec, envs, generate
+from deepinfer_core import engine_config as ec
+from deepinfer_core import envs, generate
 from deepinfer_core.engine_config import COMPAT_OPTIONS, EngineConfig, option_fields
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +61,22 @@ def test_every_field_refuses_a_bad_value_naming_the_field(clean_env, name):
     ({"async_scheduling": "yes"}, r"async_scheduling='yes'; allowed: True, False, None \(= "
                                   "DEEPINFER_ZERO_OVERHEAD_SCHEDULING\\)"),
     ({"tensor_parallel_size": 8}, r"tensor_parallel_size=8; allowed: 1 \(multi-GPU is not implemented yet\)"),
-    ({"data_parallel_size": 2}, "data_parallel_size=2; allowed: 1 .*multi-GPU"),
+    ({"data_parallel_size": 0}, "data_parallel_size=0; allowed: an int >= 1"),
+    ({"data_parallel_size": 2, "device": "cuda"},
+     "data_parallel_size=2 with device='cuda': GPU data-parallel ranks are not built yet"),
+    ({"data_parallel_size": 2, "num_speculative_tokens": 1},
+     "data_parallel_size=2 with num_speculative_tokens=1 .*speculative decoding is not supported"),
+    ({"data_parallel_size": 2, "num_speculative_tokens": 0, "enable_mtp_varlen": True},
+     "data_parallel_size=2 with enable_mtp_varlen=True"),
+    ({"enable_expert_parallel": True}, "enable_expert_parallel=True with data_parallel_size=1"),
+    ({"enable_expert_parallel": "yes"}, "enable_expert_parallel='yes'; allowed: True, False"),
+    ({"data_parallel_size": 2, "enable_eplb": True}, "enable_eplb=True needs enable_expert_parallel=True"),
+    ({"data_parallel_size": 2, "num_redundant_experts": 2}, "num_redundant_experts=2 needs enable_expert_parallel"),
+    ({"num_redundant_experts": -1}, "num_redundant_experts=-1; allowed: an int >= 0"),
+    ({"data_parallel_size": 2, "enable_expert_parallel": True, "eplb_step_interval": 10},
+     "eplb_step_interval=10 needs enable_eplb=True; allowed without it: 3000"),
+    ({"eplb_window_size": 0}, "eplb_window_size=0; allowed: an int >= 1"),
+    ({"expert_parallel_size": 2}, r"expert_parallel_size=2; allowed: 1 \(set enable_expert_parallel instead"),
     ({"speculative_config": {"num_speculative_tokens": 3}}, "speculative_config=.*use num_speculative_tokens"),
     ({"num_speculative_tokens": 4, "max_backtracking_tokens": 2},
      "num_speculative_tokens=4 .*needs max_backtracking_tokens >= 5 .*DEEPINFER_MAX_BACKTRACKING_TOKENS"),
@@ -69,6 +85,16 @@ def test_every_field_refuses_a_bad_value_naming_the_field(clean_env, name):
 def test_validation_messages(clean_env, options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_options(**options)
+
+
+def test_data_parallel_options(clean_env):
+    c = EngineConfig.from_options(data_parallel_size=4, enable_expert_parallel=True, enable_eplb=True,
+                                  num_redundant_experts=4, eplb_window_size=8, eplb_step_interval=16)
+    p = c.parallel
+    assert (p.data_parallel_size, p.enable_expert_parallel, p.enable_eplb) == (4, True, True)
+    assert (p.num_redundant_experts, p.eplb_window_size, p.eplb_step_interval) == (4, 8, 16)
+    assert c.replace(enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000).parallel.enable_eplb is False
+    assert EngineConfig.from_options(data_parallel_size=2, device="cpu").parallel.enable_expert_parallel is False
 
 
 def test_aliases_are_normalised(clean_env):
