@@ -297,7 +297,8 @@ def choose_model(model: str | None) -> str:
     from .tools.bundled_model import bundled_tiny_model_dir, default_cache_dir
     print(f"{PROG}: no model configured (--model, DEEPINFER_HF_MODEL_DIR or a DeepSeek-V4 checkpoint in "
           f"the local Hugging Face cache): running the bundled tiny model at {default_cache_dir()} "
-          f"(a tiny V4 trained on Shakespeare: expect Shakespearean-looking English, not sense)", file=sys.stderr, flush=True)
+          f"(a tiny V4 trained on Shakespeare: expect Shakespearean-looking English, not sense)",
+          file=sys.stderr, flush=True)
     return str(bundled_tiny_model_dir())
 
 
@@ -417,6 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             outputs = llm.generate(prompts, params, use_tqdm=args.progress)
         except InvalidRequestError as exc:     # the valid prompts completed: show them, then fail
             outputs, failure = exc.outputs, exc
+        finally:
+            if config.parallel.data_parallel_size > 1:     # stop the ranks cleanly (the seam's LLM is DP 1)
+                llm.close()
     except (ValueError, TypeError) as exc:
         logger.debug("generate failed", exc_info=True)   # the traceback, for DEBUG logging only
         return _fail(_one_line(exc))

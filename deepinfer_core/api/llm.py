@@ -97,8 +97,10 @@ class LLM:
     """Generate completions for a batch of prompts with a DeepSeek-V4 checkpoint.
 
     `model`: a local directory, an HF cache snapshot, or a repo id in the local HF cache; None reads
-    DEEPINFER_HF_MODEL_DIR, and without it runs the bundled tiny model (deepinfer_core/tools/bundled_model.py). `seed` seeds requests that set no seed of their own (derived from it and a
-    request counter, so a run is reproducible).
+    DEEPINFER_HF_MODEL_DIR, and without it runs the bundled tiny model (deepinfer_core/tools/bundled_model.py).
+    `seed` seeds requests that set no seed of their own (derived from it and a
+    request counter, so a run is reproducible). `data_parallel_size > 1`: `generate` / `chat` run on that
+    many engine processes (parallel/dp_engine.py; `close()` or `with LLM(...)` stops them).
     """
 
     def __init__(self, model: str | None = None, **options: Any):
@@ -110,12 +112,32 @@ class LLM:
             config = config.replace(model=str(bundled_tiny_model_dir()))
             logger.warning("LLM: no model given (model=... or DEEPINFER_HF_MODEL_DIR): using the bundled tiny "
                         "model at %s", config.model.model)
+        if config.parallel.data_parallel_size > 1:
+            self._start_data_parallel(config)
+            return
         model_dir = _resolve_model(config.model.model)
         tok = load_tokenizer(model_dir, config.model.tokenizer)   # before the (slow) weight load: fail fast
         runner = _make_runner(model_dir, config)
         self._setup(runner, tok, config)
         self.model_dir, self.dtype = model_dir, config.model.dtype
         self._allocator()            # size the state cache now: a budget that is too small fails here
+
+    def _start_data_parallel(self, config: EngineConfig) -> None:
+        """data_parallel_size > 1: `generate` (and `chat`) run on that many engine processes
+        (parallel/dp_engine.py); this process holds no runner, so the in-process engine APIs refuse."""
+        # lazy: spawns processes, needs torch.distributed
+        from ..parallel.dp_engine import DataParallelLLM
+        dp = self._dp = DataParallelLLM.from_config(config)
+        self.config, self.tokenizer, self.model_config = dp.config, dp.tokenizer, dp.model_config
+        self.model_dir, self.dtype, self.device = dp.model_dir, dp.config.model.dtype, "cpu"
+        self.vocab_size, self.eos_token_id = int(dp.model_config.vocab_size), dp.model_config.eos_token_id
+        self._request_counter = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for attributes never set: under data parallelism, the runner's
+        if name in _IN_PROCESS and self.__dict__.get("_dp") is not None:
+            raise AttributeError(_dp_refusal(self.config, f"LLM.{name}"))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def from_runner(cls, runner: EngineRunner, tokenizer: Any = None, config: EngineConfig | None = None,
@@ -125,6 +147,10 @@ class LLM:
         options are those the runner was built with)."""
         if config is not None and options:
             raise TypeError(f"LLM.from_runner: pass config or options, not both (got {sorted(options)})")
+        if (config or EngineConfig.from_options(**options)).parallel.data_parallel_size > 1:
+            raise ValueError("LLM.from_runner with data_parallel_size > 1: a runner is one process's engine; "
+                             "use LLM(model, data_parallel_size=...) (it starts the ranks), or "
+                             "data_parallel_size=1 here")
         missing = missing_members(runner, EngineRunner)
         if missing:
             raise TypeError(f"LLM.from_runner: {type(runner).__qualname__} is not a runner: missing "
@@ -156,7 +182,18 @@ class LLM:
         return self.tokenizer
 
     def close(self) -> None:
+        """Release the runner; under data parallelism, stop the ranks (their processes exit)."""
+        dp = self.__dict__.get("_dp")
+        if dp is not None:
+            dp.close()
+            return
         self.runner = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- generate ---------------------------------------------------------------------------------
     def generate(self, prompts: Any = None,
@@ -165,6 +202,9 @@ class LLM:
         """One RequestOutput per prompt, in input order (`decode_sequence=True`: the first
         completion's text instead, DS-DeepInfer's compat mode). A loop over the online engine:
         the prompts are added, then stepped until all of them are finished."""
+        dp = self.__dict__.get("_dp")
+        if dp is not None:       # the ranks' outputs arrive together: no progress bar to show
+            return dp.generate(prompts, sampling_params, prompt_token_ids)
         parsed = parse_prompts(prompts, prompt_token_ids)
         params = per_request_params(sampling_params, len(parsed))
         engine = self.engine
@@ -268,6 +308,8 @@ class LLM:
     def engine(self) -> Engine:
         """The online engine of this LLM, kept for its lifetime. Rebuilt only when another LLM over
         the same runner (tests, tools: `from_runner`) re-sized the runner's state cache meanwhile."""
+        if self.__dict__.get("_dp") is not None:
+            raise RuntimeError(_dp_refusal(self.config, "LLM.engine"))
         allocator = self._allocator()
         engine = self.__dict__.get("_engine")
         if engine is None or engine.scheduler.blocks.allocator is not allocator:
@@ -285,6 +327,16 @@ class LLM:
             if self.config.speculative.enable_mtp_varlen:
                 engine.use_varlen(self.runner.varlen_policy(sched.max_num_seqs))
         return engine
+
+
+# What only the in-process engine has (set by _setup); under data parallelism each rank has its own.
+_IN_PROCESS = ("runner", "sampler", "logits_processors")
+
+
+def _dp_refusal(config: EngineConfig, what: str) -> str:
+    return (f"{what} is the in-process engine, which LLM(data_parallel_size="
+            f"{config.parallel.data_parallel_size}) does not have: its engines run in the data-parallel ranks; "
+            "use generate() / chat(), or data_parallel_size=1")
 
 
 class _NoProgress:

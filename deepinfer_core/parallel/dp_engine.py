@@ -17,10 +17,12 @@ that failed first (a rank that died without a word is the root cause; its peers'
 The front end polls the processes while it waits, and the ranks' collectives time out after
 `timeout_s`, so nothing waits forever.
 
+`LLM(model, data_parallel_size=N, enable_expert_parallel=True, ...)`, the CLI's `--data-parallel-size`
+and `DataParallelLLM(...)` directly all run this engine (the options: engine_config.py ParallelOptions).
+
 Not here yet: GPU ranks (nccl, one device per rank), speculative decoding (its verify steps need a
 vote on the MoE call count), the step-type vote of §3.1(b) (each rank schedules prefill and decode
-freely; lockstep only pairs the forwards), EPLB rearrangement, and the `data_parallel_size` option of
-`LLM(...)`, the CLI and the server (EngineConfig still allows only 1).
+freely; lockstep only pairs the forwards), streaming / per-step (online) requests, so no server.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from ..api.llm import _resolve_model, parse_prompts, per_request_params
 from ..api.outputs import InvalidRequestError, RequestOutput
 from ..api.sampling_params import SamplingParams
 from ..api.tokenizer import load_tokenizer
+from ..config import ModelConfig
 from ..engine_config import EngineConfig
 from ..ops.sampler import mix_seed
 from .dp_worker import EXIT_TEST_HOOK, RankRequest, RankResult, RankStats, WorkerSpec, worker_main
@@ -67,6 +70,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_ranks(config: EngineConfig) -> EngineConfig:
+    """The ranks' device and drafts resolved: EngineConfig refused an explicit GPU device and speculation
+    already; an unset device must not be a GPU the ranks would silently not use, and unset drafts are 0."""
+    dp = config.parallel.data_parallel_size
+    if config.model.device is None:
+        from ..plugins import get_plugin_manager
+        platform = get_plugin_manager().detect_platform()
+        if platform.device_type != "cpu":
+            raise ValueError(f"data_parallel_size={dp}: the detected platform is {platform.name!r} (device "
+                             f"{platform.device_type!r}), but GPU data-parallel ranks are not built yet; pass "
+                             "device='cpu' to run the ranks on the CPU (over gloo)")
+    return config.replace(device="cpu", num_speculative_tokens=0)
+
+
 def _exit_text(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -82,43 +99,52 @@ def _exit_text(code: int | None) -> str:
 class DataParallelLLM:
     """`LLM`'s `generate` over `data_parallel_size` engine processes (CPU, gloo).
 
-    `expert_parallel`: shard the routed experts over the ranks (each rank loads only its own slots);
-    False replicates them (the ranks then share only the lockstep vote). `num_redundant_experts`: extra
-    physical slots (replicas), rounded up so every rank gets as many. `options`: `EngineConfig` options by
-    name, as for `LLM(...)`, applied to every rank (each rank has its own state cache of that size).
+    `LLM(model, data_parallel_size=N, ...)` builds one of these (`from_config`); direct use takes the same
+    options by name, with `enable_expert_parallel` defaulting to True here (shard the routed experts over
+    the ranks, each loading only its own slots; False replicates them and the ranks share only the
+    lockstep vote). `num_redundant_experts`: extra physical slots (replicas), rounded up so every rank gets
+    as many; `enable_eplb` and its window/interval go to the ranks in `config.parallel`. Every option
+    applies to every rank (each rank has its own state cache of that size).
     Use as a context manager or call `close()`: the ranks are processes."""
 
-    def __init__(self, model: str | None = None, data_parallel_size: int = 2, expert_parallel: bool = True,
-                 num_redundant_experts: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S, **options: Any):
-        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size={data_parallel_size!r}: must be an int >= 1")
-        if not isinstance(expert_parallel, bool):
-            raise ValueError(f"expert_parallel={expert_parallel!r}: allowed values: True, False")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r}: must be > 0 seconds")
-        if options.get("device", "cpu") not in (None, "cpu"):
-            raise ValueError(f"device={options['device']!r}: DataParallelLLM runs CPU ranks over gloo only so far; "
-                             "allowed: 'cpu'")
-        if options.get("num_speculative_tokens") not in (None, 0):
-            raise ValueError(f"num_speculative_tokens={options['num_speculative_tokens']!r}: speculative decoding "
-                             "is not supported with data parallelism yet (its verify steps would need a vote on "
-                             "the MoE call count); allowed: 0")
-        options = {**options, "device": "cpu", "num_speculative_tokens": 0}
-        config = EngineConfig.from_options(model=model, **options)
+    def __init__(self, model: str | None = None, data_parallel_size: int = 2,
+                 enable_expert_parallel: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, **options: Any):
+        if enable_expert_parallel is None:      # the point of DP here is EP: on unless there is one rank
+            enable_expert_parallel = not (isinstance(data_parallel_size, int) and data_parallel_size == 1)
+        config = EngineConfig.from_options(model=model, data_parallel_size=data_parallel_size,
+                                           enable_expert_parallel=enable_expert_parallel, **options)
+        self._init(config, timeout_s)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> DataParallelLLM:
+        """The engine `LLM(..., data_parallel_size=N)` runs on: `config` as `EngineConfig.from_options`
+        resolved it (its data_parallel_size is the number of ranks)."""
+        self = cls.__new__(cls)
+        self._init(config, timeout_s)
+        return self
+
+    def _init(self, config: EngineConfig, timeout_s: float) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}; allowed: a number of seconds > 0")
+        config = _cpu_ranks(config)
         if config.model.model is None:
             from ..tools.bundled_model import bundled_tiny_model_dir
             config = config.replace(model=str(bundled_tiny_model_dir()))
         self.model_dir = _resolve_model(config.model.model)
-        self.config, self.world = config, data_parallel_size
+        self.model_config = ModelConfig.from_file(self.model_dir)
+        # max_model_len resolved as LLM resolves it (the ranks' LLMs resolve it again, to the same value)
+        self.config = config.with_model_limit(self.model_config.max_position_embeddings)
+        self.world = config.parallel.data_parallel_size
         self.tokenizer = load_tokenizer(self.model_dir, config.model.tokenizer)
         self.last_stats: list[RankStats] = []
         self._request_counter = 0
         self._exit_at: tuple[int, int] | None = None      # test hook: (rank, lockstep iteration)
         self._failed: str | None = None
-        self._start(expert_parallel, num_redundant_experts, timeout_s)
+        self._procs: list[Any] = []
+        self._start(timeout_s)
 
     # ---- processes -----------------------------------------------------------------------------
-    def _start(self, expert_parallel: bool, num_redundant: int, timeout_s: float) -> None:
+    def _start(self, timeout_s: float) -> None:
         ctx = mp.get_context("spawn")
         init = f"tcp://127.0.0.1:{_free_port()}"
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -127,14 +153,16 @@ class DataParallelLLM:
         self._commands = [ctx.Queue() for _ in range(self.world)]
         self._procs = []
         for rank in range(self.world):
-            spec = WorkerSpec(rank, self.world, init, str(self.model_dir), self.config, expert_parallel,
-                              num_redundant, timeout_s, threads)
+            par = self.config.parallel
+            spec = WorkerSpec(rank, self.world, init, str(self.model_dir), self.config, par.enable_expert_parallel,
+                              par.num_redundant_experts, timeout_s, threads)
             proc = ctx.Process(target=worker_main, args=(spec, self._commands[rank], self._results),
                                name=f"deepinfer-dp{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
         self._wait("ready")
-        log.info("data parallel: %d ranks ready (expert_parallel=%s)", self.world, expert_parallel)
+        log.info("data parallel: %d ranks ready (enable_expert_parallel=%s, enable_eplb=%s)", self.world,
+                 self.config.parallel.enable_expert_parallel, self.config.parallel.enable_eplb)
 
     def _wait(self, kind: str) -> dict[int, tuple]:
         """One `kind` message from every rank; a rank's error or death raises (see `_fail`)."""
