@@ -50,8 +50,25 @@ def _server_class():
     return Server
 
 
+def refusal(options: dict) -> str | None:
+    """Why the server cannot run with these engine options, or None. The server drives the in-process
+    online engine (add / abort / step, engine_loop.py); data-parallel ranks only run whole `generate`
+    calls so far, so data_parallel_size > 1 is refused here rather than served by one rank."""
+    dp = options.get("data_parallel_size")
+    if isinstance(dp, int) and not isinstance(dp, bool) and dp > 1:
+        return (f"--data-parallel-size {dp}: not supported by the server yet (it needs an online "
+                "data-parallel front end: per-step outputs and aborts from the ranks); use LLM(..., "
+                "data_parallel_size=...) or the CLI (python -m deepinfer_core.generate --data-parallel-size N); "
+                "allowed here: 1")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    why = refusal(engine_options_from_args(args))
+    if why is not None:
+        print(f"python -m deepinfer_core.serve: error: {why}", file=sys.stderr)
+        return 2
     try:
         import uvicorn
 
