@@ -172,10 +172,7 @@ class ExpertLoadStats:
     def logical_load(self) -> torch.Tensor:
         """[n, L, E] float64: the window's counts summed from slots to the logical experts they hold,
         the policies' input."""
-        counts = self.counts().to(torch.float64)
-        p2l = self.placement.phys_to_log.to("cpu", torch.int64).expand(counts.shape[0], -1, -1)
-        load = counts.new_zeros(counts.shape[0], self.placement.num_layers, self.placement.num_experts)
-        return load.scatter_add_(2, p2l, counts)
+        return slot_to_logical(self.counts(), self.placement)
 
     def balance(self, placement: ExpertPlacement | None, ep_size: int) -> float:
         """`sum_t max_rank / sum_t mean_rank` over the window's steps and layers (>= 1). With
@@ -189,6 +186,18 @@ class ExpertLoadStats:
             counts = self.counts().to(torch.float64)
             return imbalance(counts.view(counts.shape[0], counts.shape[1], ep_size, len(slots)).sum(-1))
         return imbalance(rank_load(self.logical_load(), placement, ep_size))
+
+
+def slot_to_logical(counts: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+    """[n, L, E] float64 from per-slot counts [n, L, P] recorded under `placement`: each slot's count
+    added to the logical expert it holds (e.g. a window all-reduced over the EP ranks)."""
+    if tuple(counts.shape[1:]) != (placement.num_layers, placement.num_slots):
+        raise ValueError(f"counts is {tuple(counts.shape)}; allowed: [steps, {placement.num_layers}, "
+                         f"{placement.num_slots}] (steps x layers x physical slots)")
+    x = counts.to("cpu", torch.float64)
+    p2l = placement.phys_to_log.to("cpu", torch.int64).expand(x.shape[0], -1, -1)
+    load = x.new_zeros(x.shape[0], placement.num_layers, placement.num_experts)
+    return load.scatter_add_(2, p2l, x)
 
 
 # ---- policy pieces (all layers at once) -------------------------------------------------------------

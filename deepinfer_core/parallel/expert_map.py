@@ -98,6 +98,20 @@ class ExpertPlacement:
         per_rank = self.num_slots // ep_size
         return range(rank * per_rank, (rank + 1) * per_rank)
 
+    def copy_(self, other: ExpertPlacement) -> None:
+        """Switches these maps to `other`'s in place (same shapes), so every holder of this placement
+        or of its tensors (the MoE method, captured device graphs) sees the new maps at once. Both are
+        validated placements, so the copy is one too."""
+        if (other.phys_to_log.shape, other.log_to_phys.shape) != (self.phys_to_log.shape, self.log_to_phys.shape):
+            raise ValueError(f"placement of shape {tuple(other.phys_to_log.shape)} / {tuple(other.log_to_phys.shape)}; "
+                             f"allowed: this one's {tuple(self.phys_to_log.shape)} / {tuple(self.log_to_phys.shape)}")
+        for mine, theirs in ((self.phys_to_log, other.phys_to_log), (self.log_to_phys, other.log_to_phys),
+                             (self.log_count, other.log_count)):
+            mine.copy_(theirs)
+
+    def clone(self) -> ExpertPlacement:
+        return ExpertPlacement(self.phys_to_log.clone(), self.log_to_phys.clone(), self.log_count.clone())
+
     def equals(self, other: ExpertPlacement) -> bool:
         return all(torch.equal(a, b) for a, b in ((self.phys_to_log, other.phys_to_log),
                                                    (self.log_to_phys, other.log_to_phys),
