@@ -6,6 +6,8 @@ Lockstep, one iteration:
     if not any_work: every rank stops (the same iteration everywhere)
     a rank with work runs one `engine.step()`; a rank whose step launched no forward (nothing of its
     own, or a step that only post-processed the previous one) runs `idle_forward` once
+    with EPLB on: `eplb.end_step()` records the iteration's expert load and, every interval, moves
+    expert weights between the ranks and switches the maps (eplb_runtime.py), in flight requests kept
 
 Invariants this keeps:
 * Every rank joins the EP group's dispatch/combine exactly once per main MoE layer per iteration:
@@ -73,6 +75,29 @@ class RankStats:
     idle_forwards: int = 0        # placeholder MoE passes (iterations without a forward of its own)
     num_preemptions: int = 0      # the scheduler's count over this rank's lifetime
     seconds: float = 0.0
+    # EPLB (enable_eplb), during this call: rearrangements and what they moved on this rank
+    eplb_rearrangements: int = 0
+    eplb_layers_changed: int = 0          # summed over rearrangements
+    eplb_experts_received: int = 0        # expert copies received from other ranks
+    eplb_experts_sent: int = 0
+    eplb_bytes_received: int = 0
+    eplb_bytes_sent: int = 0
+    eplb_local_copies: int = 0            # slots filled from another slot of this rank
+    eplb_seconds: float = 0.0             # time spent in rearrangements (plan + moves)
+    eplb_placements: list[list[list[int]]] = field(default_factory=list)   # phys_to_log after each one
+    eplb_layer_pairs: list[int] = field(default_factory=list)  # (token, expert) pairs received per layer
+
+    def add_rearrangement(self, r) -> None:
+        """Counts one `eplb_runtime.Rearrangement` of this rank."""
+        m = r.moves
+        self.eplb_rearrangements += 1
+        self.eplb_layers_changed += m.layers_changed
+        self.eplb_experts_received += m.experts_received
+        self.eplb_experts_sent += m.experts_sent
+        self.eplb_bytes_received += m.bytes_received
+        self.eplb_bytes_sent += m.bytes_sent
+        self.eplb_local_copies += m.local_copies
+        self.eplb_seconds += r.seconds
 
 
 @dataclass
@@ -98,10 +123,12 @@ def _any_rank(flag: bool, group: dist.ProcessGroup | None, rank: int) -> bool:
 
 
 def serve(engine, runner, groups, requests: list[RankRequest], spec: WorkerSpec, stats: RankStats,
-          exit_at_iteration: int | None = None) -> RankResult:
+          exit_at_iteration: int | None = None, eplb=None) -> RankResult:
     """Run this rank's share of one generate call in lockstep with the others; returns when no rank
     has work left (every rank returns from the same iteration). `exit_at_iteration` (a test hook): the
-    process exits with EXIT_TEST_HOOK at that iteration, as a crash in the middle of a run would."""
+    process exits with EXIT_TEST_HOOK at that iteration, as a crash in the middle of a run would.
+    `eplb` (eplb_runtime.RuntimeEPLB, enable_eplb): told the end of every iteration, after its MoE
+    pass, so every rank records and rearranges at the same iterations (between two forwards)."""
     from .ep_moe import idle_forward
     result = RankResult(stats=stats)
     t0 = time.perf_counter()
@@ -113,6 +140,7 @@ def serve(engine, runner, groups, requests: list[RankRequest], spec: WorkerSpec,
     index = {r.request_id: r.index for r in requests if r.index not in result.errors}
     stats.num_requests = len(index)
     idle_needed = groups.ep is not None       # a placeholder pass serves the other ranks' MoE rows
+    pairs_before = eplb.pairs_per_layer.clone() if eplb is not None else None
     while _any_rank(engine.has_unfinished_requests(), groups.cpu, spec.rank):
         stats.iterations += 1
         if stats.iterations == exit_at_iteration:
@@ -135,6 +163,13 @@ def serve(engine, runner, groups, requests: list[RankRequest], spec: WorkerSpec,
         if engine.num_steps == launched and idle_needed:
             idle_forward(runner.model, runner.dtype)
             stats.idle_forwards += 1
+        if eplb is not None:
+            done = eplb.end_step()
+            if done is not None:
+                stats.add_rearrangement(done)
+                stats.eplb_placements.append(eplb.placement.phys_to_log.tolist())
+    if eplb is not None:
+        stats.eplb_layer_pairs = (eplb.pairs_per_layer - pairs_before).tolist()
     stats.num_preemptions = engine.scheduler.num_preemptions
     stats.seconds = time.perf_counter() - t0
     return result
@@ -179,13 +214,18 @@ def worker_main(spec: WorkerSpec, commands, results) -> None:
     try:
         groups, llm = build_rank(spec)
         engine = llm.engine                    # sizes the state cache now: a bad budget fails at start-up
+        eplb = None
+        if spec.expert_parallel:
+            from .eplb_runtime import runtime_eplb_from_config
+            eplb = runtime_eplb_from_config(spec.config, llm.runner.model, groups.ep, groups.cpu)
         results.put(("ready", spec.rank))
         while True:
             cmd = commands.get()
             if cmd[0] == "stop":
                 break
             stats = RankStats(spec.rank)
-            result = serve(engine, llm.runner, groups, cmd[1], spec, stats, *cmd[2:])
+            hook = cmd[2] if len(cmd) > 2 else None
+            result = serve(engine, llm.runner, groups, cmd[1], spec, stats, hook, eplb=eplb)
             results.put(("done", spec.rank, result))
     except BaseException as exc:
         results.put(("error", spec.rank, f"{type(exc).__name__}: {exc}"))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,8 @@ class EPMoEMethod:
     ep_rank: int
     ep_size: int
     group: dist.ProcessGroup | None = None
+    # EPLB load recording (None = off): [L, S] int64, pairs received per local slot since the last take
+    load_counts: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.placement.num_slots % self.ep_size:
@@ -107,6 +109,21 @@ class EPMoEMethod:
     @property
     def slots_per_rank(self) -> int:
         return self.placement.num_slots // self.ep_size
+
+    def start_load_recording(self, device: torch.device | str) -> None:
+        """EPLB: from now on every layer call adds the (token, slot) pairs this rank received per local
+        slot (dispatch's `slot_counts`, hash-routed layers included) to `load_counts`: one tensor add per
+        layer on the experts' device, no host sync and no per-token work."""
+        self.load_counts = torch.zeros(self.placement.num_layers, self.slots_per_rank, dtype=torch.int64,
+                                       device=device)
+
+    def take_load_counts(self) -> torch.Tensor:
+        """[L, S] the counts recorded since the last take (then zeroed); recording must be on."""
+        if self.load_counts is None:
+            raise RuntimeError("take_load_counts: load recording is off (start_load_recording first)")
+        out = self.load_counts.clone()
+        self.load_counts.zero_()
+        return out
 
     def process_weights(self, moe: nn.Module) -> None:
         """Keep only this rank's slots, then the wrapped method's runtime form (so a method that packs
@@ -138,6 +155,8 @@ class EPMoEMethod:
         rows = torch.arange(num_tokens, device=x.device)
         phys = choose_physical(idx, rows, self.ep_rank, self.placement, moe.layer_id).to(x.device)
         res = dispatch(x, phys, weights, self.slots_per_rank, self.group)
+        if self.load_counts is not None:
+            self.load_counts[moe.layer_id] += res.slot_counts.to(self.load_counts.device)
         out = self._run_experts(moe, res)
         return combine(out, res.handle, init=shared).to(x.dtype)
 
