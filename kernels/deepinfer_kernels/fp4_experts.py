@@ -51,27 +51,120 @@ class Fp4Experts:
         return (self.num_fp4 + self.fp8.shape[0],) + tuple(self.fp8.shape[1:])
 
 
-@triton.jit
-def fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The [BLOCK_K, BLOCK_N] e4m3 tile (inputs k0..k0+BLOCK_K, outputs offs_n: the transposed weight
-    tile the FP8 loads give) of one expert whose codes start at p_ptr ([N, K/2] bytes) and scale bytes
-    at g_ptr ([N, K/32]); `scale` [BLOCK_N]: the outputs' float32 128x128 block scales 2^S.
+# The e4m3 bytes of the eight e2m1 magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6) times 2^t, as two words (magnitudes
+# 0-3, 4-7): 2^t built as f16 bits (a subnormal below 2^-14), the products in f16 (exact: every group the
+# loader keeps FP4 has its values in e4m3, which f16 holds) and rounded to e4m3 by the hardware's cvt
+# (exact for the same reason, subnormals included). t is clamped to [-24, 15]: a group whose t lies
+# outside holds only zeros, whose entry 0 is 0 for every t.
+_LUT_ASM = tl.constexpr("""
+{
+.reg .s32 tc, nb, sb;
+.reg .b32 h, c, v0, v1, v2, v3;
+.reg .b16 q0, q1, q2, q3;
+.reg .pred p;
+max.s32 tc, $2, -24;
+min.s32 tc, tc, 15;
+add.s32 nb, tc, 15;
+shl.b32 nb, nb, 10;
+add.s32 sb, tc, 24;
+shl.b32 sb, 1, sb;
+setp.lt.s32 p, tc, -14;
+selp.b32 h, sb, nb, p;
+prmt.b32 h, h, h, 0x1010;
+mov.b32 c, 0x38000000;
+mul.rn.f16x2 v0, h, c;
+mov.b32 c, 0x3E003C00;
+mul.rn.f16x2 v1, h, c;
+mov.b32 c, 0x42004000;
+mul.rn.f16x2 v2, h, c;
+mov.b32 c, 0x46004400;
+mul.rn.f16x2 v3, h, c;
+cvt.rn.satfinite.e4m3x2.f16x2 q0, v0;
+cvt.rn.satfinite.e4m3x2.f16x2 q1, v1;
+cvt.rn.satfinite.e4m3x2.f16x2 q2, v2;
+cvt.rn.satfinite.e4m3x2.f16x2 q3, v3;
+mov.b32 $0, {q0, q1};
+mov.b32 $1, {q2, q3};
+}
+""")
 
-    Integer work only, no branch and no reduction (float conversions and a per-tile test both cost
-    more than they save here): an e2m1 magnitude's e4m3 bits at scale 1 are u (0.5 -> 0x30, then 4
-    per code step from 1.0 = 0x38); scaling by 2^t adds 8t while the exponent field f = (u >> 3) + t
-    stays >= 1, below that the value is an e4m3 subnormal: the mantissa with its implicit bit,
-    shifted right by 1 - f (exact: the loader keeps FP4 only where the re-encoding is exact)."""
+# Four code bytes (eight e2m1 codes: the low nibble the even input) to the e4m3 bytes of the four even and
+# the four odd inputs, output byte i from input byte i only (so any four bytes Triton packs together
+# decode right, as long as they share a group: a group is 16 bytes of a row). The magnitudes of a word
+# [m0 m1 m2 m3] become prmt selectors: swap bytes 1 and 2, mask, fold the high half onto the low one
+# (a | a >> 12 puts byte 2's bits at nibble 1 and byte 3's at nibble 3); prmt looks up the LUT words
+# ($3 = magnitudes 0-3, $7 = 4-7; the other packed copies $4-$6, $8-$10 are the same words); the sign
+# bits (3 and 7 of each byte) are moved to bit 7 and or-ed in. 13 instructions for eight weights.
+_DECODE_ASM = tl.constexpr("""
+{
+.reg .b32 w, a, s, o;
+prmt.b32 w, $2, 0, 0x3120;
+and.b32 a, w, 0x07070707;
+shr.b32 s, a, 12;
+or.b32 a, a, s;
+prmt.b32 o, $3, $7, a;
+shl.b32 s, $2, 4;
+lop3.b32 $0, o, s, 0x80808080, 0xF8;
+shr.b32 a, w, 4;
+and.b32 a, a, 0x07070707;
+shr.b32 s, a, 12;
+or.b32 a, a, s;
+prmt.b32 o, $3, $7, a;
+lop3.b32 $1, o, $2, 0x80808080, 0xF8;
+}
+""")
+
+
+@triton.jit
+def _load_codes(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                ROW_MASK: tl.constexpr):
+    """The code bytes [BLOCK_N, BLOCK_K // 2] of a tile and each group's shift t = g - 127 - S
+    [BLOCK_N, BLOCK_K // 32] against the outputs' float32 128x128 block scales 2^S (`scale`).
+    ROW_MASK (compiled one-group tiles: k0 a multiple of 32, as K is, so the tile is all in or all
+    out): mask the rows only, so that each thread loads a whole 16-byte row, as the byte permutes
+    need (the interpreter takes no scalar mask)."""
     offs_h = tl.arange(0, BLOCK_K // 2)
-    h_ok = n_ok[:, None] & (offs_h < (K - k0) // 2)[None, :]
-    b = tl.load(p_ptr + offs_n[:, None] * (K // 2) + k0 // 2 + offs_h[None, :], mask=h_ok, other=0).to(tl.int16)
-    codes = tl.reshape(tl.join(b & 0xF, b >> 4), (BLOCK_N, BLOCK_K))    # input 2j: low nibble of byte j
+    half_k = tl.multiple_of(K // 2, 16)
+    if ROW_MASK:
+        h_ok = tl.broadcast_to(n_ok[:, None] & (k0 < K), (BLOCK_N, BLOCK_K // 2))
+    else:
+        h_ok = n_ok[:, None] & (offs_h < (K - k0) // 2)[None, :]
+    b = tl.load(p_ptr + offs_n[:, None] * half_k + k0 // 2 + offs_h[None, :], mask=h_ok, other=0)
     offs_g = tl.arange(0, BLOCK_K // 32)
     g_ok = n_ok[:, None] & (offs_g < (K - k0) // 32)[None, :]
     g = tl.load(g_ptr + offs_n[:, None] * (K // 32) + k0 // 32 + offs_g[None, :], mask=g_ok, other=127)
     block_exp = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF          # S + 127
-    shift = tl.where(g_ok, g.to(tl.int32) - block_exp[:, None], 0).to(tl.int16)      # t = g - 127 - S
-    t = tl.reshape(tl.broadcast_to(shift[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+    return b, tl.where(g_ok, g.to(tl.int32) - block_exp[:, None], 0)
+
+
+@triton.jit
+def fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             PRMT: tl.constexpr = False):
+    """The [BLOCK_K, BLOCK_N] e4m3 tile (inputs k0..k0+BLOCK_K, outputs offs_n: the transposed weight
+    tile the FP8 loads give) of one expert whose codes start at p_ptr ([N, K/2] bytes) and scale bytes
+    at g_ptr ([N, K/32]); `scale` [BLOCK_N]: the outputs' float32 128x128 block scales 2^S.
+
+    PRMT (compiled kernels on sm_89+): a lookup table per group (`_LUT_ASM`) and byte permutes
+    (`_DECODE_ASM`), ~1.6 integer instructions per weight. Otherwise (the interpreter) integer work
+    on each code, no branch: an e2m1 magnitude's e4m3 bits at scale 1 are u (0.5 -> 0x30, then 4
+    per code step from 1.0 = 0x38); scaling by 2^t adds 8t while the exponent field f = (u >> 3) + t
+    stays >= 1, below that the value is an e4m3 subnormal: the mantissa with its implicit bit,
+    shifted right by 1 - f (exact: the loader keeps FP4 only where the re-encoding is exact)."""
+    b, shift = _load_codes(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N, BLOCK_K, PRMT and BLOCK_K == 32)
+    if PRMT:
+        tl.static_assert(BLOCK_K == 32, "the byte permutes decode one 32-input group per tile")
+        lut_a, lut_b = tl.inline_asm_elementwise(_LUT_ASM, "=r,=r,r", [shift], dtype=(tl.uint32, tl.uint32),
+                                                 is_pure=True, pack=1)
+        lut_a = tl.reshape(tl.broadcast_to(lut_a[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+        lut_b = tl.reshape(tl.broadcast_to(lut_b[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+        even, odd = tl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,r,r,r,r,r,r,r,r,r", [b, lut_a, lut_b],
+                                              dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        bits = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+        return tl.trans(bits.to(tl.float8e4nv, bitcast=True))
+    b = b.to(tl.int16)
+    codes = tl.reshape(tl.join(b & 0xF, b >> 4), (BLOCK_N, BLOCK_K))    # input 2j: low nibble of byte j
+    t16 = shift.to(tl.int16)
+    t = tl.reshape(tl.broadcast_to(t16[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
     c7 = codes & 7
     u = tl.where(c7 < 2, c7 * 48, c7 * 4 + 48)       # e4m3 bits of 0, .5, 1, 1.5, 2, 3, 4, 6
     f = (u >> 3) + t

@@ -81,7 +81,7 @@ def _wide_dot(a, w, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr)
 def _w13_loop(x_rows, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, gg_ptr, sg_ptrs, I, D,
               N_KG: tl.constexpr, NB_I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, QAT_IN: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-              PRECISE_ACC: tl.constexpr, FP4: tl.constexpr, SUB: tl.constexpr):
+              PRECISE_ACC: tl.constexpr, FP4: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr):
     """The w1 (gate) and w3 (up) accumulators of one tile over all of D; FP4: the expert's weights are
     decoded from its codes (`fp4_tile`) SUB inputs at a time (the decoded tiles live in registers: a
     whole 128-deep block spills), the dots of one 128-block chained in order as the FP8 tile's are."""
@@ -103,10 +103,10 @@ def _w13_loop(x_rows, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, 
                 k0 = kb * BLOCK_K + j * SUB
                 offs_s = k0 + tl.arange(0, SUB)
                 a_s = tl.load(x_rows + offs_s[None, :], mask=r_ok[:, None] & (offs_s < D)[None, :], other=0.0)
-                wg = fp4_tile(pg_ptr, gg_ptr, offs_n, n_ok, k0, D, sg, BLOCK_N, SUB)
+                wg = fp4_tile(pg_ptr, gg_ptr, offs_n, n_ok, k0, D, sg, BLOCK_N, SUB, PRMT)
                 dg = _chain_dot(a_s, wg, dg, QAT_IN, CDT, IEEE, UPCAST, PRECISE_ACC)
                 wu = fp4_tile(pg_ptr + I * (D // 2), gg_ptr + I * (D // 32), offs_n, n_ok, k0, D, su, BLOCK_N,
-                              SUB)
+                              SUB, PRMT)
                 du = _chain_dot(a_s, wu, du, QAT_IN, CDT, IEEE, UPCAST, PRECISE_ACC)
             if QAT_IN:
                 sa = tl.load(xs_ptr + tok * N_KG + kb, mask=r_ok, other=0.0)
@@ -132,7 +132,7 @@ def _w13_loop(x_rows, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, 
 def _w2_loop(a_rows, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, p_ptr, g_ptr, s_ptrs, I,
              N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              QAT: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-             PRECISE_ACC: tl.constexpr, FP4: tl.constexpr, SUB: tl.constexpr):
+             PRECISE_ACC: tl.constexpr, FP4: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr):
     """One w2 tile's accumulator over all of I (FP4 as in `_w13_loop`)."""
     a_ptrs = a_rows + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -145,7 +145,7 @@ def _w2_loop(a_rows, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, p_ptr, 
                 k0 = kb * BLOCK_K + j * SUB
                 offs_s = k0 + tl.arange(0, SUB)
                 a_s = tl.load(a_rows + offs_s[None, :], mask=r_ok[:, None] & (offs_s < I)[None, :], other=0.0)
-                w = fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, I, sw, BLOCK_N, SUB)
+                w = fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, I, sw, BLOCK_N, SUB, PRMT)
                 d = _chain_dot(a_s, w, d, QAT, CDT, IEEE, UPCAST, PRECISE_ACC)
             if QAT:
                 sa = tl.load(as_ptr + offs_r * N_KG + kb, mask=r_ok, other=0.0)
@@ -186,7 +186,7 @@ def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     QAT_IN: tl.constexpr, QAT_OUT: tl.constexpr, CDT: tl.constexpr, XDT: tl.constexpr,
                     IEEE: tl.constexpr, UPCAST: tl.constexpr, PRECISE_ACC: tl.constexpr, W4: tl.constexpr,
-                    SUB: tl.constexpr):
+                    SUB: tl.constexpr, PRMT: tl.constexpr):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE1, BLOCK_M)
@@ -212,15 +212,15 @@ def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
         if e < E4:
             acc_g, acc_u = _w13_loop(x_rows, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, gg_ptr,
                                      sg_ptrs, I, D, N_KG, NB_I, BLOCK_M, BLOCK_N, BLOCK_K, QAT_IN, CDT, IEEE,
-                                     UPCAST, PRECISE_ACC, True, SUB)
+                                     UPCAST, PRECISE_ACC, True, SUB, PRMT)
         else:
             acc_g, acc_u = _w13_loop(x_rows, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, gg_ptr,
                                      sg_ptrs, I, D, N_KG, NB_I, BLOCK_M, BLOCK_N, BLOCK_K, QAT_IN, CDT, IEEE,
-                                     UPCAST, PRECISE_ACC, False, SUB)
+                                     UPCAST, PRECISE_ACC, False, SUB, PRMT)
     else:
         acc_g, acc_u = _w13_loop(x_rows, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, gg_ptr, sg_ptrs,
                                  I, D, N_KG, NB_I, BLOCK_M, BLOCK_N, BLOCK_K, QAT_IN, CDT, IEEE, UPCAST, PRECISE_ACC,
-                                 False, SUB)
+                                 False, SUB, PRMT)
     # the reference's w1/w3 return the compute dtype, then SwiGLU runs in fp32
     g, u = acc_g, acc_u
     if CDT != tl.float32:
@@ -252,7 +252,8 @@ def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
                    stride_a, stride_y, EB: tl.constexpr, N_KG: tl.constexpr, NB_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    QAT: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISE_ACC: tl.constexpr, W4: tl.constexpr, SUB: tl.constexpr):
+                   PRECISE_ACC: tl.constexpr, W4: tl.constexpr, SUB: tl.constexpr,
+                   PRMT: tl.constexpr):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE2, BLOCK_M)
@@ -272,13 +273,13 @@ def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
     if W4:              # compile-time, as in _moe_w13_kernel
         if e < E4:
             acc = _w2_loop(a_rows, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, pe_ptr, ge_ptr, s_ptrs, I,
-                           N_KG, BLOCK_M, BLOCK_N, BLOCK_K, QAT, CDT, IEEE, UPCAST, PRECISE_ACC, True, SUB)
+                           N_KG, BLOCK_M, BLOCK_N, BLOCK_K, QAT, CDT, IEEE, UPCAST, PRECISE_ACC, True, SUB, PRMT)
         else:
             acc = _w2_loop(a_rows, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, pe_ptr, ge_ptr, s_ptrs, I,
-                           N_KG, BLOCK_M, BLOCK_N, BLOCK_K, QAT, CDT, IEEE, UPCAST, PRECISE_ACC, False, SUB)
+                           N_KG, BLOCK_M, BLOCK_N, BLOCK_K, QAT, CDT, IEEE, UPCAST, PRECISE_ACC, False, SUB, PRMT)
     else:
         acc = _w2_loop(a_rows, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, pe_ptr, ge_ptr, s_ptrs, I,
-                       N_KG, BLOCK_M, BLOCK_N, BLOCK_K, QAT, CDT, IEEE, UPCAST, PRECISE_ACC, False, SUB)
+                       N_KG, BLOCK_M, BLOCK_N, BLOCK_K, QAT, CDT, IEEE, UPCAST, PRECISE_ACC, False, SUB, PRMT)
     dest = tl.load(order_ptr + offs_r, mask=r_ok, other=0)
     y_ptrs = y_ptr + dest[:, None] * stride_y + offs_n[None, :]
     if y_ptr.dtype.element_ty != tl.float32:
@@ -373,7 +374,7 @@ def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: Experts, s13: to
                           NB_I=triton.cdiv(I, BLOCK_K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
                           QAT_IN=x_scale is not None, QAT_OUT=quant_out, CDT=TL_DTYPES[compute_dtype],
                           XDT=TL_DTYPES[x_dtype], IEEE=compute_dtype == torch.float32, UPCAST=_interpreted(),
-                          PRECISE_ACC=precise_acc, SUB=_fp4_sub(), num_warps=num_warps, num_stages=num_stages)
+                          PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), num_warps=num_warps, num_stages=num_stages)
     return a, a_s
 
 
@@ -403,7 +404,7 @@ def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: Experts, s2: torch
                          **weights, EB=sched.shape[1], N_KG=triton.cdiv(I, BLOCK_K), NB_D=triton.cdiv(D, BLOCK_K),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, QAT=a_scale is not None,
                          CDT=TL_DTYPES[cdt], IEEE=cdt == torch.float32, UPCAST=_interpreted(),
-                         PRECISE_ACC=precise_acc, SUB=_fp4_sub(), num_warps=num_warps, num_stages=num_stages)
+                         PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), num_warps=num_warps, num_stages=num_stages)
     return y
 
 

@@ -26,12 +26,12 @@ E, K = 4, 2          # routed experts, top-k; the shared expert is expert E
 
 @triton.jit
 def _decode(p_ptr, g_ptr, s_ptr, out_ptr, N, K, NB_K: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr):
+            BLOCK_K: tl.constexpr, PRMT: tl.constexpr = False):
     pid_n, kb = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    scale = tl.load(s_ptr + (offs_n // 128) * NB_K + kb, mask=n_ok, other=0.0)
-    tile = fp4_tile(p_ptr, g_ptr, offs_n, n_ok, kb * BLOCK_K, K, scale, BLOCK_N, BLOCK_K)
+    scale = tl.load(s_ptr + (offs_n // 128) * NB_K + (kb * BLOCK_K) // 128, mask=n_ok, other=0.0)
+    tile = fp4_tile(p_ptr, g_ptr, offs_n, n_ok, kb * BLOCK_K, K, scale, BLOCK_N, BLOCK_K, PRMT)
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_n[None, :] * K + offs_k[:, None], tile, mask=n_ok[None, :] & (offs_k < K)[:, None])
 
@@ -43,17 +43,27 @@ def random_fp4(n: int, k: int, gen: torch.Generator, spread: int = 10) -> tuple[
     return codes, groups
 
 
-@pytest.mark.parametrize("n,k,spread", [(200, 320, 10), (128, 128, 10), (128, 256, 13)])
-def test_decoded_tiles_are_the_re_encoded_bytes(kdev, n, k, spread):
-    """spread 13: groups 12+ binades under their block's largest, whose small codes are e4m3 subnormals."""
+DECODERS = ["integer", pytest.param("prmt", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+@pytest.mark.parametrize("n,k,spread", [(200, 320, 10), (128, 128, 10), (128, 256, 13), (256, 512, 14)])
+def test_decoded_tiles_are_the_re_encoded_bytes(kdev, n, k, spread, decoder):
+    """spread 13: groups 12+ binades under their block's largest, whose small codes are e4m3 subnormals;
+    14: the widest span the re-encoding keeps exact (0.5 at 2^-9, e4m3's smallest subnormal).
+    "prmt": the compiled decoder (inline PTX: lookup tables and byte permutes, one group per tile)."""
+    if decoder == "prmt":
+        assert kdev == "cuda", "the byte-permute decoder is inline PTX: it needs a CUDA GPU"
+    block_k = 32 if decoder == "prmt" else 128
     codes, groups = random_fp4(n, k, torch.Generator().manual_seed(n + k), spread)
     q, s8 = fp4_to_fp8_block(codes.view(torch.int8), groups)
     if spread > 11:
         assert (q.view(torch.uint8) & 0x78 == 0).logical_and(q.view(torch.uint8) & 7 != 0).any()   # subnormals
     out = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=kdev)
     nbk = triton.cdiv(k, 128)
-    _decode[(triton.cdiv(n, 64), nbk)](codes.to(kdev), groups.to(kdev), e8m0_to_float(s8).to(kdev), out, n, k,
-                                       NB_K=nbk, BLOCK_N=64, BLOCK_K=128)
+    _decode[(triton.cdiv(n, 64), triton.cdiv(k, block_k))](
+        codes.to(kdev), groups.to(kdev), e8m0_to_float(s8).to(kdev), out, n, k, NB_K=nbk, BLOCK_N=64,
+        BLOCK_K=block_k, PRMT=decoder == "prmt")
     got, want = out.cpu().view(torch.uint8), q.view(torch.uint8)
     bad = (got != want).nonzero()
     assert not len(bad), (f"{len(bad)} bytes differ, first at {bad[:4].tolist()}: got {got[got != want][:4].tolist()}"
