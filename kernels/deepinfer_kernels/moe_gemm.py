@@ -374,7 +374,8 @@ def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: Experts, s13: to
                           NB_I=triton.cdiv(I, BLOCK_K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
                           QAT_IN=x_scale is not None, QAT_OUT=quant_out, CDT=TL_DTYPES[compute_dtype],
                           XDT=TL_DTYPES[x_dtype], IEEE=compute_dtype == torch.float32, UPCAST=_interpreted(),
-                          PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), num_warps=num_warps, num_stages=num_stages)
+                          PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), num_warps=num_warps,
+                          num_stages=num_stages)
     return a, a_s
 
 
@@ -404,7 +405,8 @@ def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: Experts, s2: torch
                          **weights, EB=sched.shape[1], N_KG=triton.cdiv(I, BLOCK_K), NB_D=triton.cdiv(D, BLOCK_K),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, QAT=a_scale is not None,
                          CDT=TL_DTYPES[cdt], IEEE=cdt == torch.float32, UPCAST=_interpreted(),
-                         PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), num_warps=num_warps, num_stages=num_stages)
+                         PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), num_warps=num_warps,
+                          num_stages=num_stages)
     return y
 
 
