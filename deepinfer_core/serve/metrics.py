@@ -38,6 +38,27 @@ class Histogram:
                       f"{name}_count {self.count}"]
 
 
+def scheduler_gauges(engine) -> dict[str, float]:
+    """The gauges of one in-process engine: its scheduler's queues, its state cache, speculation."""
+    sched = engine.scheduler
+    alloc = sched.blocks.allocator
+    spec = engine.spec_metrics
+    gauges = {
+        "deepinfer_requests_running": len(sched.running),
+        "deepinfer_requests_waiting": sum(not s.finished for s in sched.waiting),
+        "deepinfer_cache_used_blocks": alloc.num_used_blocks,
+        "deepinfer_cache_total_blocks": alloc.num_blocks,
+        "deepinfer_cache_used_slots": alloc.num_used_slots,
+        "deepinfer_cache_usage_ratio": alloc.num_used_blocks / max(1, alloc.num_blocks),
+        "deepinfer_preemptions_total": sched.num_preemptions,
+    }
+    if spec is not None:
+        gauges["deepinfer_spec_decode_drafted_tokens_total"] = spec.num_drafted_tokens
+        gauges["deepinfer_spec_decode_accepted_tokens_total"] = spec.num_accepted_tokens
+        gauges["deepinfer_spec_decode_acceptance_rate"] = spec.num_accepted_tokens / max(1, spec.num_verified_tokens)
+    return gauges
+
+
 @dataclass
 class ServerMetrics:
     gauges: dict[str, float] = field(default_factory=dict)
@@ -50,24 +71,9 @@ class ServerMetrics:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def observe_step(self, engine) -> None:
-        """Gauges from the engine's scheduler and cache (engine thread, between steps)."""
-        sched = engine.scheduler
-        alloc = sched.blocks.allocator
-        spec = engine.spec_metrics
-        gauges = {
-            "deepinfer_requests_running": len(sched.running),
-            "deepinfer_requests_waiting": sum(not s.finished for s in sched.waiting),
-            "deepinfer_cache_used_blocks": alloc.num_used_blocks,
-            "deepinfer_cache_total_blocks": alloc.num_blocks,
-            "deepinfer_cache_used_slots": alloc.num_used_slots,
-            "deepinfer_cache_usage_ratio": alloc.num_used_blocks / max(1, alloc.num_blocks),
-            "deepinfer_preemptions_total": sched.num_preemptions,
-        }
-        if spec is not None:
-            gauges["deepinfer_spec_decode_drafted_tokens_total"] = spec.num_drafted_tokens
-            gauges["deepinfer_spec_decode_accepted_tokens_total"] = spec.num_accepted_tokens
-            rate = spec.num_accepted_tokens / max(1, spec.num_verified_tokens)
-            gauges["deepinfer_spec_decode_acceptance_rate"] = rate
+        """Gauges from the engine's scheduler and cache (engine thread, between steps); an engine of
+        several ranks (parallel/dp_online.py) sums its ranks' own through its `gauges()`."""
+        gauges = engine.gauges() if hasattr(engine, "gauges") else scheduler_gauges(engine)
         with self.lock:
             self.gauges = gauges
 
