@@ -7,9 +7,13 @@ requests over the ranks by load and collects the `RequestOutput`s back in the ca
 rank (`dp_worker.py`) runs its own engine over its requests; all ranks step in lockstep so that the
 EP collectives pair up (spec parallelism.md §3.1).
 
-Assignment: requests in input order, each to the rank with the fewest prompt tokens assigned so far
-(x n completions), lowest rank on ties: deterministic, and a rank may get none (it then only serves
-the others' MoE rows).
+Assignment: each request to the rank with the least load (waiting + running tokens as the ranks report
+them, plus the prompt tokens x n sent since), lowest rank on ties. `generate` on an idle engine therefore
+places its requests exactly as `assign_ranks` does: deterministic, and a rank may get none (it then only
+serves the others' MoE rows).
+
+Online use (the server): `add_request` / `abort_request` / `step` / `has_unfinished_requests`, as the
+in-process Engine (dp_online.py); `generate` is a client of the same interface.
 
 Failure: a rank that dies (killed, crashed) or reports an error (a dead peer's `EPCommError`, a load
 failure) ends the whole engine: the other ranks are terminated and one RuntimeError names the rank
@@ -22,7 +26,7 @@ and `DataParallelLLM(...)` directly all run this engine (the options: engine_con
 
 Not here yet: GPU ranks (nccl, one device per rank), speculative decoding (its verify steps need a
 vote on the MoE call count), the step-type vote of §3.1(b) (each rank schedules prefill and decode
-freely; lockstep only pairs the forwards), streaming / per-step (online) requests, so no server.
+freely; lockstep only pairs the forwards).
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ from ..api.tokenizer import load_tokenizer
 from ..config import ModelConfig
 from ..engine_config import EngineConfig
 from ..ops.sampler import mix_seed
-from .dp_worker import EXIT_TEST_HOOK, RankRequest, RankResult, RankStats, WorkerSpec, worker_main
+from .dp_online import OnlineFrontEnd
+from .dp_worker import EXIT_TEST_HOOK, RankRequest, WorkerSpec, worker_main
 
 log = logging.getLogger("deepinfer.dp")
 
@@ -96,7 +101,7 @@ def _exit_text(code: int | None) -> str:
     return "the test hook's exit" if code == EXIT_TEST_HOOK else f"exit code {code}"
 
 
-class DataParallelLLM:
+class DataParallelLLM(OnlineFrontEnd):
     """`LLM`'s `generate` over `data_parallel_size` engine processes (CPU, gloo).
 
     `LLM(model, data_parallel_size=N, ...)` builds one of these (`from_config`); direct use takes the same
@@ -136,11 +141,11 @@ class DataParallelLLM:
         self.config = config.with_model_limit(self.model_config.max_position_embeddings)
         self.world = config.parallel.data_parallel_size
         self.tokenizer = load_tokenizer(self.model_dir, config.model.tokenizer)
-        self.last_stats: list[RankStats] = []
         self._request_counter = 0
         self._exit_at: tuple[int, int] | None = None      # test hook: (rank, lockstep iteration)
         self._failed: str | None = None
         self._procs: list[Any] = []
+        self._init_online()
         self._start(timeout_s)
 
     # ---- processes -----------------------------------------------------------------------------
@@ -160,7 +165,8 @@ class DataParallelLLM:
                                name=f"deepinfer-dp{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
-        self._wait("ready")
+        for rank, msg in self._wait("ready").items():
+            self._rank_gauges[rank] = msg[2]
         log.info("data parallel: %d ranks ready (enable_expert_parallel=%s, enable_eplb=%s)", self.world,
                  self.config.parallel.enable_expert_parallel, self.config.parallel.enable_eplb)
 
@@ -171,8 +177,7 @@ class DataParallelLLM:
             try:
                 msg = self._results.get(timeout=POLL_S)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
-                if dead:
+                if self.dead_ranks():
                     self._fail({})
                 continue
             if msg[0] == "error":
@@ -181,6 +186,9 @@ class DataParallelLLM:
                 raise RuntimeError(f"DataParallelLLM: rank {msg[1]} sent {msg[0]!r} while {kind!r} was expected")
             got[msg[1]] = msg
         return got
+
+    def dead_ranks(self) -> list[int]:
+        return [r for r, p in enumerate(self._procs) if p.exitcode is not None]
 
     def _fail(self, errors: dict[int, str]) -> None:
         """Collect what the ranks say for GRACE_S, stop them all, raise one RuntimeError."""
@@ -256,36 +264,42 @@ class DataParallelLLM:
     def generate(self, prompts: Any = None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: Any = None) -> list[RequestOutput] | list[str]:
         """As `LLM.generate`: one RequestOutput per prompt in input order (bad requests: an
-        InvalidRequestError after the others finished). No progress bar: the outputs arrive when every
-        rank is done."""
-        if self._failed is not None or not self._procs:
-            raise RuntimeError(f"DataParallelLLM: the engine has stopped ({self._failed or 'closed'})")
+        InvalidRequestError after the others finished). A client of the online interface (dp_online.py):
+        every request is added at once (one command per rank, placed by load in input order), then
+        stepped until the ranks are idle; `last_stats` holds that run's per-rank statistics."""
+        self._check_running()
+        if self.has_unfinished_requests():
+            raise RuntimeError("DataParallelLLM.generate: online requests are in flight (add_request); "
+                               "generate needs the engine to itself")
         parsed = parse_prompts(prompts, prompt_token_ids)
         params = per_request_params(sampling_params, len(parsed))
         errors: dict[int, ValueError] = {}
+        index: dict[str, int] = {}
         requests: list[RankRequest] = []
         for i, (entry, p) in enumerate(zip(parsed, params)):
             try:
                 requests.append(self._request(i, entry, p))
+                index[requests[-1].request_id] = i
             except (ValueError, TypeError) as e:
                 errors[i] = e
         self._request_counter += len(parsed)
-        ranks = assign_ranks([len(r.prompt_token_ids) * r.params.n for r in requests], self.world)
+        ranks = self.choose_ranks([len(r.prompt_token_ids) * r.params.n for r in requests])
         exit_at, self._exit_at = self._exit_at, None
-        for rank, q in enumerate(self._commands):
-            mine = [r for r, k in zip(requests, ranks) if k == rank]
-            hook = (exit_at[1],) if exit_at is not None and exit_at[0] == rank else ()
-            q.put(("generate", mine, *hook))
-        done = self._wait("done")
+        if exit_at is not None:        # uncounted: armed before the run the adds start
+            self._commands[exit_at[0]].put(("exit_at", exit_at[1]))
+        self._dispatch({rank: [r for r, k in zip(requests, ranks) if k == rank] for rank in sorted(set(ranks))})
         outputs: list[Any] = [None] * len(parsed)
-        self.last_stats = []
-        for rank in range(self.world):
-            res: RankResult = done[rank][2]
-            self.last_stats.append(res.stats)
-            for i, out in res.outputs.items():
-                outputs[i] = out
-            for i, text in res.errors.items():
-                errors[i] = ValueError(text)
+        while self.has_unfinished_requests():
+            for out in self.step():
+                i = index[out.request_id]
+                if isinstance(out, ValueError):
+                    errors[i] = ValueError(f"generate: prompt {i} is invalid: {out}")
+                elif out.finished:
+                    reason = self.refused.pop(out.request_id, None)
+                    if reason is not None:
+                        errors[i] = ValueError(f"request {i}: {reason}")
+                    else:
+                        outputs[i] = out
         if self.config.decode_sequence:
             outputs = [None if o is None else o.outputs[0].text for o in outputs]
         if errors:
@@ -307,4 +321,4 @@ class DataParallelLLM:
             raise ValueError(f"generate: sampling_params[{i}] must be a SamplingParams")
         counter = self._request_counter + i
         seed = params.seed if params.seed is not None else mix_seed(self.config.model.seed, counter)
-        return RankRequest(i, str(counter), text, list(ids), params, seed)
+        return RankRequest(str(counter), text, list(ids), params, seed, stream=False)

@@ -1,9 +1,15 @@
 """One data-parallel engine rank: its own engine (scheduler, state cache, sampler) over the rank's
 requests, stepped in lockstep with the other ranks (spec parallelism.md §3.1).
 
+Online (`RankLoop`; the front end's side is dp_online.py): idle, a rank blocks on its command queue; a
+counted command (add, abort, wake) starts a run of lockstep iterations, and when the vote finds no work
+anywhere every rank sends an IdleReport and blocks again. After each iteration with news a rank sends a
+StepReport: its step's outputs (deltas of streamed requests), its load and gauges.
+
 Lockstep, one iteration:
+    apply the commands that arrived (adds join this step, aborts free their slots now)
     any_work = all_reduce_max(engine has unfinished requests)      # on the gloo group
-    if not any_work: every rank stops (the same iteration everywhere)
+    if not any_work: the run ends (the same iteration everywhere)
     a rank with work runs one `engine.step()`; a rank whose step launched no forward (nothing of its
     own, or a step that only post-processed the previous one) runs `idle_forward` once
     with EPLB on: `eplb.end_step()` records the iteration's expert load and, every interval, moves
@@ -25,6 +31,8 @@ Invariants this keeps:
 from __future__ import annotations
 
 import os
+import queue
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,14 +62,14 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class RankRequest:
-    """One request of a generate call, as the front end resolved it (ids tokenized, seed derived)."""
+    """One request as the front end resolved it (ids tokenized, seed derived), for one rank's engine."""
 
-    index: int                    # position in the caller's list
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
+    stream: bool = True           # per-step deltas (the server); False: only the finished output (generate)
 
 
 @dataclass
@@ -101,13 +109,33 @@ class RankStats:
 
 
 @dataclass
-class RankResult:
-    outputs: dict[int, Any] = field(default_factory=dict)     # caller index -> RequestOutput
-    errors: dict[int, str] = field(default_factory=dict)      # caller index -> why it was refused
-    stats: RankStats | None = None
+class StepReport:
+    """What a rank sends after a lockstep iteration with news: its finished step's outputs and its state."""
+
+    rank: int
+    outputs: list[Any]                # RequestOutputs of the step (deltas of streamed requests)
+    refused: dict[str, str]           # request id -> why its constraint never became ready (finished, "abort")
+    invalid: dict[str, str]           # request id -> why add_request refused it (nothing runs)
+    load: int                         # waiting + running tokens of its unfinished sequences
+    gauges: dict[str, float]          # serve/metrics.py scheduler_gauges of its engine
+    consumed: int                     # counted commands it has applied so far
+
+
+@dataclass
+class IdleReport:
+    """Sent by every rank when the lockstep vote found no work anywhere: the run (wake .. idle) ended."""
+
+    rank: int
+    run: int                          # runs so far (the same on every rank: they leave at the same vote)
+    consumed: int
+    load: int
+    gauges: dict[str, float]
+    stats: RankStats
 
 
 EXIT_TEST_HOOK = 17
+# Commands that never start a run (nor count as consumed): the front end's wake bookkeeping ignores them.
+UNCOUNTED = ("stop", "exit_at")
 
 
 def _any_rank(flag: bool, group: dist.ProcessGroup | None, rank: int) -> bool:
@@ -122,57 +150,137 @@ def _any_rank(flag: bool, group: dist.ProcessGroup | None, rank: int) -> bool:
     return bool(t.item())
 
 
-def serve(engine, runner, groups, requests: list[RankRequest], spec: WorkerSpec, stats: RankStats,
-          exit_at_iteration: int | None = None, eplb=None) -> RankResult:
-    """Run this rank's share of one generate call in lockstep with the others; returns when no rank
-    has work left (every rank returns from the same iteration). `exit_at_iteration` (a test hook): the
-    process exits with EXIT_TEST_HOOK at that iteration, as a crash in the middle of a run would.
-    `eplb` (eplb_runtime.RuntimeEPLB, enable_eplb): told the end of every iteration, after its MoE
-    pass, so every rank records and rearranges at the same iterations (between two forwards)."""
-    from .ep_moe import idle_forward
-    result = RankResult(stats=stats)
-    t0 = time.perf_counter()
-    for r in requests:
-        try:
-            engine.add_request(r.request_id, r.prompt_token_ids, r.params, prompt=r.prompt, seed=r.seed, stream=False)
-        except ValueError as exc:        # refused: reported, the others still run (as LLM.generate)
-            result.errors[r.index] = f"generate: prompt {r.index} is invalid: {exc}"
-    index = {r.request_id: r.index for r in requests if r.index not in result.errors}
-    stats.num_requests = len(index)
-    idle_needed = groups.ep is not None       # a placeholder pass serves the other ranks' MoE rows
-    pairs_before = eplb.pairs_per_layer.clone() if eplb is not None else None
-    while _any_rank(engine.has_unfinished_requests(), groups.cpu, spec.rank):
-        stats.iterations += 1
-        if stats.iterations == exit_at_iteration:
-            os._exit(EXIT_TEST_HOOK)          # a crash in the middle of a step (tests)
-        launched = engine.num_steps
-        if engine.has_unfinished_requests():
-            for out in engine.step():
-                i = index.get(out.request_id)
-                if i is None or not out.finished:
-                    continue
-                reason = engine.refused.pop(out.request_id, None)
-                if reason is not None:
-                    result.errors[i] = f"request {i}: {reason}"
-                else:
-                    result.outputs[i] = out
-        if engine.num_steps - launched > 1:   # cannot happen without speculation; would deadlock EP
-            raise RuntimeError(f"rank {spec.rank}: one engine step launched {engine.num_steps - launched} "
-                               "forwards; DP lockstep needs at most one")
-        stats.forwards += engine.num_steps - launched
-        if engine.num_steps == launched and idle_needed:
-            idle_forward(runner.model, runner.dtype)
-            stats.idle_forwards += 1
+def rank_load(engine) -> int:
+    """Waiting + running tokens (prompt + generated so far) of the engine's unfinished sequences: what
+    the front end balances on."""
+    sched = engine.scheduler
+    running = sum(s.num_tokens for s in sched.running.values())
+    return running + sum(s.num_tokens for s in sched.waiting if not s.finished)
+
+
+class RankLoop:
+    """The rank's side of the online protocol (dp_online.py): block on the command queue while idle;
+    a counted command starts a run, stepped in lockstep until no rank has work, then an IdleReport.
+
+    Commands: ("add", [RankRequest]), ("abort", request_id), ("wake",) (join a run another rank's
+    request started), and the uncounted ("exit_at", iteration) (test hook: os._exit at that iteration
+    of the next run, as a crash would) and ("stop",)."""
+
+    def __init__(self, engine, runner, groups, spec: WorkerSpec, commands, results, eplb=None):
+        self.engine, self.runner, self.groups, self.spec = engine, runner, groups, spec
+        self.commands, self.results, self.eplb = commands, results, eplb
+        self.consumed = 0
+        self.runs = 0
+        self.aborted = 0                  # aborts applied here (a gauge: the server's tests read it)
+        self.exit_at: int | None = None
+        self.stopping = False
+        self.stats = RankStats(spec.rank)
+        self._invalid: dict[str, str] = {}
+        self._last: tuple | None = None   # the last report's (load, consumed, gauges): unchanged ones are not sent
+
+    def loop(self) -> None:
+        while not self.stopping:
+            cmd = self.commands.get()     # idle: block (no spinning)
+            if self._apply(cmd):
+                self._run()
+
+    def _apply(self, cmd: tuple) -> bool:
+        """Apply one command; True when it was a counted one (it starts a run when idle)."""
+        kind = cmd[0]
+        if kind == "stop":
+            self.stopping = True
+            return False
+        if kind == "exit_at":
+            self.exit_at = cmd[1]
+            return False
+        self.consumed += 1
+        if kind == "add":
+            for r in cmd[1]:
+                try:
+                    self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, prompt=r.prompt,
+                                            seed=r.seed, stream=r.stream)
+                    self.stats.num_requests += 1
+                except ValueError as exc:      # refused: reported; the others still run (as LLM.generate)
+                    self._invalid[r.request_id] = str(exc)
+        elif kind == "abort":
+            try:
+                self.engine.abort_request(cmd[1])      # frees its slot and blocks now
+                self.aborted += 1
+            except ValueError:
+                pass                      # it finished (its output is on the way) before the abort came
+        elif kind != "wake":
+            raise RuntimeError(f"rank {self.spec.rank}: unknown command {kind!r}")
+        return True
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(cmd)
+
+    def _run(self) -> None:
+        """One run: iterations in lockstep with the other ranks until the vote finds no work anywhere."""
+        from .ep_moe import idle_forward
+        engine, stats, eplb = self.engine, self.stats, self.eplb
+        self.runs += 1
+        t0 = time.perf_counter()
+        idle_needed = self.groups.ep is not None     # a placeholder pass serves the other ranks' MoE rows
+        pairs_before = eplb.pairs_per_layer.clone() if eplb is not None else None
+        while True:
+            self._drain()                 # what arrived since the last iteration joins this one
+            if self.stopping or not _any_rank(engine.has_unfinished_requests(), self.groups.cpu, self.spec.rank):
+                break
+            stats.iterations += 1
+            if stats.iterations == self.exit_at:
+                os._exit(EXIT_TEST_HOOK)          # a crash in the middle of a step (tests)
+            launched = engine.num_steps
+            outputs, refused = [], {}
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                for out in outputs:
+                    reason = engine.refused.pop(out.request_id, None) if out.finished else None
+                    if reason is not None:
+                        refused[out.request_id] = reason
+            if engine.num_steps - launched > 1:   # cannot happen without speculation; would deadlock EP
+                raise RuntimeError(f"rank {self.spec.rank}: one engine step launched {engine.num_steps - launched} "
+                                   "forwards; DP lockstep needs at most one")
+            stats.forwards += engine.num_steps - launched
+            if engine.num_steps == launched and idle_needed:
+                idle_forward(self.runner.model, self.runner.dtype)
+                stats.idle_forwards += 1
+            if eplb is not None:
+                done = eplb.end_step()
+                if done is not None:
+                    stats.add_rearrangement(done)
+                    stats.eplb_placements.append(eplb.placement.phys_to_log.tolist())
+            self._report(outputs, refused)
+        self._report([], {})              # invalid adds of the last drain
         if eplb is not None:
-            done = eplb.end_step()
-            if done is not None:
-                stats.add_rearrangement(done)
-                stats.eplb_placements.append(eplb.placement.phys_to_log.tolist())
-    if eplb is not None:
-        stats.eplb_layer_pairs = (eplb.pairs_per_layer - pairs_before).tolist()
-    stats.num_preemptions = engine.scheduler.num_preemptions
-    stats.seconds = time.perf_counter() - t0
-    return result
+            stats.eplb_layer_pairs = (eplb.pairs_per_layer - pairs_before).tolist()
+        stats.num_preemptions = engine.scheduler.num_preemptions
+        stats.seconds = time.perf_counter() - t0
+        load, gauges = rank_load(engine), self._gauges()
+        self.results.put(("idle", IdleReport(self.spec.rank, self.runs, self.consumed, load, gauges, stats)))
+        self.stats = RankStats(self.spec.rank)
+        self.exit_at = None
+
+    def _gauges(self) -> dict[str, float]:
+        from ..serve.metrics import scheduler_gauges  # lazy: the serve package is optional here
+        gauges = scheduler_gauges(self.engine)
+        gauges["deepinfer_dp_aborted_requests_total"] = self.aborted
+        return gauges
+
+    def _report(self, outputs: list, refused: dict[str, str]) -> None:
+        load, gauges = rank_load(self.engine), self._gauges()
+        state = (load, self.consumed, gauges)
+        if not outputs and not refused and not self._invalid and state == self._last:
+            return
+        self._last = state
+        self.results.put(("step", StepReport(self.spec.rank, outputs, refused, self._invalid, load, gauges,
+                                             self.consumed)))
+        self._invalid = {}
 
 
 def build_rank(spec: WorkerSpec):
@@ -206,9 +314,11 @@ def build_rank(spec: WorkerSpec):
 
 
 def worker_main(spec: WorkerSpec, commands, results) -> None:
-    """Entry point of a spawned rank: build, say ready, then serve ("generate", [RankRequest]) commands
-    (optionally with a test hook's exit iteration) until ("stop",). Messages to the front end:
-    ("ready", rank), ("done", rank, RankResult), ("error", rank, text)."""
+    """Entry point of a spawned rank: build, say ready, then serve commands (`RankLoop`) until ("stop",).
+    Messages to the front end: ("ready", rank, gauges), ("step", StepReport), ("idle", IdleReport),
+    ("error", rank, text)."""
+    # Ctrl-C reaches the whole process group: the front end decides when the ranks stop (close()).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.num_threads)
     groups = None
     try:
@@ -218,15 +328,9 @@ def worker_main(spec: WorkerSpec, commands, results) -> None:
         if spec.expert_parallel:
             from .eplb_runtime import runtime_eplb_from_config
             eplb = runtime_eplb_from_config(spec.config, llm.runner.model, groups.ep, groups.cpu)
-        results.put(("ready", spec.rank))
-        while True:
-            cmd = commands.get()
-            if cmd[0] == "stop":
-                break
-            stats = RankStats(spec.rank)
-            hook = cmd[2] if len(cmd) > 2 else None
-            result = serve(engine, llm.runner, groups, cmd[1], spec, stats, hook, eplb=eplb)
-            results.put(("done", spec.rank, result))
+        rank_loop = RankLoop(engine, llm.runner, groups, spec, commands, results, eplb)
+        results.put(("ready", spec.rank, rank_loop._gauges()))     # the server's /metrics has them at once
+        rank_loop.loop()
     except BaseException as exc:
         results.put(("error", spec.rank, f"{type(exc).__name__}: {exc}"))
         results.close()

@@ -1,0 +1,246 @@
+"""The online interface of the data-parallel engine (the front end's side; the ranks' side is
+dp_worker.py `RankLoop`): the same add / abort / step / has_unfinished_requests calls as the in-process
+`Engine`, so the server's engine thread (serve/engine_loop.py) and `DataParallelLLM.generate` drive it
+alike. One thread calls these methods (the engine thread, or generate's caller).
+
+Placement: a request goes to the rank with the least load, load = waiting + running tokens as the rank
+last reported it (after each iteration) plus the tokens of requests sent to it since that report (prompt
+tokens x n), lowest rank on ties (spec parallelism.md §3: one scheduler per rank).
+
+Runs and wakes: a rank blocks on its command queue while idle; a counted command starts a run, and the
+run's lockstep vote needs every rank, so the first command sent to an idle system also wakes every other
+rank. All ranks leave a run at the same vote and each sends an IdleReport with the number of counted
+commands it applied; a command sent meanwhile (after its rank's last drain) is then still unread, and
+its rank will start the next run on it, so the front end wakes the other ranks for that run. The system
+counts as running (`has_unfinished_requests`) until those reports are in: the caller keeps calling
+`step`, so the final gauges and run statistics arrive, and an idle system costs no CPU anywhere.
+
+Outputs: each rank sends its finished step's RequestOutputs (deltas for streamed requests); `step`
+returns them with `RequestInvalid` items for requests a rank refused at submission (the ValueError the
+in-process `add_request` would have raised, delivered a step later).
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+from ..api.sampling_params import SamplingParams
+from ..ops.sampler import mix_seed
+from .dp_worker import IdleReport, RankRequest, RankStats, StepReport
+
+POLL_S = 0.1  # longest wait of one `step` (then the caller drains its own commands) and liveness poll
+
+
+class RequestInvalid(ValueError):
+    """A rank refused a request at submission (bad prompt or parameters); the text is the engine's."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+# Gauges that are not sums over the ranks: recomputed from the summed ones.
+_RATIO = ("deepinfer_cache_usage_ratio", "deepinfer_cache_used_blocks", "deepinfer_cache_total_blocks")
+
+
+class OnlineFrontEnd:
+    """Mixed into DataParallelLLM, which provides world, config, _commands, _results, _procs, _failed
+    and _fail (raises one RuntimeError naming the failed rank, after stopping every rank), dead_ranks()."""
+
+    def _init_online(self) -> None:
+        w = self.world
+        self._sent = [0] * w  # counted commands sent to each rank
+        self._consumed = [0] * w  # ... applied by it, as last reported
+        self._load = [0] * w  # its waiting + running tokens, as last reported
+        self._unreported: list[list[tuple[int, int]]] = [[] for _ in range(w)]  # (command number, tokens)
+        self._rank_gauges: list[dict[str, float]] = [{} for _ in range(w)]
+        self._running = False  # a run is on, or the ranks' idle reports are not all in
+        self._idle: dict[int, dict[int, IdleReport]] = {}  # run -> rank -> its report
+        self._live: dict[str, int] = {}  # request id -> rank, until finished, refused or aborted
+        self._ready: list[Any] = []  # outputs read while waiting for something else
+        self._seed_counter = 0  # default seeds, as the in-process engine counts its requests
+        self.refused: dict[str, str] = {}  # request id -> why its constraint never became ready (as Engine)
+        self.last_stats: list[RankStats] = []
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        seed: int | None = None,
+        stream: bool = True,
+    ) -> None:
+        """Queue a request on the least-loaded rank. Checked here: the id and the params' type; the
+        rank's engine checks the rest and a refusal comes back from `step` as a RequestInvalid."""
+        self._check_running()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"add_request: request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._live:
+            raise ValueError(f"add_request: request_id {request_id!r} is already in the engine")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"add_request: params must be a SamplingParams, got {type(params).__name__}")
+        request = self.resolve_request(request_id, prompt, list(prompt_token_ids), params, seed, stream)
+        rank = self.choose_ranks([len(request.prompt_token_ids) * params.n])[0]
+        self._dispatch({rank: [request]})
+
+    def resolve_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        seed: int | None,
+        stream: bool,
+    ) -> RankRequest:
+        """The seed as the in-process engine derives it (params.seed, else the engine seed mixed with a
+        request counter), so a request's tokens do not depend on its rank."""
+        counter, self._seed_counter = self._seed_counter, self._seed_counter + 1
+        if seed is None:
+            seed = params.seed if params.seed is not None else mix_seed(self.config.model.seed, counter)
+        return RankRequest(request_id, prompt, ids, params, seed, stream)
+
+    def abort_request(self, request_id: str) -> None:
+        """Forwarded to the request's rank, which frees its slot and blocks; no output follows."""
+        rank = self._live.pop(request_id, None)
+        if rank is None:
+            raise ValueError(f"abort_request: no request {request_id!r} in the engine")
+        self._check_running()
+        self._dispatch({rank: None}, ("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live) or self._running
+
+    def step(self) -> list[Any]:
+        """The outputs the ranks sent since the last call (RequestOutputs, RequestInvalids): waits for
+        the next report up to POLL_S (a rank's death raises RuntimeError), then takes what else is there."""
+        self._check_running()
+        got = False
+        try:
+            msg = self._results.get(timeout=POLL_S)
+            self._handle(msg)
+            got = True
+        except queue.Empty:
+            self._check_alive()
+        while got:
+            try:
+                self._handle(self._results.get_nowait())
+            except queue.Empty:
+                break
+        out, self._ready = self._ready, []
+        return out
+
+    # ---- placement -----------------------------------------------------------------------------
+    def loads(self) -> list[int]:
+        """Each rank's load: reported waiting + running tokens, plus what was sent to it since."""
+        return [
+            self._load[r] + sum(t for n, t in self._unreported[r] if n > self._consumed[r]) for r in range(self.world)
+        ]
+
+    def choose_ranks(self, costs: list[int]) -> list[int]:
+        """The rank of each request (cost: prompt tokens x n), in order, each counted before the next."""
+        loads, out = self.loads(), []
+        for cost in costs:
+            r = min(range(self.world), key=lambda k: (loads[k], k))
+            loads[r] += cost
+            out.append(r)
+        return out
+
+    def _dispatch(self, adds: dict[int, list[RankRequest] | None], command: tuple | None = None) -> None:
+        """Send ("add", requests) to each rank in `adds` (or `command` when its value is None); when no
+        run is on, every other rank gets a wake so that the run's votes pair up."""
+        for rank, requests in adds.items():
+            self._send(
+                rank,
+                command if requests is None else ("add", requests),
+                sum(len(r.prompt_token_ids) * r.params.n for r in requests or ()),
+            )
+            for r in requests or ():
+                self._live[r.request_id] = rank
+        if not self._running:
+            for rank in range(self.world):
+                if rank not in adds:
+                    self._send(rank, ("wake",))
+            self._running = True
+
+    def _send(self, rank: int, command: tuple, tokens: int = 0) -> None:
+        self._commands[rank].put(command)
+        self._sent[rank] += 1
+        if tokens:
+            self._unreported[rank].append((self._sent[rank], tokens))
+
+    # ---- reports -------------------------------------------------------------------------------
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "error":
+            self._fail({msg[1]: msg[2]})
+        if kind == "step":
+            self._on_step(msg[1])
+        elif kind == "idle":
+            self._on_idle(msg[1])
+        else:
+            raise RuntimeError(f"DataParallelLLM: a rank sent {kind!r} while running")
+
+    def _note(self, rank: int, load: int, consumed: int, gauges: dict[str, float]) -> None:
+        self._load[rank], self._consumed[rank], self._rank_gauges[rank] = load, consumed, gauges
+        self._unreported[rank] = [(n, t) for n, t in self._unreported[rank] if n > consumed]
+
+    def _on_step(self, rep: StepReport) -> None:
+        self._note(rep.rank, rep.load, rep.consumed, rep.gauges)
+        for rid, text in rep.invalid.items():
+            if self._live.pop(rid, None) is not None:
+                self._ready.append(RequestInvalid(rid, text))
+        for out in rep.outputs:
+            if out.request_id not in self._live:  # aborted meanwhile: nothing follows an abort
+                continue
+            if out.finished:
+                del self._live[out.request_id]
+                if out.request_id in rep.refused:
+                    self.refused[out.request_id] = rep.refused[out.request_id]
+            self._ready.append(out)
+
+    def _on_idle(self, rep: IdleReport) -> None:
+        self._note(rep.rank, rep.load, rep.consumed, rep.gauges)
+        reports = self._idle.setdefault(rep.run, {})
+        reports[rep.rank] = rep
+        if len(reports) < self.world:
+            return
+        del self._idle[rep.run]
+        self.last_stats = [reports[r].stats for r in range(self.world)]
+        unread = [self._sent[r] > self._consumed[r] for r in range(self.world)]
+        if any(unread):  # sent after its rank's last drain: that rank starts the next run on it
+            for r in range(self.world):
+                if not unread[r]:
+                    self._send(r, ("wake",))
+        else:
+            self._running = False
+
+    # ---- health --------------------------------------------------------------------------------
+    def gauges(self) -> dict[str, float]:
+        """The server's gauges summed over the ranks (the cache usage ratio recomputed from the sums)."""
+        total: dict[str, float] = {}
+        for g in self._rank_gauges:
+            for k, v in g.items():
+                total[k] = total.get(k, 0) + v
+        if "deepinfer_cache_total_blocks" in total:
+            total[_RATIO[0]] = total[_RATIO[1]] / max(1, total[_RATIO[2]])
+        return total
+
+    def health_error(self) -> str | None:
+        """Why the engine cannot serve (a rank died or failed), or None; safe from any thread."""
+        if self._failed is not None or not self._procs:
+            return f"the data-parallel engine has stopped ({self._failed or 'closed'})"
+        dead = self.dead_ranks()
+        return f"data-parallel rank {dead[0]} of {self.world} died" if dead else None
+
+    def _check_running(self) -> None:
+        if self._failed is not None or not self._procs:
+            raise RuntimeError(f"DataParallelLLM: the engine has stopped ({self._failed or 'closed'})")
+        self._check_alive()
+
+    def _check_alive(self) -> None:
+        if self.dead_ranks():
+            self._fail({})
