@@ -11,7 +11,7 @@ from fastapi.responses import PlainTextResponse
 
 from .chat import create_chat_completion
 from .completions import create_completion
-from .engine_loop import EngineLoop
+from .engine_loop import EngineLoop, EngineStopped
 from .errors import ApiError, error_response
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -23,6 +23,10 @@ def build_app(llm, engine_loop: EngineLoop, model_name: str, api_key: str | None
     @app.exception_handler(ApiError)
     async def _api_error(_, exc: ApiError):
         return exc.response()
+
+    @app.exception_handler(EngineStopped)
+    async def _engine_stopped(_, exc: EngineStopped):     # mid-request (not streamed): the engine failed
+        return error_response(503, str(exc), None, "server_error")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(_, exc: RequestValidationError):
@@ -43,8 +47,9 @@ def build_app(llm, engine_loop: EngineLoop, model_name: str, api_key: str | None
 
     @app.get("/health")
     async def health():
-        if engine_loop.error is not None:
-            return error_response(503, f"engine stopped: {engine_loop.error}", None, "server_error")
+        why = engine_loop.health_error()
+        if why is not None:
+            return error_response(503, why, None, "server_error")
         return {"status": "ok"}
 
     @app.get("/metrics", dependencies=[Depends(authorized)])

@@ -20,7 +20,7 @@ from ..api.outputs import CompletionOutput
 from ..api.tool_calls import ToolCallStream, parse_tool_calls
 from .errors import ApiError, field_named
 from .protocol import ChatRequest
-from .streams import collect, first_outputs, merged, token_text, usage
+from .streams import collect, first_outputs, merged, sse_errors, token_text, usage
 
 
 @dataclass
@@ -55,7 +55,7 @@ async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer):
     if body.stream:
         stream = _sse({**head, "object": "chat.completion.chunk"}, firsts, streams, thinking, parse_tools,
                       body.include_usage, tokenizer, params.logprobs)
-        return StreamingResponse(stream, media_type="text/event-stream")
+        return StreamingResponse(sse_errors(stream), media_type="text/event-stream")
     request, outs = await collect(firsts[0], streams[0])
     choices = [{**chat_choice(c, thinking, parse_tools),
                 "logprobs": _logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None}

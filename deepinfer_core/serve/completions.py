@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from ..api.outputs import CompletionOutput
 from .errors import ApiError, field_named
 from .protocol import CompletionRequest
-from .streams import collect, first_outputs, merged, token_text, usage
+from .streams import collect, first_outputs, merged, sse_errors, token_text, usage
 
 
 async def create_completion(body: CompletionRequest, engine_loop, tokenizer):
@@ -26,7 +26,7 @@ async def create_completion(body: CompletionRequest, engine_loop, tokenizer):
     firsts = await first_outputs(streams)
     head = dict(id=cid, object="text_completion", created=int(time.time()), model=body.model)
     if body.stream:
-        return StreamingResponse(_sse(head, firsts, streams, params.n, body.include_usage, tokenizer),
+        return StreamingResponse(sse_errors(_sse(head, firsts, streams, params.n, body.include_usage, tokenizer)),
                                  media_type="text/event-stream")
     done = await asyncio.gather(*(collect(f, s) for f, s in zip(firsts, streams)))
     choices = [_choice(p * params.n + c.index, c, tokenizer, params.logprobs is not None)

@@ -6,6 +6,12 @@ back on an asyncio queue of its own, put there with `call_soon_threadsafe`. The 
 command queue when the engine is idle and drains it between steps otherwise, so a request submitted
 mid-generation joins the next step. Detokenisation stays in the engine's output processing (a few
 tokens per step for streamed requests); JSON and SSE framing stay in the handlers.
+
+`engine` is the in-process `Engine`, or under data parallelism the front end of the ranks
+(parallel/dp_online.py, `LLM.serving_engine()`): the same add / abort / step calls. Its `step` may also
+return a ValueError carrying a `request_id` (a rank refused the request at submission), delivered to
+that request's handler as the in-process engine's ValueError would have been; its `health_error()`
+reports a dead rank while the system is idle.
 """
 from __future__ import annotations
 
@@ -72,6 +78,13 @@ class EngineLoop:
     def num_admitted(self) -> int:
         return self._admitted
 
+    def health_error(self) -> str | None:
+        """Why no request can be served now (the engine thread stopped, a rank died), or None."""
+        if self.error is not None:
+            return f"engine stopped: {self.error}"
+        check = getattr(self.engine, "health_error", None)
+        return check() if check is not None else None
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a streamed request and yield its outputs (deltas) until it finishes. A ValueError
@@ -116,7 +129,6 @@ class EngineLoop:
                         break
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
-                        self.metrics.observe_output(out)
                         self._deliver(out)
                 self.metrics.observe_step(self.engine)
         except BaseException as exc:                 # the engine failed: every waiting handler hears it
@@ -142,12 +154,22 @@ class EngineLoop:
             except ValueError as exc:
                 command.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
                 return
+            except BaseException as exc:     # the engine failed: this handler is in neither _live nor the queue
+                command.loop.call_soon_threadsafe(command.outputs.put_nowait,
+                                                  EngineStopped(f"the engine stopped: {exc}"))
+                raise
             self._live[command.request_id] = command
         elif isinstance(command, _Abort) and self._live.pop(command.request_id, None) is not None:
             self.engine.abort_request(command.request_id)
             self.metrics.observe_abort()
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, out: RequestOutput | ValueError) -> None:
+        if isinstance(out, ValueError):              # refused by a data-parallel rank at submission
+            sub = self._live.pop(getattr(out, "request_id", None), None)
+            if sub is not None:
+                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, out)
+            return
+        self.metrics.observe_output(out)
         sub = self._live.get(out.request_id)
         if sub is None:
             return

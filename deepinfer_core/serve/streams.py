@@ -4,6 +4,7 @@ order for one SSE response. Closing a stream aborts its request (engine_loop.py)
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 from ..api.outputs import CompletionOutput, Logprob, RequestOutput
@@ -56,17 +57,22 @@ async def merged(firsts: list[RequestOutput], streams) -> AsyncIterator[tuple[in
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(p: int, item: RequestOutput, stream) -> None:
-        while True:
-            await queue.put((p, item))
-            if item.finished:
-                return
-            item = await anext(stream)
+        try:
+            while True:
+                await queue.put((p, item))
+                if item.finished:
+                    return
+                item = await anext(stream)
+        except Exception as exc:          # the engine stopped mid-stream: the reader must hear it, not wait
+            await queue.put((p, exc))
 
     tasks = [asyncio.create_task(pump(p, f, s)) for p, (f, s) in enumerate(zip(firsts, streams))]
     live = len(tasks)
     try:
         while live:
             p, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
             live -= item.finished
             yield p, item
     finally:
@@ -74,6 +80,17 @@ async def merged(firsts: list[RequestOutput], streams) -> AsyncIterator[tuple[in
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+
+async def sse_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An SSE response's events; when the engine stops mid-stream (the status line is long sent), one
+    OpenAI-shaped error event ends the stream instead of a cut connection."""
+    try:
+        async for event in events:
+            yield event
+    except EngineStopped as exc:
+        body = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": 503}}
+        yield f"data: {json.dumps(body)}\n\n"
 
 
 def token_text(token_id: int, logprob: Logprob, tokenizer) -> str:
