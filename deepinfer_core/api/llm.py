@@ -181,6 +181,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
+    def serving_engine(self) -> Any:
+        """The online engine the server drives (serve/engine_loop.py): `self.engine`, or under data
+        parallelism the ranks' front end (parallel/dp_online.py), with the same add / abort / step calls."""
+        dp = self.__dict__.get("_dp")
+        return dp if dp is not None else self.engine
+
     def close(self) -> None:
         """Release the runner; under data parallelism, stop the ranks (their processes exit)."""
         dp = self.__dict__.get("_dp")

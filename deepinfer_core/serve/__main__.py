@@ -3,7 +3,8 @@
 Serves `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`, `/detokenize`, `/health`
 and `/metrics` over the engine,
 which steps in a thread of its own (engine_loop.py). Without --model: DEEPINFER_HF_MODEL_DIR, else the
-bundled tiny model, as `LLM()`.
+bundled tiny model, as `LLM()`. `--data-parallel-size N [--enable-expert-parallel]`: N engine processes
+(CPU ranks over gloo, parallel/dp_engine.py), requests placed on the least-loaded rank.
 """
 from __future__ import annotations
 
@@ -50,25 +51,8 @@ def _server_class():
     return Server
 
 
-def refusal(options: dict) -> str | None:
-    """Why the server cannot run with these engine options, or None. The server drives the in-process
-    online engine (add / abort / step, engine_loop.py); data-parallel ranks only run whole `generate`
-    calls so far, so data_parallel_size > 1 is refused here rather than served by one rank."""
-    dp = options.get("data_parallel_size")
-    if isinstance(dp, int) and not isinstance(dp, bool) and dp > 1:
-        return (f"--data-parallel-size {dp}: not supported by the server yet (it needs an online "
-                "data-parallel front end: per-step outputs and aborts from the ranks); use LLM(..., "
-                "data_parallel_size=...) or the CLI (python -m deepinfer_core.generate --data-parallel-size N); "
-                "allowed here: 1")
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    why = refusal(engine_options_from_args(args))
-    if why is not None:
-        print(f"python -m deepinfer_core.serve: error: {why}", file=sys.stderr)
-        return 2
     try:
         import uvicorn
 
@@ -79,8 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ..api.llm import LLM
     from .engine_loop import EngineLoop
-    llm = LLM(model=args.model, **engine_options_from_args(args))
-    loop = EngineLoop(llm.engine, max_requests=args.max_requests)
+    # --data-parallel-size N: the ranks start here (spawned); the engine thread drives their front end
+    try:
+        llm = LLM(model=args.model, **engine_options_from_args(args))
+    except ValueError as exc:      # options the engine refuses (e.g. data parallelism with speculation)
+        print(f"python -m deepinfer_core.serve: error: {exc}", file=sys.stderr)
+        return 2
+    loop = EngineLoop(llm.serving_engine(), max_requests=args.max_requests)
     loop.start()
     name = args.served_model_name or args.model or str(llm.model_dir)
     try:
@@ -90,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         server_class(config).run()
     finally:
         loop.stop(timeout=30)
+        llm.close()               # under data parallelism: the ranks leave (killed if they do not in time)
     return 0
 
 

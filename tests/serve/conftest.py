@@ -34,7 +34,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @contextlib.contextmanager
 def _running(llm, max_requests: int, model: str, api_key: str) -> Iterator[tuple[str, EngineLoop]]:
-    loop = EngineLoop(llm.engine, max_requests=max_requests)
+    loop = EngineLoop(llm.serving_engine(), max_requests=max_requests)
     loop.start()
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(llm, loop, model, api_key=api_key), host="127.0.0.1",

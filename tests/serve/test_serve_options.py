@@ -1,4 +1,6 @@
-"""`python -m deepinfer_core.serve` refuses engine options it cannot serve, before any model load."""
+"""`python -m deepinfer_core.serve` refuses engine options the engine cannot run, with the engine's
+message naming both settings and exit status 2, before any rank starts (what DataParallelLLM does not
+build yet: speculative decoding and GPU devices with data parallelism)."""
 
 from __future__ import annotations
 
@@ -8,19 +10,19 @@ from deepinfer_core.serve import __main__ as serve_main
 
 
 @pytest.mark.parametrize(
-    "flags", [["--data-parallel-size", "2"], ["--data-parallel-size", "4", "--enable-expert-parallel"]]
+    "flags,message",
+    [
+        (
+            ["--data-parallel-size", "2", "--num-speculative-tokens", "2"],
+            "data_parallel_size=2 with num_speculative_tokens=2",
+        ),
+        (["--data-parallel-size", "2", "--device", "cuda"], "data_parallel_size=2 with device='cuda'"),
+    ],
 )
-def test_data_parallel_is_refused_at_start(flags, capsys, monkeypatch):
-    def no_load(*args, **kwargs):
-        raise AssertionError("the server loaded a model despite the refusal")
+def test_unsupported_data_parallel_options_are_refused_at_start(flags, message, capsys, monkeypatch):
+    def no_rank(*args, **kwargs):
+        raise AssertionError("a data-parallel rank started despite the refusal")
 
-    monkeypatch.setattr("deepinfer_core.api.llm.LLM.__init__", no_load)
+    monkeypatch.setattr("deepinfer_core.parallel.dp_engine.DataParallelLLM._start", no_rank)
     assert serve_main.main(["--model", "/nonexistent", *flags]) == 2
-    err = capsys.readouterr().err
-    assert f"--data-parallel-size {flags[1]}: not supported by the server yet" in err
-    assert "use LLM(..., data_parallel_size=...) or the CLI" in err
-
-
-def test_data_parallel_size_1_is_not_refused():
-    assert serve_main.refusal({"data_parallel_size": 1}) is None
-    assert serve_main.refusal({}) is None
+    assert message in capsys.readouterr().err
