@@ -1,0 +1,135 @@
+"""Where the server loses throughput against `LLM.generate`, without HTTP: the same requests (random
+token ids, greedy, ignore_eos) through the online engine in four ways, output tokens per second each:
+
+  offline   engine.step() loop in this thread, stream=False (what LLM.generate does)
+  stream    the same loop, stream=True (per-step deltas, incremental detokenisation)
+  thread    the server's EngineLoop thread (engine_loop.py) + asyncio consumers in this thread that
+            build each SSE chunk as /v1/completions does (dicts + json.dumps), no sockets
+  thread+p  `thread` with cProfile on the engine thread (its top functions printed)
+
+    python benchmarks/serve_gap.py --layers 4 --input-len 512 --output-len 128 --concurrency 1,64,256
+    python benchmarks/serve_gap.py --tiny --input-len 32 --output-len 8 --concurrency 1,4     # CPU smoke
+
+Prints a table and writes benchmarks/results/serve_gap_<device>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import pstats
+import random
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import throughput_run as TR
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.serve.engine_loop import EngineLoop
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run_loop(llm: LLM, ids: list[list[int]], out_len: int, stream: bool, tag: str) -> float:
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    for i, p in enumerate(ids):
+        eng.add_request(f"{tag}-{i}", p, params, stream=stream)
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+    return time.perf_counter() - t0
+
+
+async def _consume(loop: EngineLoop, rid: str, ids: list[int], params: SamplingParams) -> int:
+    head = {"id": rid, "object": "text_completion", "created": 0, "model": "m"}
+    n = 0
+    async for out in loop.generate(rid, ids, params):
+        for c in out.outputs:
+            n += len(c.token_ids)
+            choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+            json.dumps({**head, "choices": [choice]})
+    return n
+
+
+def run_thread(llm: LLM, ids: list[list[int]], out_len: int, tag: str, profile: bool) -> tuple[float, str]:
+    loop = EngineLoop(llm.engine)
+    prof = cProfile.Profile() if profile else None
+    if prof is not None:                         # cProfile is per thread: enable it inside the engine's
+        run = loop._run
+
+        def profiled() -> None:
+            prof.enable()
+            try:
+                run()
+            finally:
+                prof.disable()
+        loop._run = profiled
+        loop._thread = type(loop._thread)(target=profiled, name="deepinfer-engine", daemon=True)
+    loop.start()
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+
+    async def main() -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_consume(loop, f"{tag}-{i}", p, params) for i, p in enumerate(ids)))
+        return time.perf_counter() - t0
+    dt = asyncio.run(main())
+    loop.stop(timeout=30)
+    top = ""
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+        top = s.getvalue()
+    return dt, top
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,64,256")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    a = ap.parse_args()
+    concs = [int(c) for c in a.concurrency.split(",")]
+    spec = TR.prepare_model(SimpleNamespace(model=None, load_format=None, tiny=a.tiny, config=None, layers=a.layers,
+                                            expert_dtype=None, mtp=False))
+    llm = LLM(model=spec.path, load_format="dummy", max_model_len=a.max_model_len, max_num_seqs=max(concs))
+    vocab = int(spec.config["vocab_size"])
+    rows = []
+    print(f"{'conc':>5} {'mode':>9} {'s':>8} {'out tok/s':>10} {'vs offline':>10}")
+    for c in concs:
+        run_loop(llm, prompts(c, a.input_len, vocab, 99), 4, False, f"warm{c}")      # shapes, graphs
+        row = {"concurrency": c}
+        for mode in ("offline", "stream", "thread", "thread+p"):
+            ids = prompts(c, a.input_len, vocab, c)
+            if mode in ("offline", "stream"):
+                dt = run_loop(llm, ids, a.output_len, mode == "stream", f"{mode}{c}")
+            else:
+                dt, top = run_thread(llm, ids, a.output_len, f"{mode}{c}", mode == "thread+p")
+                if top:
+                    row["engine_thread_profile"] = top
+            tok_s = c * a.output_len / dt
+            row[mode] = {"seconds": dt, "output_tok_s": tok_s}
+            print(f"{c:>5} {mode:>9} {dt:8.3f} {tok_s:10.1f} {tok_s / row['offline']['output_tok_s']:10.3f}", flush=True)
+        print(row.get("engine_thread_profile", "")[:3000])
+        rows.append(row)
+    import torch
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"serve_gap_{dev.replace(' ', '_')}.json"
+    path.write_text(json.dumps({"device": dev, "args": vars(a), "rows": rows}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
