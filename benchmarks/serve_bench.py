@@ -235,6 +235,8 @@ class Bench:
                 cmd += f" --layers {a.dummy_layers}" + (f" --config {a.dummy_config}" if a.dummy_config else "")
             elif self.srv.launched and SH.flag(self.srv.launched, "--model"):
                 cmd += f" --model {SH.flag(self.srv.launched, '--model')}"
+            if self.srv.launched:  # the launched server's compute dtype (the engine's default is float32)
+                cmd += f" --dtype {SH.flag(self.srv.launched, '--dtype') or 'float32'}"
             out.append(
                 {
                     "input_len": a.input_len,

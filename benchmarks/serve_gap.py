@@ -99,11 +99,16 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on CUDA, float32 on CPU, "
+                    "as throughput.py; the engine's own default is float32)")
     a = ap.parse_args()
+    import torch
+    a.dtype = a.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     concs = [int(c) for c in a.concurrency.split(",")]
     spec = TR.prepare_model(SimpleNamespace(model=None, load_format=None, tiny=a.tiny, config=None, layers=a.layers,
                                             expert_dtype=None, mtp=False))
-    llm = LLM(model=spec.path, load_format="dummy", max_model_len=a.max_model_len, max_num_seqs=max(concs))
+    llm = LLM(model=spec.path, load_format="dummy", dtype=a.dtype, max_model_len=a.max_model_len,
+              max_num_seqs=max(concs))
     vocab = int(spec.config["vocab_size"])
     rows = []
     print(f"{'conc':>5} {'mode':>9} {'s':>8} {'out tok/s':>10} {'vs offline':>10}")
@@ -120,10 +125,10 @@ def main() -> None:
                     row["engine_thread_profile"] = top
             tok_s = c * a.output_len / dt
             row[mode] = {"seconds": dt, "output_tok_s": tok_s}
-            print(f"{c:>5} {mode:>9} {dt:8.3f} {tok_s:10.1f} {tok_s / row['offline']['output_tok_s']:10.3f}", flush=True)
+            ratio = tok_s / row["offline"]["output_tok_s"]
+            print(f"{c:>5} {mode:>9} {dt:8.3f} {tok_s:10.1f} {ratio:10.3f}", flush=True)
         print(row.get("engine_thread_profile", "")[:3000])
         rows.append(row)
-    import torch
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"serve_gap_{dev.replace(' ', '_')}.json"

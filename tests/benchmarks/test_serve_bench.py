@@ -227,3 +227,5 @@ def test_launch_end_to_end_on_the_tiny_model(tiny3_dir, tmp_path):
     assert all(c["input_len"] == 8 and c["output_len"] == 5 for c in d["throughput_comparison"])
     # 6 requests are 6 rounds of throughput.py's batch at concurrency 1, not whole rounds at 4
     assert [c["same_workload"] for c in d["throughput_comparison"]] == [True, False]
+    # the launched server computes in the engine's default dtype; the offline command must say the same
+    assert all(c["throughput_command"].endswith("--dtype float32") for c in d["throughput_comparison"])
