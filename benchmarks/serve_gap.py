@@ -43,10 +43,17 @@ def run_loop(llm: LLM, ids: list[list[int]], out_len: int, stream: bool, tag: st
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     for i, p in enumerate(ids):
         eng.add_request(f"{tag}-{i}", p, params, stream=stream)
-    t0 = time.perf_counter()
+    t0, tokens = time.perf_counter(), 0
     while eng.has_unfinished_requests():
-        eng.step()
-    return time.perf_counter() - t0
+        tokens += sum(len(c.token_ids) for out in eng.step() for c in out.outputs)
+    dt = time.perf_counter() - t0
+    _check(tokens, len(ids) * out_len, tag)
+    return dt
+
+
+def _check(tokens: int, want: int, tag: str) -> None:
+    if tokens != want:             # a mode that lost or doubled tokens would measure something else
+        raise SystemExit(f"serve_gap: {tag} produced {tokens} output tokens, expected {want}")
 
 
 async def _consume(loop: EngineLoop, rid: str, ids: list[int], params: SamplingParams) -> int:
@@ -77,11 +84,12 @@ def run_thread(llm: LLM, ids: list[list[int]], out_len: int, tag: str, profile: 
     loop.start()
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
 
-    async def main() -> float:
+    async def main() -> tuple[float, int]:
         t0 = time.perf_counter()
-        await asyncio.gather(*(_consume(loop, f"{tag}-{i}", p, params) for i, p in enumerate(ids)))
-        return time.perf_counter() - t0
-    dt = asyncio.run(main())
+        counts = await asyncio.gather(*(_consume(loop, f"{tag}-{i}", p, params) for i, p in enumerate(ids)))
+        return time.perf_counter() - t0, sum(counts)
+    dt, tokens = asyncio.run(main())
+    _check(tokens, len(ids) * out_len, tag)
     loop.stop(timeout=30)
     top = ""
     if prof is not None:
@@ -99,6 +107,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serve_gap_<device>.json)")
     ap.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on CUDA, float32 on CPU, "
                     "as throughput.py; the engine's own default is float32)")
     a = ap.parse_args()
@@ -130,8 +139,8 @@ def main() -> None:
         print(row.get("engine_thread_profile", "")[:3000])
         rows.append(row)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"serve_gap_{dev.replace(' ', '_')}.json"
+    path = Path(a.out) if a.out else RESULTS / f"serve_gap_{dev.replace(' ', '_')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"device": dev, "args": vars(a), "rows": rows}, indent=1))
     print(f"wrote {path}")
 

@@ -370,12 +370,17 @@ TABLE: dict[str, Run | Skip] = {
     "application/json\" -d '{\"model\": \"/tmp/tiny-v4\", \"messages\": [{\"role\": \"user\", \"content\": "
     "\"Hello\"}], \"max_tokens\": 16}'": Skip("needs the server of the line above running; tests/serve/test_server.py "
                                               "sends the same requests with httpx and the openai client"),
-    "python benchmarks/serve_bench.py --dummy-layers 4 --launch \"--max-model-len 2048 --max-num-seqs 256\" "
-    "--input-len 512 --output-len 128 --concurrency 1,16,64,256 --label v4flash_4L": Skip(
+    "python benchmarks/serve_bench.py --dummy-layers 4 --launch \"--dtype bfloat16 --max-model-len 2048 "
+    "--max-num-seqs 256\" --input-len 512 --output-len 128 --concurrency 1,16,64,256 --prompts-per-concurrency 2 "
+    "--label v4flash_4L_bf16": Skip(
         "a V4-Flash-width model on the H200; tests/benchmarks/test_serve_bench.py runs it end to end on a tiny one"),
     "python benchmarks/throughput.py --layers 4 --input-len 512 --output-len 128 --sweep-batches 1,16,64,256 "
     "--max-model-len 2048 --label v4flash_4L_serve_cmp": Skip(
         "a V4-Flash-width model on the H200; its CPU path runs in tests/benchmarks/test_throughput.py"),
+    "python benchmarks/serve_gap.py --layers 4 --input-len 512 --output-len 128 --concurrency 1,64,256 "
+    "--dtype float32": Skip("the float32 run of the line below; a V4-Flash-width model on the H200"),
+    "python benchmarks/serve_gap.py --layers 4 --input-len 512 --output-len 128 --concurrency 1,64,256": Skip(
+        "a V4-Flash-width model on the H200; tests/benchmarks/test_serve_gap.py runs it on the tiny config"),
     "python -m deepinfer_core.serve --model /tmp/tiny-v4 --port 8000 --api-key sk-local": Skip(
         "a server runs until it is stopped; examples/openai_client.py (run above) starts and stops one, "
         "tests/serve/test_server.py tests one"),
@@ -447,11 +452,9 @@ TABLE: dict[str, Run | Skip] = {
         "4 LLMs x 16 prompts x 32 tokens on the CPU (minutes); writes benchmarks/results/"),
     "python benchmarks/eplb_balance.py": Skip("rewrites benchmarks/results/eplb_balance.json; its generators and "
                                               "policies run in tests/parallel/test_eplb.py"),
-    "python benchmarks/fp4_moe_bench.py --diagnose": Skip("CUDA only, as the line without --diagnose"),
-    "python benchmarks/sweep.py --layers 4 --batches 1,8,64,256 --contexts 4k,16k --prefill 4k --cuda-graph "
-    "--expert-dtype fp4 --fp4-experts --no-hf": Skip("the sweep on FP4 experts: a V4-Flash-width model on the H200"),
-    "python benchmarks/fp4_moe_bench.py": Skip("CUDA only (one V4-Flash MoE layer on the GPU); the kernels it times "
-                                              "run under the interpreter in tests/kernels/test_fp4_experts.py"),
+    "python benchmarks/fp4_moe_bench.py --reps 10 --diagnose": Skip(
+        "CUDA only (one V4-Flash MoE layer on the GPU); the kernels it times run under the interpreter in "
+        "tests/kernels/test_fp4_experts.py"),
     "python benchmarks/weight_memory.py": Skip(
         "~80 s of CPU over the 43-layer meta graph, rewrites benchmarks/results/weight_memory.json; "
         "tests/benchmarks/test_weight_memory.py runs the same accounting on the tiny config"),
