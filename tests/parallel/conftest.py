@@ -1,14 +1,18 @@
-"""Shared by the gloo tests: spawn `world` ranks of a test module's worker and collect what each wrote."""
+"""Shared by the gloo tests: spawn `world` ranks of a test module's worker and collect what each wrote;
+the data-parallel engines' greedy workload and its one-process oracle."""
 from __future__ import annotations
 
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from deepinfer_core import LLM, SamplingParams
 
 
 def _free_port() -> int:
@@ -40,3 +44,40 @@ def _run_ranks(worker: Callable, world: int, out_dir: Path, deadline_s: float, *
 @pytest.fixture(scope="session")
 def run_ranks() -> Callable[..., tuple[list, list]]:
     return _run_ranks
+
+
+@dataclass(frozen=True)
+class DpWorkload:
+    """16 greedy prompts x 32 tokens, most growing past one 128-position block; `common`: float32, QAT
+    off, batch-invariant GEMMs (the same numbers whatever batch, chunk or rank a prompt lands in);
+    `tight`: a 3-block cache and a 64-token step budget (preemption and chunked prefill on every rank)."""
+
+    num_prompts: int = 16
+    max_tokens: int = 32
+    lengths: tuple[int, ...] = (100, 120, 105, 40, 115, 98, 125, 70)
+    common: dict = field(default_factory=lambda: dict(dtype="float32", simulate_qat=False, batch_invariant=True,
+                                                      num_speculative_tokens=0))
+    tight: dict = field(default_factory=lambda: dict(num_cache_blocks=3, max_num_batched_tokens=64,
+                                                     max_num_seqs=8))
+
+    @property
+    def greedy(self) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
+
+    def prompts(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(5)
+        return [torch.randint(2, 129280, (self.lengths[i % len(self.lengths)],), generator=g).tolist()
+                for i in range(self.num_prompts)]
+
+
+@pytest.fixture(scope="session")
+def dp_workload() -> DpWorkload:
+    return DpWorkload()
+
+
+@pytest.fixture(scope="session")
+def dp_oracle(dp_workload: DpWorkload, tiny_ckpt_dir) -> list[list[int]]:
+    """The workload's greedy tokens from plain `LLM.generate` in this process (a roomy cache)."""
+    llm = LLM(model=str(tiny_ckpt_dir), **dp_workload.common)
+    out = llm.generate(prompt_token_ids=dp_workload.prompts(), sampling_params=dp_workload.greedy, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in out]

@@ -19,74 +19,57 @@ import threading
 import time
 
 import pytest
-import torch
 
-from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.parallel.dp_engine import DataParallelLLM, assign_ranks
 
-NUM_PROMPTS, MAX_TOKENS = 16, 32
-LENGTHS = [100, 120, 105, 40, 115, 98, 125, 70]       # most grow past one 128-position block
-COMMON = dict(dtype="float32", simulate_qat=False, batch_invariant=True, num_speculative_tokens=0)
-TIGHT = dict(num_cache_blocks=3, max_num_batched_tokens=64, max_num_seqs=8)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 TIMEOUT_S = 60.0
 
 
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(2, 129280, (LENGTHS[i % len(LENGTHS)],), generator=g).tolist() for i in range(NUM_PROMPTS)]
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny_ckpt_dir) -> list[list[int]]:
-    llm = LLM(model=str(tiny_ckpt_dir), **COMMON)
-    out = llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY, use_tqdm=False)
+def _dp_tokens(llm: DataParallelLLM, w) -> list[list[int]]:
+    out = llm.generate(prompt_token_ids=w.prompts(), sampling_params=w.greedy)
+    assert [o.request_id for o in out] == [str(i) for i in range(w.num_prompts)]      # the caller's order
+    assert all(len(o.outputs[0].token_ids) == w.max_tokens for o in out)
     return [o.outputs[0].token_ids for o in out]
 
 
-def _dp_tokens(llm: DataParallelLLM) -> list[list[int]]:
-    out = llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
-    assert [o.request_id for o in out] == [str(i) for i in range(NUM_PROMPTS)]      # the caller's order
-    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in out)
-    return [o.outputs[0].token_ids for o in out]
-
-
-def _check_stats(llm: DataParallelLLM) -> None:
+def _check_stats(llm: DataParallelLLM, w) -> None:
     stats = llm.last_stats
     assert len({s.iterations for s in stats}) == 1, stats              # lockstep: same iteration count
     for s in stats:
         assert s.forwards + s.idle_forwards == s.iterations, s          # one MoE pass per iteration
-        assert s.num_requests == sum(1 for r in assign_ranks([len(p) for p in prompts()], llm.world)
+        assert s.num_requests == sum(1 for r in assign_ranks([len(p) for p in w.prompts()], llm.world)
                                      if r == s.rank)
     assert any(s.num_preemptions > 0 for s in stats), f"no rank preempted: {stats}"
 
 
-def test_dp2_matches_one_process_then_a_dead_rank_fails_fast(oracle, tiny_ckpt_dir):
+def test_dp2_matches_one_process_then_a_dead_rank_fails_fast(dp_oracle, dp_workload, tiny_ckpt_dir):
+    w = dp_workload
     with DataParallelLLM(str(tiny_ckpt_dir), data_parallel_size=2, num_redundant_experts=2, timeout_s=TIMEOUT_S,
-                         **COMMON, **TIGHT) as llm:
-        assert _dp_tokens(llm) == oracle
-        _check_stats(llm)
+                         **w.common, **w.tight) as llm:
+        assert _dp_tokens(llm, w) == dp_oracle
+        _check_stats(llm, w)
         llm._exit_at = (1, 5)              # rank 1 exits at lockstep iteration 5 of the next call
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"rank 1 of 2 died \(the test hook's exit\)"):
-            llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
+            llm.generate(prompt_token_ids=w.prompts(), sampling_params=w.greedy)
         assert time.monotonic() - t0 < TIMEOUT_S / 2
         assert all(p.exitcode is not None for p in llm._procs)       # the survivor was terminated
         with pytest.raises(RuntimeError, match="has stopped"):
-            llm.generate(prompt_token_ids=prompts()[:1], sampling_params=GREEDY)
+            llm.generate(prompt_token_ids=w.prompts()[:1], sampling_params=w.greedy)
 
 
-def test_dp4_matches_one_process_then_a_killed_rank_fails_fast(oracle, tiny_ckpt_dir):
-    with DataParallelLLM(str(tiny_ckpt_dir), data_parallel_size=4, timeout_s=TIMEOUT_S, **COMMON, **TIGHT) as llm:
-        assert _dp_tokens(llm) == oracle
-        _check_stats(llm)
+def test_dp4_matches_one_process_then_a_killed_rank_fails_fast(dp_oracle, dp_workload, tiny_ckpt_dir):
+    w = dp_workload
+    with DataParallelLLM(str(tiny_ckpt_dir), data_parallel_size=4, timeout_s=TIMEOUT_S, **w.common, **w.tight) as llm:
+        assert _dp_tokens(llm, w) == dp_oracle
+        _check_stats(llm, w)
         assert any(s.idle_forwards for s in llm.last_stats)     # a rank ran placeholders for the others
         # SIGKILL from outside, one second into a run that takes several
         killer = threading.Timer(1.0, os.kill, (llm._procs[2].pid, signal.SIGKILL))
         killer.start()
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"rank 2 of 4 died \(killed by SIGKILL\)"):
-            llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
+            llm.generate(prompt_token_ids=w.prompts(), sampling_params=w.greedy)
         killer.join()
         assert time.monotonic() - t0 < TIMEOUT_S / 2
 

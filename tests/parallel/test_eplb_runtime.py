@@ -24,7 +24,6 @@ import pytest
 import torch
 from torch import nn
 
-from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.parallel.dp_engine import DataParallelLLM
 from deepinfer_core.parallel.eplb import should_rearrange
 from deepinfer_core.parallel.expert_map import ExpertPlacement
@@ -201,28 +200,13 @@ def test_moves_over_gloo_are_bit_exact(run_ranks, tmp_path, world, num_slots):
 
 
 # ---- end to end: DataParallelLLM with EPLB ----------------------------------------------------------------
-NUM_PROMPTS, MAX_TOKENS = 16, 32
-LENGTHS = [100, 120, 105, 40, 115, 98, 125, 70]
-COMMON = dict(dtype="float32", simulate_qat=False, batch_invariant=True, num_speculative_tokens=0)
-TIGHT = dict(num_cache_blocks=3, max_num_batched_tokens=64, max_num_seqs=8)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 INTERVAL = 8
 
 
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(2, 129280, (LENGTHS[i % len(LENGTHS)],), generator=g).tolist() for i in range(NUM_PROMPTS)]
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny_ckpt_dir) -> list[list[int]]:
-    llm = LLM(model=str(tiny_ckpt_dir), **COMMON)
-    out = llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in out]
-
-
 @pytest.mark.parametrize("world,redundant", [(2, 2), (4, 4)])
-def test_dp_eplb_rearranges_while_generating_and_matches_one_process(oracle, tiny_ckpt_dir, world, redundant):
+def test_dp_eplb_rearranges_while_generating_and_matches_one_process(dp_oracle, dp_workload, tiny_ckpt_dir, world,
+                                                                     redundant):
+    w = dp_workload
     with DataParallelLLM(
         str(tiny_ckpt_dir),
         data_parallel_size=world,
@@ -231,11 +215,11 @@ def test_dp_eplb_rearranges_while_generating_and_matches_one_process(oracle, tin
         eplb_window_size=INTERVAL,
         eplb_step_interval=INTERVAL,
         timeout_s=TIMEOUT_S,
-        **COMMON,
-        **TIGHT,
+        **w.common,
+        **w.tight,
     ) as llm:
-        out = llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
-        assert [o.outputs[0].token_ids for o in out] == oracle
+        out = llm.generate(prompt_token_ids=w.prompts(), sampling_params=w.greedy)
+        assert [o.outputs[0].token_ids for o in out] == dp_oracle
         stats = llm.last_stats
         num_layers, num_experts = llm.model_config.num_hidden_layers, llm.model_config.n_routed_experts
     iterations = stats[0].iterations

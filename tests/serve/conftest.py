@@ -1,13 +1,17 @@
-"""Shared fixtures of the live-server tests: the bundled model's directory, free ports, and servers
-started in this process (uvicorn in a thread, the engine loop in its own) and stopped with the module."""
+"""Shared fixtures of the live-server tests: the bundled model's directory, free ports, servers started
+in this process (uvicorn in a thread, the engine loop in its own) and stopped with the module, and the
+checks of a `deepinfer serve` subprocess (start-up, SIGTERM in the middle of a stream)."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 import uvicorn
 
@@ -59,3 +63,37 @@ def start_server() -> Iterator[Callable[..., tuple[str, EngineLoop]]]:
     with contextlib.ExitStack() as stack:
         yield lambda llm, max_requests, model, api_key: stack.enter_context(_running(llm, max_requests, model,
                                                                                      api_key))
+
+
+class ConsoleServer:
+    """Checks of a `deepinfer serve` subprocess."""
+
+    @staticmethod
+    def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+        """Until /health answers 200; a server that exits or takes longer than `timeout_s` fails."""
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, "the server did not start"
+            time.sleep(0.2)
+
+    @staticmethod
+    def sigterm_mid_stream(proc: subprocess.Popen, url: str, model: str, prompt: str) -> None:
+        """SIGTERM after a stream's first event: the stream still finishes, the server exits 0."""
+        body = dict(model=model, prompt=prompt, max_tokens=48, ignore_eos=True, stream=True)
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+        assert proc.wait(120) == 0
+
+
+@pytest.fixture(scope="module")
+def console_server() -> type[ConsoleServer]:
+    return ConsoleServer

@@ -10,7 +10,6 @@ import json
 import random
 import re
 import resource
-import signal
 import subprocess
 import time
 
@@ -296,30 +295,17 @@ def test_a_thousand_requests_in_a_row_grow_nothing(server):
     assert grown_kib < 64 * 1024, f"peak RSS grew {grown_kib} KiB over 900 requests"
 
 
-def test_sigterm_finishes_the_running_request_and_exits_0(model_dir, free_port):
+def test_sigterm_finishes_the_running_request_and_exits_0(model_dir, free_port, console_server):
     """SIGTERM: no new connections, the running stream finishes, exit status 0 (`deepinfer serve`)."""
     port = free_port()
     proc = subprocess.Popen(["deepinfer", "serve", "--model", model_dir, "--port", str(port), "--max-model-len",
                              "512", "--num-speculative-tokens", "0", "--shutdown-timeout", "60"])
+    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.time() < deadline, "the server did not start"
-                time.sleep(0.2)
-        body = dict(model=model_dir, prompt=PROMPTS[0], max_tokens=48, ignore_eos=True, stream=True)
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data:")]
-        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
-        assert proc.wait(120) == 0
+        console_server.wait_healthy(proc, url, 120)
+        console_server.sigterm_mid_stream(proc, url, model_dir, PROMPTS[0])
         with pytest.raises(httpx.TransportError):
-            httpx.get(f"http://127.0.0.1:{port}/health")
+            httpx.get(f"{url}/health")
     finally:
         proc.kill()
 

@@ -164,7 +164,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_cli_dp2_ep_serves_then_drains_on_sigterm(model_dir, free_port, offline):
+def test_cli_dp2_ep_serves_then_drains_on_sigterm(model_dir, free_port, offline, console_server):
     port = free_port()
     flags = ["--max-model-len", "512", "--dtype", "float32", "--no-simulate-qat", "--batch-invariant"]
     proc = subprocess.Popen(
@@ -173,15 +173,7 @@ def test_cli_dp2_ep_serves_then_drains_on_sigterm(model_dir, free_port, offline)
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 240  # hang guard: start-up loads the model in three processes
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, "the server did not start"
-            time.sleep(0.2)
+        console_server.wait_healthy(proc, url, 240)  # start-up loads the model in three processes
         ranks = _children(proc.pid)
         assert len(ranks) >= 2
         got = httpx.post(
@@ -191,14 +183,7 @@ def test_cli_dp2_ep_serves_then_drains_on_sigterm(model_dir, free_port, offline)
         )
         want = offline.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
         assert [c["text"] for c in got.json()["choices"]] == [o.outputs[0].text for o in want]
-        body = dict(model=model_dir, prompt=PROMPTS[0], max_tokens=48, ignore_eos=True, stream=True)
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data:")]
-        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
-        assert proc.wait(120) == 0
+        console_server.sigterm_mid_stream(proc, url, model_dir, PROMPTS[0])
         deadline = time.time() + 60
         while any(_alive(pid) for pid in ranks):
             assert time.time() < deadline, "a rank outlived the server"
