@@ -452,6 +452,8 @@ TABLE: dict[str, Run | Skip] = {
         "4 LLMs x 16 prompts x 32 tokens on the CPU (minutes); writes benchmarks/results/"),
     "python benchmarks/eplb_balance.py": Skip("rewrites benchmarks/results/eplb_balance.json; its generators and "
                                               "policies run in tests/parallel/test_eplb.py"),
+    "python benchmarks/aot_sm90.py": Skip(
+        "compiles six kernel variants for sm_90 (~1 min of CPU); tests/benchmarks/test_aot_sm90.py compiles two"),
     "python benchmarks/fp4_moe_bench.py --reps 10 --diagnose": Skip(
         "CUDA only (one V4-Flash MoE layer on the GPU); the kernels it times run under the interpreter in "
         "tests/kernels/test_fp4_experts.py"),

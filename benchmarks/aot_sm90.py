@@ -1,0 +1,102 @@
+"""Compile the fused MoE's grouped GEMMs for sm_90 on a machine without a GPU (Triton ahead of time,
+V4-Flash sizes, bf16 + QAT, the specialisation the JIT gives on the device: 16-byte aligned pointers,
+sizes divisible by 16) and report per variant what the compiled kernel is: registers and local memory
+(spills; cuobjdump), the MMA instructions (PTX), the dot operands' layouts (`kWidth` of each `tt.dot`'s operands in
+the TTGIR: the K grouping inside the MMAs, which decides the fp32 rounding of the sums) and the SASS
+instruction count.
+
+Variants: the FP8 weights; FP4 experts with the integer decode; FP4 experts with the byte-permute
+decode (PRMT). The H200 runs Triton 3.6: put a 3.6 install first on PYTHONPATH to see what it
+compiles (`pip install --target DIR triton==3.6.0`); layouts may differ between Triton versions.
+
+    python benchmarks/aot_sm90.py [--configs 4x4,8x2] [--kernels w13,w2] [--block-m 16]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import triton
+import triton.language as tl
+from deepinfer_kernels import moe_gemm as M
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+VARIANTS = {"fp8": (False, False), "fp4 integer": (True, False), "fp4 prmt": (True, True)}   # (W4, PRMT)
+
+
+def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
+    sig = {**sig, **{k: "constexpr" for k in const}}
+    names = fn.arg_names
+    # the JIT's specialisation on the device: aligned pointers, i32 sizes divisible by 16 (not the counts)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig.get(n, "").startswith("*") or (sig.get(n) == "i32" and n not in ("E1", "E4", "n_clamped"))}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+
+
+def w13(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
+    sig = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", p_ptr="*u8", g_ptr="*u8",
+               order_ptr="*i64", rw_ptr="*fp32", sched_ptr="*i32", a_ptr="*fp8e4nv", as_ptr="*fp32", I="i32",
+               D="i32", E1="i32", E4="i32", n_clamped="i32", limit="fp32", stride_x="i32", stride_a="i32")
+    const = dict(K1=7, EB=512, N_KG=32, NB_I=16, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, QAT_IN=True,
+                 QAT_OUT=True, CDT=tl.bfloat16, XDT=tl.bfloat16, IEEE=False, UPCAST=False, PRECISE_ACC=32, W4=w4,
+                 SUB=32, PRMT=prmt)
+    return _compile(M._moe_w13_kernel, sig, const, warps, stages)
+
+
+def w2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
+    sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", p_ptr="*u8", g_ptr="*u8",
+               order_ptr="*i64", sched_ptr="*i32", y_ptr="*bf16", D="i32", I="i32", E1="i32", E4="i32",
+               stride_a="i32", stride_y="i32")
+    const = dict(EB=512, N_KG=16, NB_D=32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, QAT=True, CDT=tl.bfloat16,
+                 IEEE=False, UPCAST=False, PRECISE_ACC=32, W4=w4, SUB=32, PRMT=prmt)
+    return _compile(M._moe_w2_kernel, sig, const, warps, stages)
+
+
+def describe(kernel) -> dict:
+    """Registers and local memory (spills) of the cubin, MMA instructions, dot operand kWidths, SASS
+    instruction count."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        open(cubin, "wb").write(kernel.asm["cubin"])
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cubin],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), cubin], capture_output=True, text=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+    return dict(registers=int(regs[1]) if regs else None, local_bytes=int(local[1]) if local else None,
+                mma=sorted(set(re.findall(r"(?:wgmma|mma)\.[\w.]+", kernel.asm["ptx"]))),
+                dot_kwidths=sorted({int(k) for k in re.findall(r"dot_op<\{opIdx = \d, parent = #\w+, kWidth = (\d+)",
+                                                               kernel.asm["ttgir"])}),
+                sass_instructions=len(ops), top_sass=Counter(o.split(".")[0] for o in ops).most_common(6))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="4x4,8x2", help="num_warps x num_stages, comma separated")
+    ap.add_argument("--kernels", default="w13,w2")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}")
+    ap.add_argument("--block-m", type=int, default=16)
+    a = ap.parse_args()
+    print(f"Triton {triton.__version__}, target sm_90, BLOCK_M {a.block_m}")
+    for name in a.kernels.split(","):
+        build = {"w13": w13, "w2": w2}[name]
+        for variant in a.variants.split(","):
+            w4, prmt = VARIANTS[variant]
+            for cfg in a.configs.split(","):
+                warps, stages = (int(x) for x in cfg.split("x"))
+                d = describe(build(w4, prmt, warps, stages, a.block_m))
+                print(f"{name:>4} {variant:<12} warps {warps} stages {stages}: regs {d['registers']} local "
+                      f"{d['local_bytes']} B, dot kWidth {d['dot_kwidths']}, {d['mma']}, SASS {d['sass_instructions']}"
+                      f" {d['top_sass']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
