@@ -210,8 +210,9 @@ class ParallelOptions(_Section):
     tensor_parallel_size: int = _opt(1, "devices the weights are split over", _only(1, SINGLE_GPU))
     pipeline_parallel_size: int = _opt(1, "pipeline stages", _only(1, SINGLE_GPU))
     data_parallel_size: int = _opt(1, "engine processes on this host (attention data parallel), stepping in "
-                                   "lockstep; > 1: CPU ranks over gloo (GPU ranks are not built yet), no "
-                                   "speculative decoding", _positive())
+                                   "lockstep; > 1: CPU ranks over gloo (GPU ranks are not built yet), MTP "
+                                   "speculation only when num_speculative_tokens is set (unset = 0), no "
+                                   "enable_mtp_varlen", _positive())
     enable_expert_parallel: bool = _opt(False, "shard the routed experts over the data_parallel_size ranks "
                                         "(each loads only its own); False replicates them on every rank", BOOL)
     enable_eplb: bool = _opt(False, "expert-parallel load balancing: count each expert's routed tokens and "
@@ -363,19 +364,19 @@ class EngineConfig(_Section):
         dp = self.parallel.data_parallel_size
         if dp == 1:
             return
-        device, drafts = self.model.device, self.speculative.num_speculative_tokens
+        device = self.model.device
         if device is not None and device != "cpu":
             raise ValueError(f"data_parallel_size={dp} with device={device!r}: GPU data-parallel ranks are not "
                              "built yet (the ranks run on the CPU over gloo); allowed with data_parallel_size > 1: "
                              "device='cpu' or None")
-        if drafts not in (None, 0):
-            raise ValueError(f"data_parallel_size={dp} with num_speculative_tokens={drafts} "
-                             "(DEEPINFER_USE_NEXTN_DECODE): speculative decoding is not supported with data "
-                             "parallelism yet (its verify steps would need a vote on the MoE call count); allowed "
-                             "with data_parallel_size > 1: num_speculative_tokens=0 or None (= 0)")
+        # MTP speculation pairs up: a speculating rank's step launches one verify forward through the main
+        # (expert-parallel) layers; the MTP block drafts with its own, local experts (no collective).
         if self.speculative.enable_mtp_varlen:
             raise ValueError(f"data_parallel_size={dp} with enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1): "
-                             "speculative decoding is not supported with data parallelism yet")
+                             "confidence-scheduled verification is not supported with data parallelism yet (its "
+                             "start-up step-time profile runs forwards through the expert-parallel layers, not "
+                             "tested across ranks); allowed with data_parallel_size > 1: enable_mtp_varlen=False, "
+                             "num_speculative_tokens > 0 with the checkpoint's MTP block (not a DSpark drafter)")
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":

@@ -24,9 +24,13 @@ The front end polls the processes while it waits, and the ranks' collectives tim
 `LLM(model, data_parallel_size=N, enable_expert_parallel=True, ...)`, the CLI's `--data-parallel-size`
 and `DataParallelLLM(...)` directly all run this engine (the options: engine_config.py ParallelOptions).
 
-Not here yet: GPU ranks (nccl, one device per rank), speculative decoding (its verify steps need a
-vote on the MoE call count), the step-type vote of §3.1(b) (each rank schedules prefill and decode
-freely; lockstep only pairs the forwards).
+Speculative decoding with the checkpoint's MTP block (`num_speculative_tokens > 0`; unset = 0 here): a
+rank's step still launches at most one forward through the main, expert-parallel layers (the verify
+forward); the MTP block drafts with its own, local experts, so the lockstep pairing holds (dp_worker.py).
+
+Not here yet: GPU ranks (nccl, one device per rank), VARLEN (`enable_mtp_varlen`) and the DSpark drafter
+under DP (not tested across ranks; refused), the step-type vote of §3.1(b) (each rank schedules prefill
+and decode freely; lockstep only pairs the forwards).
 """
 from __future__ import annotations
 
@@ -76,8 +80,9 @@ def _free_port() -> int:
 
 
 def _cpu_ranks(config: EngineConfig) -> EngineConfig:
-    """The ranks' device and drafts resolved: EngineConfig refused an explicit GPU device and speculation
-    already; an unset device must not be a GPU the ranks would silently not use, and unset drafts are 0."""
+    """The ranks' device and drafts resolved: EngineConfig refused an explicit GPU device and VARLEN
+    already; an unset device must not be a GPU the ranks would silently not use, and unset drafts are 0
+    (speculation under DP is asked for by number)."""
     dp = config.parallel.data_parallel_size
     if config.model.device is None:
         from ..plugins import get_plugin_manager
@@ -86,7 +91,7 @@ def _cpu_ranks(config: EngineConfig) -> EngineConfig:
             raise ValueError(f"data_parallel_size={dp}: the detected platform is {platform.name!r} (device "
                              f"{platform.device_type!r}), but GPU data-parallel ranks are not built yet; pass "
                              "device='cpu' to run the ranks on the CPU (over gloo)")
-    return config.replace(device="cpu", num_speculative_tokens=0)
+    return config.replace(device="cpu", num_speculative_tokens=config.speculative.num_speculative_tokens or 0)
 
 
 def _exit_text(code: int | None) -> str:
@@ -137,6 +142,12 @@ class DataParallelLLM(OnlineFrontEnd):
             config = config.replace(model=str(bundled_tiny_model_dir()))
         self.model_dir = _resolve_model(config.model.model)
         self.model_config = ModelConfig.from_file(self.model_dir)
+        drafts = config.speculative.num_speculative_tokens
+        if drafts and self.model_config.dspark is not None:
+            raise ValueError(f"data_parallel_size={config.parallel.data_parallel_size} with num_speculative_tokens="
+                             f"{drafts} on a DSpark checkpoint: the DSpark drafter is not supported with data "
+                             "parallelism yet (not tested across ranks); allowed: num_speculative_tokens=0, or a "
+                             "checkpoint whose mtp.* block is V4's MTP block (enable_mtp_varlen stays off under DP)")
         # max_model_len resolved as LLM resolves it (the ranks' LLMs resolve it again, to the same value)
         self.config = config.with_model_limit(self.model_config.max_position_embeddings)
         self.world = config.parallel.data_parallel_size

@@ -20,9 +20,12 @@ Invariants this keeps:
   an engine step launches at most one model forward (one pass over the main layers), and a rank
   without one runs the MoE half of a placeholder forward (T = 0). Iteration k's forward on one rank
   therefore always pairs with iteration k's forward or placeholder on every other rank.
-* Speculative decoding is off in DP mode (`num_speculative_tokens=0`): a verify step and its drafter
-  forwards would need a per-step vote on their MoE call count (§3.1), which is not built yet. MTP
-  blocks keep the single-process MoE method (local, no collective), so they never desynchronise.
+* Speculative decoding with the MTP block keeps that count: a speculating step launches one forward
+  (the verify forward, through the main layers: one dispatch/combine per main MoE layer); verifying
+  and drafting (`Speculator.run`: the MTP block over the step's rows, then k - 1 more MTP steps) run
+  the MTP block only, whose MoE keeps the single-process method with all its experts (ep_moe.py
+  `moe_layers` is the main layers), so no collective. A rank that speculates and one that does not
+  (or is idle) still pair. VARLEN (its start-up profile) and the DSpark drafter are refused under DP.
 * Without expert parallelism the ranks share no collective but the vote, and no placeholder runs.
 * Any failure (a dead peer: `EPCommError` or a gloo error in the vote; a bad load) is reported to the
   front end as one ("error", rank, text) message, then the process exits at once: its closed sockets
@@ -53,7 +56,7 @@ class WorkerSpec:
     world_size: int
     init_method: str              # tcp://host:port of the gloo rendezvous
     model_dir: str
-    config: EngineConfig          # resolved once by the front end (device cpu, no speculation)
+    config: EngineConfig          # resolved once by the front end (device cpu, drafts unset = 0)
     expert_parallel: bool
     num_redundant_experts: int
     timeout_s: float              # gloo collective timeout: a hung peer becomes an error after this
@@ -83,6 +86,11 @@ class RankStats:
     idle_forwards: int = 0        # placeholder MoE passes (iterations without a forward of its own)
     num_preemptions: int = 0      # the scheduler's count over this rank's lifetime
     seconds: float = 0.0
+    # speculative decoding (num_speculative_tokens > 0), during this call: the engine's SpecMetrics deltas
+    spec_verify_steps: int = 0            # verifications (one per verify chunk)
+    spec_drafted_tokens: int = 0
+    spec_verified_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # EPLB (enable_eplb), during this call: rearrangements and what they moved on this rank
     eplb_rearrangements: int = 0
     eplb_layers_changed: int = 0          # summed over rearrangements
@@ -148,6 +156,14 @@ def _any_rank(flag: bool, group: dist.ProcessGroup | None, rank: int) -> bool:
     except RuntimeError as exc:          # DistBackendError and gloo errors are RuntimeErrors
         raise EPCommError(f"DP vote (any rank has work) failed on rank {rank}: {exc}") from exc
     return bool(t.item())
+
+
+def _spec_counts(engine) -> tuple[int, int, int, int]:
+    """(verify steps, drafted, verified, accepted tokens) of the engine so far; zeros without speculation."""
+    m = engine.spec_metrics
+    if m is None:
+        return 0, 0, 0, 0
+    return m.num_steps, m.num_drafted_tokens, m.num_verified_tokens, m.num_accepted_tokens
 
 
 def rank_load(engine) -> int:
@@ -228,6 +244,7 @@ class RankLoop:
         t0 = time.perf_counter()
         idle_needed = self.groups.ep is not None     # a placeholder pass serves the other ranks' MoE rows
         pairs_before = eplb.pairs_per_layer.clone() if eplb is not None else None
+        spec_before = _spec_counts(engine)
         while True:
             self._drain()                 # what arrived since the last iteration joins this one
             if self.stopping or not _any_rank(engine.has_unfinished_requests(), self.groups.cpu, self.spec.rank):
@@ -243,7 +260,7 @@ class RankLoop:
                     reason = engine.refused.pop(out.request_id, None) if out.finished else None
                     if reason is not None:
                         refused[out.request_id] = reason
-            if engine.num_steps - launched > 1:   # cannot happen without speculation; would deadlock EP
+            if engine.num_steps - launched > 1:   # cannot happen (verify steps too); would deadlock EP
                 raise RuntimeError(f"rank {self.spec.rank}: one engine step launched {engine.num_steps - launched} "
                                    "forwards; DP lockstep needs at most one")
             stats.forwards += engine.num_steps - launched
@@ -260,6 +277,8 @@ class RankLoop:
         if eplb is not None:
             stats.eplb_layer_pairs = (eplb.pairs_per_layer - pairs_before).tolist()
         stats.num_preemptions = engine.scheduler.num_preemptions
+        (stats.spec_verify_steps, stats.spec_drafted_tokens, stats.spec_verified_tokens,
+         stats.spec_accepted_tokens) = (a - b for a, b in zip(_spec_counts(engine), spec_before))
         stats.seconds = time.perf_counter() - t0
         load, gauges = rank_load(engine), self._gauges()
         self.results.put(("idle", IdleReport(self.spec.rank, self.runs, self.consumed, load, gauges, stats)))

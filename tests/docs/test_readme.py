@@ -231,8 +231,8 @@ def check_cli_data_parallel(r: Result) -> None:
 
 
 def check_serve_data_parallel_refused(r: Result) -> None:
-    """The server refuses DP with speculation at start: one line naming both settings, no traceback."""
-    assert "error: data_parallel_size=2 with num_speculative_tokens=2" in r.stderr, r.stderr
+    """The server refuses DP with VARLEN at start: one line naming both settings, no traceback."""
+    assert "error: data_parallel_size=2 with enable_mtp_varlen=True" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -398,7 +398,8 @@ TABLE: dict[str, Run | Skip] = {
     "python -m deepinfer_core.serve --model /tmp/tiny-v4 --port 8000 --data-parallel-size 2 "
     "--enable-expert-parallel": Skip("a server runs until it is stopped; tests/serve/test_server_dp.py starts "
                                      "this one (deepinfer serve) and tests it"),
-    "python -m deepinfer_core.serve --model /tmp/tiny-v4 --data-parallel-size 2 --num-speculative-tokens 2": Run(
+    "python -m deepinfer_core.serve --model /tmp/tiny-v4 --data-parallel-size 2 --num-speculative-tokens 2 "
+    "--enable-mtp-varlen": Run(
         check_serve_data_parallel_refused, status=2
     ),
     "python -m deepinfer_core.tools.make_tiny_checkpoint /tmp/tiny-v4": Run(

@@ -13,8 +13,8 @@ from deepinfer_core.serve import __main__ as serve_main
     "flags,message",
     [
         (
-            ["--data-parallel-size", "2", "--num-speculative-tokens", "2"],
-            "data_parallel_size=2 with num_speculative_tokens=2",
+            ["--data-parallel-size", "2", "--num-speculative-tokens", "2", "--enable-mtp-varlen"],
+            "data_parallel_size=2 with enable_mtp_varlen=True",
         ),
         (["--data-parallel-size", "2", "--device", "cuda"], "data_parallel_size=2 with device='cuda'"),
     ],
