@@ -67,20 +67,23 @@ async def _consume(loop: EngineLoop, rid: str, ids: list[int], params: SamplingP
     return n
 
 
-def run_thread(llm: LLM, ids: list[list[int]], out_len: int, tag: str, profile: bool) -> tuple[float, str]:
-    loop = EngineLoop(llm.engine)
-    prof = cProfile.Profile() if profile else None
-    if prof is not None:                         # cProfile is per thread: enable it inside the engine's
-        run = loop._run
+class ProfiledLoop(EngineLoop):
+    """The server's engine loop with cProfile on its thread (cProfile profiles the thread it runs in)."""
 
-        def profiled() -> None:
-            prof.enable()
-            try:
-                run()
-            finally:
-                prof.disable()
-        loop._run = profiled
-        loop._thread = type(loop._thread)(target=profiled, name="deepinfer-engine", daemon=True)
+    def __init__(self, engine) -> None:
+        self.profile = cProfile.Profile()
+        super().__init__(engine)
+
+    def _run(self) -> None:
+        self.profile.enable()
+        try:
+            super()._run()
+        finally:
+            self.profile.disable()
+
+
+def run_thread(llm: LLM, ids: list[list[int]], out_len: int, tag: str, profile: bool) -> tuple[float, str]:
+    loop = ProfiledLoop(llm.engine) if profile else EngineLoop(llm.engine)
     loop.start()
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
 
@@ -92,9 +95,9 @@ def run_thread(llm: LLM, ids: list[list[int]], out_len: int, tag: str, profile: 
     _check(tokens, len(ids) * out_len, tag)
     loop.stop(timeout=30)
     top = ""
-    if prof is not None:
+    if profile:
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+        pstats.Stats(loop.profile, stream=s).sort_stats("tottime").print_stats(12)
         top = s.getvalue()
     return dt, top
 
