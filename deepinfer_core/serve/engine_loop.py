@@ -2,7 +2,10 @@
 
 The engine steps in a dedicated thread so that neither loop waits for the other: handlers submit and
 abort requests through a command queue (never touching the engine), and each request's outputs come
-back on an asyncio queue of its own, put there with `call_soon_threadsafe`. The thread blocks on the
+back through an `Outputs` of its own: after each step the thread hands every output of the step to the
+event loop in one `call_soon_threadsafe` (one wake-up per step, not one per request), and a delta that
+arrives before the handler took the previous one is merged into it, so a handler that falls behind reads
+fewer, larger deltas instead of a growing queue (as vLLM's output collector). The thread blocks on the
 command queue when the engine is idle and drains it between steps otherwise, so a request submitted
 mid-generation joins the next step. Detokenisation stays in the engine's output processing (a few
 tokens per step for streamed requests); JSON and SSE framing stay in the handlers.
@@ -19,8 +22,9 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..api.outputs import RequestOutput
 from ..api.sampling_params import SamplingParams
@@ -29,13 +33,83 @@ from .metrics import ServerMetrics
 log = logging.getLogger("deepinfer.serve")
 
 
+def owned_copy(out: RequestOutput) -> RequestOutput:
+    """A copy of an engine output whose completions (and their lists) `merge_into` may extend."""
+    return replace(out, outputs=[replace(c, token_ids=list(c.token_ids),
+                                         logprobs=None if c.logprobs is None else list(c.logprobs))
+                                 for c in out.outputs])
+
+
+def merge_into(owned: RequestOutput, delta: RequestOutput) -> None:
+    """Append a later delta of the same request to `owned` (an `owned_copy`): texts, tokens and logprobs
+    joined per completion index, the latest finish state and metrics kept."""
+    by_index = {c.index: c for c in owned.outputs}
+    for c in delta.outputs:
+        prev = by_index.get(c.index)
+        if prev is None:
+            prev = by_index[c.index] = replace(c, token_ids=list(c.token_ids),
+                                               logprobs=None if c.logprobs is None else list(c.logprobs))
+            owned.outputs.append(prev)
+            continue
+        prev.text += c.text
+        prev.token_ids += c.token_ids
+        if c.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + c.logprobs
+        prev.cumulative_logprob, prev.finish_reason, prev.stop_reason = (c.cumulative_logprob, c.finish_reason,
+                                                                         c.stop_reason)
+    owned.outputs.sort(key=lambda c: c.index)
+    owned.finished, owned.metrics = delta.finished, delta.metrics
+    if owned.prompt_logprobs is None:
+        owned.prompt_logprobs = delta.prompt_logprobs
+
+
+class Outputs:
+    """One request's outputs on the event loop's side, filled by `put` (on the loop) and read by `get`.
+    Consecutive deltas the handler has not read yet are merged into one; an error stays a separate item
+    after the outputs that came before it."""
+
+    __slots__ = ("_items", "_owned", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._owned = False                  # the last item is our merged copy (not the engine's object)
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        last = self._items[-1] if self._items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            if not self._owned:
+                last = self._items[-1] = owned_copy(last)
+                self._owned = True
+            merge_into(last, item)
+        else:
+            self._items.append(item)
+            self._owned = False
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        self._waiter = None
+        if len(self._items) == 1:
+            self._owned = False
+        return self._items.popleft()
+
+
+def _put_all(items: list[tuple[Outputs, RequestOutput | BaseException]]) -> None:
+    for outputs, item in items:
+        outputs.put(item)
+
+
 @dataclass
 class _Submit:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
-    outputs: asyncio.Queue
+    outputs: Outputs
     loop: asyncio.AbstractEventLoop
 
 
@@ -96,7 +170,7 @@ class EngineLoop:
             if self._admitted >= self.max_requests:
                 raise QueueFull(f"{self._admitted} requests in the server; the limit is {self.max_requests}")
             self._admitted += 1
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = Outputs()
         self._commands.put(_Submit(request_id, prompt_token_ids, params, prompt, outputs, asyncio.get_running_loop()))
         finished = False
         try:
@@ -128,8 +202,7 @@ class EngineLoop:
                     except queue.Empty:
                         break
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out)
+                    self._deliver(self.engine.step())
                 self.metrics.observe_step(self.engine)
         except BaseException as exc:                 # the engine failed: every waiting handler hears it
             log.exception("engine thread stopped")
@@ -144,7 +217,7 @@ class EngineLoop:
                 if isinstance(command, _Submit):
                     waiting.append(command)
             for sub in waiting:
-                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, EngineStopped(f"the engine stopped: {exc}"))
+                sub.loop.call_soon_threadsafe(sub.outputs.put, EngineStopped(f"the engine stopped: {exc}"))
 
     def _apply(self, command) -> None:
         if isinstance(command, _Submit):
@@ -152,27 +225,28 @@ class EngineLoop:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                         prompt=command.prompt, stream=True)
             except ValueError as exc:
-                command.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
+                command.loop.call_soon_threadsafe(command.outputs.put, exc)
                 return
             except BaseException as exc:     # the engine failed: this handler is in neither _live nor the queue
-                command.loop.call_soon_threadsafe(command.outputs.put_nowait,
-                                                  EngineStopped(f"the engine stopped: {exc}"))
+                command.loop.call_soon_threadsafe(command.outputs.put, EngineStopped(f"the engine stopped: {exc}"))
                 raise
             self._live[command.request_id] = command
         elif isinstance(command, _Abort) and self._live.pop(command.request_id, None) is not None:
             self.engine.abort_request(command.request_id)
             self.metrics.observe_abort()
 
-    def _deliver(self, out: RequestOutput | ValueError) -> None:
-        if isinstance(out, ValueError):              # refused by a data-parallel rank at submission
-            sub = self._live.pop(getattr(out, "request_id", None), None)
+    def _deliver(self, step_outputs: list[RequestOutput | ValueError]) -> None:
+        """Hand a step's outputs to their handlers: one `call_soon_threadsafe` per event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in step_outputs:
+            if isinstance(out, ValueError):          # refused by a data-parallel rank at submission
+                sub = self._live.pop(getattr(out, "request_id", None), None)
+            else:
+                self.metrics.observe_output(out)
+                sub = self._live.get(out.request_id)
+                if sub is not None and out.finished:
+                    del self._live[out.request_id]
             if sub is not None:
-                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, out)
-            return
-        self.metrics.observe_output(out)
-        sub = self._live.get(out.request_id)
-        if sub is None:
-            return
-        if out.finished:
-            del self._live[out.request_id]
-        sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, out)
+                batches.setdefault(sub.loop, []).append((sub.outputs, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)

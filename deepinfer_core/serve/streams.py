@@ -8,7 +8,7 @@ import json
 from collections.abc import AsyncIterator
 
 from ..api.outputs import CompletionOutput, Logprob, RequestOutput
-from .engine_loop import EngineStopped, QueueFull
+from .engine_loop import EngineStopped, QueueFull, merge_into, owned_copy
 from .errors import ApiError
 
 
@@ -31,29 +31,26 @@ async def first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Req
 
 async def collect(first: RequestOutput, stream) -> tuple[RequestOutput, list[CompletionOutput]]:
     """A request's deltas joined into whole completions, in completion order."""
-    outs: dict[int, CompletionOutput] = {}
-    item = first
-    while True:
-        for c in item.outputs:
-            prev = outs.get(c.index)
-            if prev is None:
-                outs[c.index] = CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                                                 list(c.logprobs) if c.logprobs is not None else None,
-                                                 c.finish_reason, c.stop_reason)
-                continue
-            prev.text += c.text
-            prev.token_ids += c.token_ids
-            if c.logprobs is not None:
-                prev.logprobs = (prev.logprobs or []) + list(c.logprobs)
-            prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
-        if item.finished:
-            return item, [outs[i] for i in sorted(outs)]
-        item = await anext(stream)
+    whole = owned_copy(first)
+    while not whole.finished:
+        merge_into(whole, await anext(stream))
+    return whole, whole.outputs
 
 
 async def merged(firsts: list[RequestOutput], streams) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(request index, output) of every request as they arrive, until all have finished; leaving early
     (the client went away) aborts the requests still running."""
+    if len(streams) == 1:                 # one request (chat, most completions): no pump task between
+        try:
+            item = firsts[0]
+            while True:
+                yield 0, item
+                if item.finished:
+                    return
+                item = await anext(streams[0])
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(p: int, item: RequestOutput, stream) -> None:
