@@ -213,6 +213,12 @@ class ParallelOptions(_Section):
                                    "lockstep; > 1: CPU ranks over gloo (GPU ranks are not built yet), MTP "
                                    "speculation only when num_speculative_tokens is set (unset = 0), no "
                                    "enable_mtp_varlen", _positive())
+    engine_process: bool | None = _opt(None, "run the engine (scheduler, model, sampler) in a child process "
+                                       "while this process keeps the tokenizer and the request front end, so "
+                                       "Python work here (an HTTP server's) never holds the GIL the engine's "
+                                       "host path needs; None = only when data_parallel_size > 1 (its ranks "
+                                       "are always processes)", Rule("True, False or None",
+                                                                     lambda v: v is None or isinstance(v, bool)))
     enable_expert_parallel: bool = _opt(False, "shard the routed experts over the data_parallel_size ranks "
                                         "(each loads only its own); False replicates them on every rank", BOOL)
     enable_eplb: bool = _opt(False, "expert-parallel load balancing: count each expert's routed tokens and "
@@ -232,6 +238,9 @@ class ParallelOptions(_Section):
         super().__post_init__()
         # Settings that would do nothing are refused, never ignored.
         dp, ep = self.data_parallel_size, self.enable_expert_parallel
+        if self.engine_process is False and dp > 1:
+            raise ValueError(f"engine_process=False with data_parallel_size={dp}: data-parallel ranks always run "
+                             "in processes of their own; allowed: engine_process=True or None")
         if ep and dp == 1:
             raise ValueError("enable_expert_parallel=True with data_parallel_size=1: one rank holds every expert, "
                              "there is nothing to shard; set data_parallel_size >= 2")
@@ -246,6 +255,11 @@ class ParallelOptions(_Section):
             if not self.enable_eplb and getattr(self, name) != defaults[name]:
                 raise ValueError(f"{name}={getattr(self, name)!r} needs enable_eplb=True; allowed without it: "
                                  f"{defaults[name]!r} (the default)")
+
+    @property
+    def in_processes(self) -> bool:
+        """The engine runs in child processes (data-parallel ranks, or the one engine process)."""
+        return self.data_parallel_size > 1 or bool(self.engine_process)
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,8 @@ class LLM:
     DEEPINFER_HF_MODEL_DIR, and without it runs the bundled tiny model (deepinfer_core/tools/bundled_model.py).
     `seed` seeds requests that set no seed of their own (derived from it and a
     request counter, so a run is reproducible). `data_parallel_size > 1`: `generate` / `chat` run on that
-    many engine processes (parallel/dp_engine.py; `close()` or `with LLM(...)` stops them).
+    many engine processes (parallel/dp_engine.py; `close()` or `with LLM(...)` stops them);
+    `engine_process=True`: on one engine process (the same machinery with one rank).
     """
 
     def __init__(self, model: str | None = None, **options: Any):
@@ -112,7 +113,7 @@ class LLM:
             config = config.replace(model=str(bundled_tiny_model_dir()))
             logger.warning("LLM: no model given (model=... or DEEPINFER_HF_MODEL_DIR): using the bundled tiny "
                         "model at %s", config.model.model)
-        if config.parallel.data_parallel_size > 1:
+        if config.parallel.in_processes:
             self._start_data_parallel(config)
             return
         model_dir = _resolve_model(config.model.model)
@@ -123,13 +124,13 @@ class LLM:
         self._allocator()            # size the state cache now: a budget that is too small fails here
 
     def _start_data_parallel(self, config: EngineConfig) -> None:
-        """data_parallel_size > 1: `generate` (and `chat`) run on that many engine processes
-        (parallel/dp_engine.py); this process holds no runner, so the in-process engine APIs refuse."""
+        """data_parallel_size > 1 (or engine_process=True): `generate` (and `chat`) run on that many engine
+        processes (parallel/dp_engine.py); this process holds no runner, so the in-process engine APIs refuse."""
         # lazy: spawns processes, needs torch.distributed
         from ..parallel.dp_engine import DataParallelLLM
         dp = self._dp = DataParallelLLM.from_config(config)
         self.config, self.tokenizer, self.model_config = dp.config, dp.tokenizer, dp.model_config
-        self.model_dir, self.dtype, self.device = dp.model_dir, dp.config.model.dtype, "cpu"
+        self.model_dir, self.dtype, self.device = dp.model_dir, dp.config.model.dtype, dp.device
         self.vocab_size, self.eos_token_id = int(dp.model_config.vocab_size), dp.model_config.eos_token_id
         self._request_counter = 0
 
@@ -147,10 +148,10 @@ class LLM:
         options are those the runner was built with)."""
         if config is not None and options:
             raise TypeError(f"LLM.from_runner: pass config or options, not both (got {sorted(options)})")
-        if (config or EngineConfig.from_options(**options)).parallel.data_parallel_size > 1:
-            raise ValueError("LLM.from_runner with data_parallel_size > 1: a runner is one process's engine; "
-                             "use LLM(model, data_parallel_size=...) (it starts the ranks), or "
-                             "data_parallel_size=1 here")
+        if (config or EngineConfig.from_options(**options)).parallel.in_processes:
+            raise ValueError("LLM.from_runner with data_parallel_size > 1 or engine_process=True: a runner is "
+                             "this process's engine; use LLM(model, ...) (it starts the engine processes), or "
+                             "data_parallel_size=1 and engine_process=None here")
         missing = missing_members(runner, EngineRunner)
         if missing:
             raise TypeError(f"LLM.from_runner: {type(runner).__qualname__} is not a runner: missing "
@@ -340,9 +341,10 @@ _IN_PROCESS = ("runner", "sampler", "logits_processors")
 
 
 def _dp_refusal(config: EngineConfig, what: str) -> str:
-    return (f"{what} is the in-process engine, which LLM(data_parallel_size="
-            f"{config.parallel.data_parallel_size}) does not have: its engines run in the data-parallel ranks; "
-            "use generate() / chat(), or data_parallel_size=1")
+    par = config.parallel
+    return (f"{what} is the in-process engine, which LLM(data_parallel_size={par.data_parallel_size}, "
+            f"engine_process={par.engine_process}) does not have: its engines run in child processes; "
+            "use generate() / chat(), or data_parallel_size=1 and engine_process=None")
 
 
 class _NoProgress:

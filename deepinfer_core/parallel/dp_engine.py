@@ -24,6 +24,10 @@ The front end polls the processes while it waits, and the ranks' collectives tim
 `LLM(model, data_parallel_size=N, enable_expert_parallel=True, ...)`, the CLI's `--data-parallel-size`
 and `DataParallelLLM(...)` directly all run this engine (the options: engine_config.py ParallelOptions).
 
+One rank (`engine_process=True`, the server's default on a GPU): the engine moved out of the caller's
+process onto whatever device it would have used, every option as in process; the vote and the
+collectives vanish (a world of one has no process group), what remains is the command and output queues.
+
 Speculative decoding with the checkpoint's MTP block (`num_speculative_tokens > 0`; unset = 0 here): a
 rank's step still launches at most one forward through the main, expert-parallel layers (the verify
 forward); the MTP block drafts with its own, local experts, so the lockstep pairing holds (dp_worker.py).
@@ -79,19 +83,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cpu_ranks(config: EngineConfig) -> EngineConfig:
-    """The ranks' device and drafts resolved: EngineConfig refused an explicit GPU device and VARLEN
-    already; an unset device must not be a GPU the ranks would silently not use, and unset drafts are 0
-    (speculation under DP is asked for by number)."""
+def _rank_config(config: EngineConfig) -> EngineConfig:
+    """The ranks' device and drafts resolved. One engine process (engine_process=True, data_parallel_size
+    1) keeps the options as they are: it is the in-process engine moved to a child. Several ranks run on the
+    CPU: EngineConfig refused an explicit GPU device and VARLEN already; an unset device must not be a GPU
+    the ranks would silently not use, and unset drafts are 0 (speculation under DP is asked for by number)."""
     dp = config.parallel.data_parallel_size
+    if dp == 1:
+        return config
     if config.model.device is None:
-        from ..plugins import get_plugin_manager
-        platform = get_plugin_manager().detect_platform()
+        platform = _platform()
         if platform.device_type != "cpu":
             raise ValueError(f"data_parallel_size={dp}: the detected platform is {platform.name!r} (device "
                              f"{platform.device_type!r}), but GPU data-parallel ranks are not built yet; pass "
                              "device='cpu' to run the ranks on the CPU (over gloo)")
     return config.replace(device="cpu", num_speculative_tokens=config.speculative.num_speculative_tokens or 0)
+
+
+def _platform():
+    from ..plugins import get_plugin_manager
+    return get_plugin_manager().detect_platform()
 
 
 def _exit_text(code: int | None) -> str:
@@ -136,14 +147,14 @@ class DataParallelLLM(OnlineFrontEnd):
     def _init(self, config: EngineConfig, timeout_s: float) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r}; allowed: a number of seconds > 0")
-        config = _cpu_ranks(config)
+        config = _rank_config(config)
         if config.model.model is None:
             from ..tools.bundled_model import bundled_tiny_model_dir
             config = config.replace(model=str(bundled_tiny_model_dir()))
         self.model_dir = _resolve_model(config.model.model)
         self.model_config = ModelConfig.from_file(self.model_dir)
         drafts = config.speculative.num_speculative_tokens
-        if drafts and self.model_config.dspark is not None:
+        if drafts and self.model_config.dspark is not None and config.parallel.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size={config.parallel.data_parallel_size} with num_speculative_tokens="
                              f"{drafts} on a DSpark checkpoint: the DSpark drafter is not supported with data "
                              "parallelism yet (not tested across ranks); allowed: num_speculative_tokens=0, or a "
@@ -151,6 +162,7 @@ class DataParallelLLM(OnlineFrontEnd):
         # max_model_len resolved as LLM resolves it (the ranks' LLMs resolve it again, to the same value)
         self.config = config.with_model_limit(self.model_config.max_position_embeddings)
         self.world = config.parallel.data_parallel_size
+        self.device = config.model.device or _platform().device_type   # where the ranks' engines run
         self.tokenizer = load_tokenizer(self.model_dir, config.model.tokenizer)
         self._request_counter = 0
         self._exit_at: tuple[int, int] | None = None      # test hook: (rank, lockstep iteration)

@@ -53,8 +53,26 @@ def test_llm_dp2_ep_generate_and_chat_equal_one_process(oracle, tiny_ckpt_dir):
         llm.generate(PROMPTS[:1], GREEDY)
 
 
+def test_engine_process_generates_what_the_in_process_engine_does(oracle, tiny_ckpt_dir):
+    """engine_process=True: one engine in a child process (the server's default on a GPU)."""
+    with LLM(str(tiny_ckpt_dir), engine_process=True, **COMMON) as llm:
+        assert llm.config.parallel.data_parallel_size == 1 and llm.device == "cpu"
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == oracle[0]
+        assert _tokens(llm.chat(CHAT, GREEDY)) == oracle[1]
+        with pytest.raises(AttributeError, match=r"LLM.runner .*engine_process=True"):
+            llm.runner
+        procs = list(llm._dp._procs)
+        assert len(procs) == 1 and procs[0].exitcode is None
+    assert procs[0].exitcode is not None
+
+
+def test_engine_process_false_with_data_parallel_is_refused():
+    with pytest.raises(ValueError, match=r"engine_process=False with data_parallel_size=2.*allowed: engine_process"):
+        LLM(data_parallel_size=2, engine_process=False, device="cpu")
+
+
 def test_from_runner_refuses_data_parallel():
-    with pytest.raises(ValueError, match=r"from_runner with data_parallel_size > 1"):
+    with pytest.raises(ValueError, match=r"from_runner with data_parallel_size > 1 or engine_process=True"):
         LLM.from_runner(object(), data_parallel_size=2)
 
 

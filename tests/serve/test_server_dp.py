@@ -164,18 +164,26 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_cli_dp2_ep_serves_then_drains_on_sigterm(model_dir, free_port, offline, console_server):
+@pytest.mark.parametrize(
+    "engine_flags, processes",
+    [(["--data-parallel-size", "2", "--enable-expert-parallel"], 2), (["--engine-process"], 1)],
+    ids=["dp2-ep", "engine-process"],
+)
+def test_cli_serves_over_engine_processes_then_drains_on_sigterm(
+    model_dir, free_port, offline, console_server, engine_flags, processes
+):
+    """Two DP ranks with EP, or the one engine process (`--engine-process`, the default on a GPU)."""
     port = free_port()
     flags = ["--max-model-len", "512", "--dtype", "float32", "--no-simulate-qat", "--batch-invariant"]
     proc = subprocess.Popen(
-        ["deepinfer", "serve", "--model", model_dir, "--port", str(port), "--data-parallel-size", "2",
-         "--enable-expert-parallel", "--num-speculative-tokens", "0", "--shutdown-timeout", "60", *flags]
+        ["deepinfer", "serve", "--model", model_dir, "--port", str(port), *engine_flags,
+         "--num-speculative-tokens", "0", "--shutdown-timeout", "60", *flags]
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        console_server.wait_healthy(proc, url, 240)  # start-up loads the model in three processes
+        console_server.wait_healthy(proc, url, 240)  # start-up loads the model in the engine processes
         ranks = _children(proc.pid)
-        assert len(ranks) >= 2
+        assert len(ranks) >= processes
         got = httpx.post(
             f"{url}/v1/completions",
             timeout=120,
