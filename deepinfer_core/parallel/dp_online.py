@@ -15,7 +15,8 @@ its rank will start the next run on it, so the front end wakes the other ranks f
 counts as running (`has_unfinished_requests`) until those reports are in: the caller keeps calling
 `step`, so the final gauges and run statistics arrive, and an idle system costs no CPU anywhere.
 
-Outputs: each rank sends its finished step's RequestOutputs (deltas for streamed requests); `step`
+Outputs: each rank sends its finished step's RequestOutputs (deltas for streamed requests; without their
+prompt ids, put back here, and with `metrics` only on a request's last output); `step`
 returns them with `RequestInvalid` items for requests a rank refused at submission (the ValueError the
 in-process `add_request` would have raised, delivered a step later).
 """
@@ -57,7 +58,9 @@ class OnlineFrontEnd:
         self._rank_gauges: list[dict[str, float]] = [{} for _ in range(w)]
         self._running = False  # a run is on, or the ranks' idle reports are not all in
         self._idle: dict[int, dict[int, IdleReport]] = {}  # run -> rank -> its report
-        self._live: dict[str, int] = {}  # request id -> rank, until finished, refused or aborted
+        # request id -> (rank, prompt token ids), until finished, refused or aborted; the ranks send their
+        # outputs without the prompt ids (per step, per request, they would dominate the pickled bytes)
+        self._live: dict[str, tuple[int, list[int]]] = {}
         self._ready: list[Any] = []  # outputs read while waiting for something else
         self._seed_counter = 0  # default seeds, as the in-process engine counts its requests
         self.refused: dict[str, str] = {}  # request id -> why its constraint never became ready (as Engine)
@@ -105,9 +108,10 @@ class OnlineFrontEnd:
 
     def abort_request(self, request_id: str) -> None:
         """Forwarded to the request's rank, which frees its slot and blocks; no output follows."""
-        rank = self._live.pop(request_id, None)
-        if rank is None:
+        entry = self._live.pop(request_id, None)
+        if entry is None:
             raise ValueError(f"abort_request: no request {request_id!r} in the engine")
+        rank = entry[0]
         self._check_running()
         self._dispatch({rank: None}, ("abort", request_id))
 
@@ -159,7 +163,7 @@ class OnlineFrontEnd:
                 sum(len(r.prompt_token_ids) * r.params.n for r in requests or ()),
             )
             for r in requests or ():
-                self._live[r.request_id] = rank
+                self._live[r.request_id] = (rank, r.prompt_token_ids)
         if not self._running:
             for rank in range(self.world):
                 if rank not in adds:
@@ -194,8 +198,10 @@ class OnlineFrontEnd:
             if self._live.pop(rid, None) is not None:
                 self._ready.append(RequestInvalid(rid, text))
         for out in rep.outputs:
-            if out.request_id not in self._live:  # aborted meanwhile: nothing follows an abort
+            entry = self._live.get(out.request_id)
+            if entry is None:  # aborted meanwhile: nothing follows an abort
                 continue
+            out.prompt_token_ids = entry[1]
             if out.finished:
                 del self._live[out.request_id]
                 if out.request_id in rep.refused:

@@ -37,7 +37,7 @@ import os
 import queue
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -297,6 +297,10 @@ class RankLoop:
         if not outputs and not refused and not self._invalid and state == self._last:
             return
         self._last = state
+        # Pickled each step for every running request: the prompt ids (the front end has them) and the
+        # timestamps of a request still running (one per token so far) would dominate the bytes.
+        outputs = [replace(out, prompt_token_ids=[], metrics=out.metrics if out.finished else None)
+                   for out in outputs]
         self.results.put(("step", StepReport(self.spec.rank, outputs, refused, self._invalid, load, gauges,
                                              self.consumed)))
         self._invalid = {}
