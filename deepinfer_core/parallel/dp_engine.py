@@ -24,7 +24,7 @@ The front end polls the processes while it waits, and the ranks' collectives tim
 `LLM(model, data_parallel_size=N, enable_expert_parallel=True, ...)`, the CLI's `--data-parallel-size`
 and `DataParallelLLM(...)` directly all run this engine (the options: engine_config.py ParallelOptions).
 
-One rank (`engine_process=True`, the server's default on a GPU): the engine moved out of the caller's
+One rank (`engine_process=True`, e.g. `deepinfer serve --engine-process`): the engine moved out of the caller's
 process onto whatever device it would have used, every option as in process; the vote and the
 collectives vanish (a world of one has no process group), what remains is the command and output queues.
 

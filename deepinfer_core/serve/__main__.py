@@ -4,10 +4,9 @@ Serves `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`, `/d
 and `/metrics` over the engine,
 which steps in a thread of its own (engine_loop.py). Without --model: DEEPINFER_HF_MODEL_DIR, else the
 bundled tiny model, as `LLM()`. `--data-parallel-size N [--enable-expert-parallel]`: N engine processes
-(CPU ranks over gloo, parallel/dp_engine.py), requests placed on the least-loaded rank. On a GPU the
-engine runs in a child process by default (`engine_process`; `--no-engine-process` keeps it in a thread
-here): the HTTP server's Python work would otherwise hold the GIL that the engine's host path needs
-between steps.
+(CPU ranks over gloo, parallel/dp_engine.py), requests placed on the least-loaded rank.
+`--engine-process`: the engine in one child process instead of a thread here (slower on the H200 so far:
+the README's Serve section).
 """
 from __future__ import annotations
 
@@ -54,16 +53,6 @@ def _server_class():
     return Server
 
 
-def _engine_process_default(options: dict) -> bool | None:
-    """True on a GPU (the engine's host path must not wait for the event loop's GIL); None on the CPU,
-    where the forward itself is the bottleneck and a thread starts faster."""
-    device = options.get("device")
-    if device is None:
-        from ..plugins import get_plugin_manager
-        device = get_plugin_manager().detect_platform().device_type
-    return True if str(device) != "cpu" else None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -77,10 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..api.llm import LLM
     from .engine_loop import EngineLoop
     # --data-parallel-size N: the ranks start here (spawned); the engine thread drives their front end
-    options = engine_options_from_args(args)
-    options.setdefault("engine_process", _engine_process_default(options))
     try:
-        llm = LLM(model=args.model, **options)
+        llm = LLM(model=args.model, **engine_options_from_args(args))
     except ValueError as exc:      # options the engine refuses (e.g. data parallelism with speculation)
         print(f"python -m deepinfer_core.serve: error: {exc}", file=sys.stderr)
         return 2

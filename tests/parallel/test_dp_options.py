@@ -54,7 +54,7 @@ def test_llm_dp2_ep_generate_and_chat_equal_one_process(oracle, tiny_ckpt_dir):
 
 
 def test_engine_process_generates_what_the_in_process_engine_does(oracle, tiny_ckpt_dir):
-    """engine_process=True: one engine in a child process (the server's default on a GPU)."""
+    """engine_process=True: one engine in a child process."""
     with LLM(str(tiny_ckpt_dir), engine_process=True, **COMMON) as llm:
         assert llm.config.parallel.data_parallel_size == 1 and llm.device == "cpu"
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == oracle[0]

@@ -172,7 +172,7 @@ def _alive(pid: int) -> bool:
 def test_cli_serves_over_engine_processes_then_drains_on_sigterm(
     model_dir, free_port, offline, console_server, engine_flags, processes
 ):
-    """Two DP ranks with EP, or the one engine process (`--engine-process`, the default on a GPU)."""
+    """Two DP ranks with EP, or the one engine process (`--engine-process`)."""
     port = free_port()
     flags = ["--max-model-len", "512", "--dtype", "float32", "--no-simulate-qat", "--batch-invariant"]
     proc = subprocess.Popen(
