@@ -372,8 +372,12 @@ TABLE: dict[str, Run | Skip] = {
                                               "sends the same requests with httpx and the openai client"),
     "python benchmarks/serve_bench.py --dummy-layers 4 --launch \"--dtype bfloat16 --max-model-len 2048 "
     "--max-num-seqs 256\" --input-len 512 --output-len 128 --concurrency 1,16,64,256 --prompts-per-concurrency 2 "
-    "--label v4flash_4L_bf16": Skip(
+    "--warmup-output-len 128 --label v4flash_4L_bf16_thread": Skip(
         "a V4-Flash-width model on the H200; tests/benchmarks/test_serve_bench.py runs it end to end on a tiny one"),
+    "python benchmarks/serve_bench.py --dummy-layers 4 --launch \"--dtype bfloat16 --max-model-len 2048 "
+    "--max-num-seqs 256 --engine-process\" --input-len 512 --output-len 128 --concurrency 1,16,64,256 "
+    "--prompts-per-concurrency 2 --warmup-output-len 128 --label v4flash_4L_bf16_proc": Skip(
+        "a V4-Flash-width model on the H200; tests/serve/test_server_dp.py serves over --engine-process on the CPU"),
     "python benchmarks/throughput.py --layers 4 --input-len 512 --output-len 128 --sweep-batches 1,16,64,256 "
     "--max-model-len 2048 --label v4flash_4L_serve_cmp": Skip(
         "a V4-Flash-width model on the H200; its CPU path runs in tests/benchmarks/test_throughput.py"),
