@@ -57,6 +57,7 @@ from ..engine_config import EngineConfig
 from ..ops.sampler import mix_seed
 from .dp_online import OnlineFrontEnd
 from .dp_worker import EXIT_TEST_HOOK, RankRequest, WorkerSpec, worker_main
+from .reports import ReportReceiver
 
 log = logging.getLogger("deepinfer.dp")
 
@@ -177,17 +178,18 @@ class DataParallelLLM(OnlineFrontEnd):
         init = f"tcp://127.0.0.1:{_free_port()}"
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = max(1, cores // self.world)          # the ranks share this host's cores
-        self._results = ctx.Queue()
+        self._results = ReportReceiver(ctx, self.world)
         self._commands = [ctx.Queue() for _ in range(self.world)]
         self._procs = []
         for rank in range(self.world):
             par = self.config.parallel
             spec = WorkerSpec(rank, self.world, init, str(self.model_dir), self.config, par.enable_expert_parallel,
                               par.num_redundant_experts, timeout_s, threads)
-            proc = ctx.Process(target=worker_main, args=(spec, self._commands[rank], self._results),
-                               name=f"deepinfer-dp{rank}", daemon=True)
+            args = (spec, self._commands[rank], self._results.senders[rank])
+            proc = ctx.Process(target=worker_main, args=args, name=f"deepinfer-dp{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
+        self._results.started()
         for rank, msg in self._wait("ready").items():
             self._rank_gauges[rank] = msg[2]
         log.info("data parallel: %d ranks ready (enable_expert_parallel=%s, enable_eplb=%s)", self.world,
@@ -266,8 +268,11 @@ class DataParallelLLM(OnlineFrontEnd):
             if p.exitcode is None:
                 q.put(("stop",))
         deadline = time.monotonic() + STOP_S
-        for p in self._procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        while any(p.exitcode is None for p in self._procs) and time.monotonic() < deadline:
+            try:                         # read on: a rank blocked writing its last reports must get out
+                self._results.get(timeout=0.05)
+            except queue.Empty:
+                pass
         self._kill()
         self._procs = []
 

@@ -355,9 +355,8 @@ def worker_main(spec: WorkerSpec, commands, results) -> None:
         results.put(("ready", spec.rank, rank_loop._gauges()))     # the server's /metrics has them at once
         rank_loop.loop()
     except BaseException as exc:
-        results.put(("error", spec.rank, f"{type(exc).__name__}: {exc}"))
+        results.put(("error", spec.rank, f"{type(exc).__name__}: {exc}"))   # written before it returns
         results.close()
-        results.join_thread()                  # the message must leave before the process does
         os._exit(1)                            # no gloo teardown: it may block on the dead peer
     from .groups import destroy_process_groups
     if groups is not None:
