@@ -41,10 +41,10 @@ class ReasoningSplit:
 async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer):
     try:
         mode, effort = body.thinking_mode()
-        tools, parse_tools = body.tool_settings()
+        tools, parse_tools, tool_grammar = body.tool_settings()
         prompt = chat_prompts(body.messages, mode, effort, tools)[0]
         think_end = tokenizer.encode(THINK_END, add_special_tokens=False)
-        params = body.sampling_params(think_end if mode == "thinking" else None)
+        params = body.sampling_params(think_end if mode == "thinking" else None, tool_grammar)
     except ValueError as exc:
         raise ApiError(400, str(exc), field_named(str(exc))) from None
     cid = f"chatcmpl-{uuid.uuid4().hex}"

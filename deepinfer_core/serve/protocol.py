@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..api.sampling_params import SamplingParams
 from ..api.structured_outputs import structured_outputs_to_so_args
+from .tool_grammar import tool_call_grammar
 
 
 class StreamOptions(BaseModel):
@@ -121,36 +122,46 @@ class ChatRequest(_Sampling):
         mode = kw.get("thinking_mode") or ("thinking" if on else "chat")
         return mode, self.reasoning_effort or kw.get("reasoning_effort")
 
-    def tool_settings(self) -> tuple[list[dict[str, Any]] | None, bool]:
-        """(the tools to render into the prompt, whether to parse DSML tool calls out of the answer).
+    def tool_settings(self) -> tuple[list[dict[str, Any]] | None, bool, str | None]:
+        """(the tools to render into the prompt, whether to parse DSML tool calls out of the answer, the
+        EBNF that forces a call or None).
 
         tool_choice "none" still renders the tools and only turns the parsing off, as vLLM does by default
         (its --exclude-tools-when-tool-choice-none is off): the prompt does not depend on tool_choice.
-        "required" and a named function are refused rather than accepted and ignored: nothing here forces
-        the model to call a tool (that would need a DSML grammar)."""
+        "required" (one or more calls of any tool) and a named function ({"type": "function", "function":
+        {"name": ...}}: one call of it) constrain the answer with a DSML grammar (serve/tool_grammar.py)."""
         if self.tools is not None:
             check_tools(self.tools)
         tools = self.tools or None           # [] renders no tools block, as in render_chat
         choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
-        if choice == "required" or isinstance(choice, dict):
-            raise ValueError(f"tool_choice: {choice!r} is not supported (forcing a tool call is not implemented); "
-                             f"allowed: 'none', 'auto'")
+        forced = _forced_name(choice)
+        if forced is not None or choice == "required":
+            if tools is None:
+                raise ValueError(f"tool_choice: {choice!r} needs `tools`")
+            return tools, True, tool_call_grammar(tools, forced)
         if choice not in ("none", "auto"):
-            raise ValueError(f"tool_choice: {choice!r} is not valid; allowed: 'none', 'auto'")
+            raise ValueError(f"tool_choice: {choice!r} is not valid; allowed: 'none', 'auto', 'required', "
+                             "{'type': 'function', 'function': {'name': NAME}}")
         if choice == "auto" and tools is None:
             raise ValueError("tool_choice: 'auto' needs `tools`")
-        return tools, choice == "auto"
+        return tools, choice == "auto", None
 
-    def sampling_params(self, grammar_after: list[int] | None) -> SamplingParams:
-        """`grammar_after`: the token ids that end the reasoning (thinking mode): a response_format
-        grammar applies from there on."""
+    def sampling_params(self, grammar_after: list[int] | None, tool_grammar: str | None = None) -> SamplingParams:
+        """`grammar_after`: the token ids that end the reasoning (thinking mode): a response_format or
+        tool-call grammar applies from there on. `tool_grammar`: tool_settings' EBNF of a forced call."""
         if self.logprobs is False and self.top_logprobs is not None:
             raise ValueError("top_logprobs: needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("max_completion_tokens: give it or max_tokens, not both")
         so_args = None
         structured = self._structured()
-        if self.response_format is not None:
+        if tool_grammar is not None:
+            other = "response_format" if self.response_format is not None else structured and structured[0]
+            if other:
+                raise ValueError(f"{other}: cannot be combined with tool_choice {self.tool_choice!r} (both "
+                                 "constrain the answer)")
+            so_args = {"schema_type": "ebnf", "schema": tool_grammar}
+        elif self.response_format is not None:
             if structured is not None:
                 raise ValueError(f"{structured[0]}: give it or response_format, not both")
             so_args = response_format_so_args(self.response_format)
@@ -165,6 +176,18 @@ class ChatRequest(_Sampling):
 
 _TOOL_KEYS = {"type", "function"}
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+
+
+def _forced_name(choice: Any) -> str | None:
+    """The function a tool_choice object names ({"type": "function", "function": {"name": NAME}}), else None."""
+    if not isinstance(choice, dict):
+        return None
+    fn = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+            or set(choice) - {"type", "function"} or set(fn) - {"name"}:
+        raise ValueError(f"tool_choice: {choice!r} is not valid; a named choice is "
+                         "{'type': 'function', 'function': {'name': NAME}}")
+    return fn["name"]
 
 
 def check_tools(tools: Any) -> None:

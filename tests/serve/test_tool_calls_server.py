@@ -4,8 +4,9 @@ The bundled tiny model never writes a DSML block, so the response assembly is te
 `chat_choice` on whole completions, and the SSE generator on scripted engine deltas in many chunkings (the
 joined stream equals the whole answer). The live server (bundled model, CPU, the `openai` client) shows that
 tools are accepted and rendered into the prompt exactly as the offline renderer does (usage.prompt_tokens),
-that the answers equal `LLM.chat` with the same tools, and that bad `tools` / `tool_choice` are 400s naming
-the field."""
+that the answers equal `LLM.chat` with the same tools, that tool_choice "required" / a named function makes
+even this model call the tools with schema-valid arguments (the DSML grammar), and that bad `tools` /
+`tool_choice` are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -210,8 +211,10 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]), "tools"),
         (dict(tools=[{"type": "function", "function": {"name": 'f"x', "parameters": {}}}]), "tools"),
         (dict(tools=[{"type": "function", "function": {"name": "f", "strict": True}}]), "tools"),
-        (dict(tools=[WEATHER], tool_choice="required"), "tool_choice"),
-        (dict(tools=[WEATHER], tool_choice=NAMED), "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nap"}}), "tool_choice"),
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}), "tool_choice"),
+        (dict(tools=[WEATHER], tool_choice=NAMED, response_format={"type": "json_object"}), "response_format"),
         (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice"),
         (dict(tool_choice="auto"), "tool_choice"),
         (dict(tools=[WEATHER], parallel_tool_calls=False), "parallel_tool_calls"),
@@ -229,4 +232,53 @@ def test_bad_tools_and_tool_choice_are_400s_naming_the_field(server, body, field
     err = r.json()["error"]
     assert err["param"] == field, err
     if field == "tool_choice":
-        assert "allowed: 'none', 'auto'" in err["message"] or "needs `tools`" in err["message"]
+        assert any(m in err["message"] for m in ("allowed: 'none', 'auto', 'required'", "needs `tools`",
+                                                  "is not among the tools", "a named choice is")), err
+
+
+# ---- forced calls: tool_choice "required" / a named function (serve/tool_grammar.py) ------------------
+ALARM = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object", "required": ["hour", "tone"],
+    "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}, "loud": {"type": "boolean"},
+                   "tone": {"enum": ["bell", "chime"]}}}}}
+ALARM_SCHEMA = ALARM["function"]["parameters"]
+
+
+def _valid_alarm(arguments: str) -> None:
+    import jsonschema
+    jsonschema.validate(json.loads(arguments), ALARM_SCHEMA)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}])
+def test_forced_tool_choice_returns_schema_valid_calls(server, choice):
+    """The bundled model never calls a tool by itself; the grammar makes it, with arguments that validate."""
+    url, _ = server
+    kw = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER, ALARM], tool_choice=choice, max_tokens=200, seed=3,
+              temperature=1.0)
+    got = client(url).chat.completions.create(**kw)
+    message, finish = got.choices[0].message, got.choices[0].finish_reason
+    assert finish == "tool_calls" and message.content is None and message.tool_calls, got
+    names = [c.function.name for c in message.tool_calls]
+    assert set(names) <= {"get_weather", "set_alarm"} and (choice == "required" or names == ["set_alarm"])
+    for c in message.tool_calls:
+        if c.function.name == "set_alarm":
+            _valid_alarm(c.function.arguments)
+    # streamed: the same call arrives as tool_calls deltas
+    chunks = list(client(url).chat.completions.create(**kw, stream=True))
+    streamed = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_forced_call_in_thinking_mode_starts_after_the_reasoning():
+    """The tiny model's reasoning rarely ends, so this checks the request's so_args: the tool grammar with the
+    end-of-thinking ids as its trigger (the trigger machinery itself: the structured-outputs tests)."""
+    from deepinfer_core.serve.protocol import ChatRequest
+    body = ChatRequest(model=MODEL, messages=MESSAGES, tools=[ALARM], tool_choice="required",
+                       chat_template_kwargs={"thinking": True})
+    tools, parse, grammar = body.tool_settings()
+    params = body.sampling_params([128799, 7], grammar)
+    assert tools == [ALARM] and parse and params.so_args == {"schema_type": "ebnf", "schema": grammar,
+                                                            "trigger_token_ids": [128799, 7]}
+    assert 'name=\\"set_alarm\\"' in grammar and "get_weather" not in grammar
