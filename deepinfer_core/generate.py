@@ -419,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except InvalidRequestError as exc:     # the valid prompts completed: show them, then fail
             outputs, failure = exc.outputs, exc
         finally:
-            if config.parallel.data_parallel_size > 1:     # stop the ranks cleanly (the seam's LLM is DP 1)
+            if config.parallel.in_processes:     # stop the engine processes cleanly (the seam's LLM is in-process)
                 llm.close()
     except (ValueError, TypeError) as exc:
         logger.debug("generate failed", exc_info=True)   # the traceback, for DEBUG logging only

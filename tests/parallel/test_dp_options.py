@@ -85,7 +85,7 @@ def test_unsupported_combinations_are_refused_before_any_rank_starts(tiny_ckpt_d
         LLM(str(tiny_ckpt_dir), data_parallel_size=2, enable_eplb=True)
 
 
-def test_cli_dp2_prints_what_dp1_prints(tiny_ckpt_dir, capsys):
+def test_cli_dp2_and_engine_process_print_what_dp1_prints(tiny_ckpt_dir, capsys):
     argv = [
         "--model",
         str(tiny_ckpt_dir),
@@ -111,6 +111,8 @@ def test_cli_dp2_prints_what_dp1_prints(tiny_ckpt_dir, capsys):
     assert generate.main(argv + ["--data-parallel-size", "2", "--enable-expert-parallel"]) == 0
     two = capsys.readouterr().out
     assert one.count("completion 0:") == 2 and two == one
+    assert generate.main(argv + ["--engine-process"]) == 0     # one engine in a child process
+    assert capsys.readouterr().out == one
 
 
 def test_cli_refuses_eplb_without_expert_parallel(tiny_ckpt_dir, capsys):
