@@ -378,6 +378,8 @@ TABLE: dict[str, Run | Skip] = {
     "--max-num-seqs 256 --engine-process\" --input-len 512 --output-len 128 --concurrency 1,16,64,256 "
     "--prompts-per-concurrency 2 --warmup-output-len 128 --label v4flash_4L_bf16_proc": Skip(
         "a V4-Flash-width model on the H200; tests/serve/test_server_dp.py serves over --engine-process on the CPU"),
+    "python benchmarks/serve_gap.py --layers 4 --concurrency 16,64 --rounds 2 --engine-process": Skip(
+        "a V4-Flash-width model on the H200; tests/benchmarks/test_serve_gap.py runs it on the tiny config"),
     "python benchmarks/report_channel.py": Skip("prints timings (never a timed test); runs in seconds on a CPU"),
     "python benchmarks/throughput.py --layers 4 --input-len 512 --output-len 128 --sweep-batches 1,16,64,256 "
     "--max-model-len 2048 --label v4flash_4L_serve_cmp": Skip(
