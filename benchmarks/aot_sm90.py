@@ -3,7 +3,9 @@ V4-Flash sizes, bf16 + QAT, the specialisation the JIT gives on the device: 16-b
 sizes divisible by 16) and report per variant what the compiled kernel is: registers and local memory
 (spills; cuobjdump), the MMA instructions (PTX), the dot operands' layouts (`kWidth` of each `tt.dot`'s operands in
 the TTGIR: the K grouping inside the MMAs, which decides the fp32 rounding of the sums) and the SASS
-instruction count.
+instruction count, and how many of its instructions (static counts, the whole kernel) are memory, barrier
+and MMA ones (LDG global loads, LDGSTS async copies into shared memory, LDS / LDSM shared loads, STS / STSM
+shared stores, BAR barriers, HMMA tensor-core MMAs): a decode that goes through shared memory shows there.
 
 Variants: the FP8 weights; FP4 experts with the integer decode; FP4 experts with the byte-permute
 decode (PRMT). The H200 runs Triton 3.6: put a 3.6 install first on PYTHONPATH to see what it
@@ -28,6 +30,7 @@ from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+TRAFFIC = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "STSM", "BAR", "HMMA")
 VARIANTS = {"fp8": (False, False), "fp4 integer": (True, False), "fp4 prmt": (True, True)}   # (W4, PRMT)
 
 
@@ -75,7 +78,8 @@ def describe(kernel) -> dict:
                 mma=sorted(set(re.findall(r"(?:wgmma|mma)\.[\w.]+", kernel.asm["ptx"]))),
                 dot_kwidths=sorted({int(k) for k in re.findall(r"dot_op<\{opIdx = \d, parent = #\w+, kWidth = (\d+)",
                                                                kernel.asm["ttgir"])}),
-                sass_instructions=len(ops), top_sass=Counter(o.split(".")[0] for o in ops).most_common(6))
+                sass_instructions=len(ops), top_sass=Counter(o.split(".")[0] for o in ops).most_common(6),
+                traffic={k: sum(o.split(".")[0] == k for o in ops) for k in TRAFFIC})
 
 
 def main() -> None:
@@ -96,6 +100,7 @@ def main() -> None:
                 print(f"{name:>4} {variant:<12} warps {warps} stages {stages}: regs {d['registers']} local "
                       f"{d['local_bytes']} B, dot kWidth {d['dot_kwidths']}, {d['mma']}, SASS {d['sass_instructions']}"
                       f" {d['top_sass']}", flush=True)
+                print(f"{'':>4} {'':<12} {'':>19}  " + ", ".join(f"{k} {n}" for k, n in d["traffic"].items()))
 
 
 if __name__ == "__main__":

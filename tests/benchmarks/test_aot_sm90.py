@@ -23,3 +23,6 @@ def test_w2_compiles_for_sm90_and_is_described():
     assert [row[0] for row in rows] == ["fp8", "fp4 prmt"], r.stdout
     for _, regs, local, kwidths, _, sass in rows:
         assert 0 < int(regs) <= 255 and int(local) >= 0 and kwidths and int(sass) > 100
+    traffic = re.findall(r"LDG (\d+), LDGSTS (\d+), LDS (\d+), LDSM (\d+), STS (\d+), STSM (\d+), BAR (\d+), "
+                         r"HMMA (\d+)", r.stdout)
+    assert len(traffic) == 2 and all(int(row[-1]) > 0 for row in traffic), r.stdout    # both run tensor-core MMAs
