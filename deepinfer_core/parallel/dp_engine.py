@@ -26,7 +26,9 @@ and `DataParallelLLM(...)` directly all run this engine (the options: engine_con
 
 One rank (`engine_process=True`, e.g. `deepinfer serve --engine-process`): the engine moved out of the caller's
 process onto whatever device it would have used, every option as in process; the vote and the
-collectives vanish (a world of one has no process group), what remains is the command and output queues.
+collectives vanish (a world of one has no process group), what remains is the command queue and the
+report pipe. Measured slower than the in-process engine thread behind the server on the H200 so far (the
+README's Serve section).
 
 Speculative decoding with the checkpoint's MTP block (`num_speculative_tokens > 0`; unset = 0 here): a
 rank's step still launches at most one forward through the main, expert-parallel layers (the verify
@@ -274,6 +276,7 @@ class DataParallelLLM(OnlineFrontEnd):
             except queue.Empty:
                 pass
         self._kill()
+        self._results.close()
         self._procs = []
 
     def __enter__(self) -> DataParallelLLM:

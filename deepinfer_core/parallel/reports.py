@@ -46,6 +46,11 @@ class ReportReceiver:
         for s in self.senders:
             s.close()
 
+    def close(self) -> None:
+        for conn in self._readers:
+            conn.close()
+        self._readers = []
+
     def get(self, timeout: float) -> Any:
         if not self._ready:
             self._read(timeout)

@@ -26,18 +26,20 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from ..api.outputs import RequestOutput
+from ..api.outputs import CompletionOutput, RequestOutput
 from ..api.sampling_params import SamplingParams
 from .metrics import ServerMetrics
 
 log = logging.getLogger("deepinfer.serve")
 
 
+def _owned_completion(c: CompletionOutput) -> CompletionOutput:
+    return replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
+
+
 def owned_copy(out: RequestOutput) -> RequestOutput:
     """A copy of an engine output whose completions (and their lists) `merge_into` may extend."""
-    return replace(out, outputs=[replace(c, token_ids=list(c.token_ids),
-                                         logprobs=None if c.logprobs is None else list(c.logprobs))
-                                 for c in out.outputs])
+    return replace(out, outputs=[_owned_completion(c) for c in out.outputs])
 
 
 def merge_into(owned: RequestOutput, delta: RequestOutput) -> None:
@@ -47,8 +49,7 @@ def merge_into(owned: RequestOutput, delta: RequestOutput) -> None:
     for c in delta.outputs:
         prev = by_index.get(c.index)
         if prev is None:
-            prev = by_index[c.index] = replace(c, token_ids=list(c.token_ids),
-                                               logprobs=None if c.logprobs is None else list(c.logprobs))
+            prev = by_index[c.index] = _owned_completion(c)
             owned.outputs.append(prev)
             continue
         prev.text += c.text
