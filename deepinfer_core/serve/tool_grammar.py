@@ -57,6 +57,8 @@ def _parameter(key: str, schema: Any, required: bool):
     values = schema.get("enum") if isinstance(schema.get("enum"), list) else None
     if values is None and "const" in schema:
         values = [schema["const"]]
+    if values == []:
+        raise ValueError(f"tools: parameter {key!r} has an empty enum: no value can be written")
     forms = []
     if values is not None:                   # the allowed values themselves
         strings = [v for v in values if isinstance(v, str)]

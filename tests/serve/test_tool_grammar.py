@@ -58,3 +58,10 @@ def test_an_accepted_block_parses_back_to_the_calls():
     parsed = parse_tool_calls(block)
     assert parsed.content == "" and [json.loads(c["function"]["arguments"]) for c in parsed.tool_calls] == [
         {"hour": 6, "loud": False, "tone": "bell", "label": "early"}]
+
+
+def test_an_empty_enum_is_refused_naming_the_parameter():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"mode": {"enum": []}}}}}
+    with pytest.raises(ValueError, match=r"tools: parameter 'mode' has an empty enum"):
+        tool_call_grammar([tool], None)
