@@ -16,6 +16,10 @@ time to each request's first output (p50 / p99).
     python benchmarks/serve_gap.py --tiny --input-len 32 --output-len 8 --concurrency 1,4     # CPU smoke
     python benchmarks/serve_gap.py --layers 4 --concurrency 16,64 --rounds 2 --engine-process  # the stall
 
+On CUDA the table also counts the Triton kernels compiled during each mode's run (after the warm-ups;
+`deepinfer_kernels.compile_watch`): a compile in the middle of serving stalls every request for
+seconds, and the JSON names each one with the arguments that made it a new variant.
+
 Prints a table and writes benchmarks/results/serve_gap_<device>.json.
 """
 from __future__ import annotations
@@ -139,6 +143,10 @@ def main() -> None:
     a = ap.parse_args()
     import torch
     a.dtype = a.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    watch = None
+    if torch.cuda.is_available():
+        from deepinfer_kernels.compile_watch import compile_watch
+        watch = compile_watch()       # this process's compiles (an engine process's own are not seen)
     concs = [int(c) for c in a.concurrency.split(",")]
     spec = TR.prepare_model(SimpleNamespace(model=None, load_format=None, tiny=a.tiny, config=None, layers=a.layers,
                                             expert_dtype=None, mtp=False))
@@ -149,7 +157,8 @@ def main() -> None:
                 max_num_seqs=max(concs), engine_process=True) if a.engine_process else None)
     modes = ("offline", "stream", "thread", "thread+p") + (("process",) if proc is not None else ())
     rows = []
-    print(f"{'conc':>5} {'mode':>9} {'s':>8} {'out tok/s':>10} {'vs offline':>10} {'TTFT p50':>9} {'TTFT p99':>9}")
+    print(f"{'conc':>5} {'mode':>9} {'s':>8} {'out tok/s':>10} {'vs offline':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'compiles':>8}")
     for c in concs:
         run_loop(llm, prompts(c, a.input_len, vocab, 99), 4, False, f"warm{c}")      # shapes, graphs
         if proc is not None:
@@ -158,6 +167,7 @@ def main() -> None:
         for mode in modes:
             rounds = [prompts(c, a.input_len, vocab, c * 1000 + k) for k in range(a.rounds)]
             ttfts: list[float] = []
+            mark = watch.mark() if watch is not None else 0
             if mode in ("offline", "stream"):
                 dt = sum(run_loop(llm, ids, a.output_len, mode == "stream", f"{mode}{c}-{k}")
                          for k, ids in enumerate(rounds))
@@ -168,11 +178,14 @@ def main() -> None:
                     row["engine_thread_profile"] = top
             tok_s = c * a.rounds * a.output_len / dt
             row[mode] = {"seconds": dt, "output_tok_s": tok_s}
+            late = watch.since(mark) if watch is not None else []
+            row[mode]["compiles"] = [str(e) for e in late] if mode != "process" else None
             if ttfts:
                 row[mode].update(ttft_p50_ms=_ms(ttfts, 0.5), ttft_p99_ms=_ms(ttfts, 0.99))
             ratio = tok_s / row["offline"]["output_tok_s"]
             t50 = f"{row[mode]['ttft_p50_ms']:9.1f} {row[mode]['ttft_p99_ms']:9.1f}" if ttfts else f"{'-':>9} {'-':>9}"
-            print(f"{c:>5} {mode:>9} {dt:8.3f} {tok_s:10.1f} {ratio:10.3f} {t50}", flush=True)
+            n_late = "-" if watch is None or mode == "process" else str(len(late))
+            print(f"{c:>5} {mode:>9} {dt:8.3f} {tok_s:10.1f} {ratio:10.3f} {t50} {n_late:>8}", flush=True)
         print(row.get("engine_thread_profile", "")[:3000])
         rows.append(row)
     if proc is not None:

@@ -111,7 +111,7 @@ def _gather_slots(kv_ptr, z_ptr, tkv_ptr, tz_ptr, pos, ok, cols, cmask, row0, st
     return kv, z
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB"])
 def _compress_kernel(kv_ptr, z_ptr, tkv_ptr, tz_ptr, out_ptr, bseq_ptr, bidx_ptr, cu_ptr, start_ptr, slot_ptr,
                      NB, d, L, s_kv, s_z, s_tkv0, s_tkv1, s_tz0, s_tz1, s_out,
                      RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -163,7 +163,7 @@ def _closed_blocks(bseq_ptr, bidx_ptr, table_ptr, NB, s_tab, RPB: tl.constexpr, 
     return i, b, valid, phys
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB", "s_tab"])
 def _write_rows_kernel(rows_ptr, pool_ptr, table_ptr, bseq_ptr, bidx_ptr, NB, d, s_rows, s_p0, s_p1, s_tab,
                        RPB: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     i, b, valid, phys = _closed_blocks(bseq_ptr, bidx_ptr, table_ptr, NB, s_tab, RPB, BLOCK_B)
@@ -209,7 +209,7 @@ def _quant_store_fp8(x_ptr, src_off, dst_ptr, dst16_ptr, dst_off, ok, NOPE: tl.c
              mask=ok[:, None] & (pc < PAD))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB", "s_tab"])
 def _write_rows_fp8_kernel(rows_ptr, pool_ptr, pool16_ptr, table_ptr, bseq_ptr, bidx_ptr, NB, s_rows, s_p0, s_p1,
                            s_tab, RPB: tl.constexpr, BLOCK_B: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
                            NT_P2: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr):
@@ -231,7 +231,7 @@ def _last_rows(tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, row, T, K):
     return keep, slot, p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _ring_fp8_kernel(kv_ptr, ring_ptr, ring16_ptr, tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, T, K, s_kv,
                      s_r0, s_r1, BLOCK_T: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
                      NT_P2: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr):
@@ -241,7 +241,7 @@ def _ring_fp8_kernel(kv_ptr, ring_ptr, ring16_ptr, tseq_ptr, pos_ptr, cu_ptr, st
                      NOPE, ROPE, NT_P2, ROPE_P2, PAD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _scatter_last_kernel(src_a, dst_a, src_b, dst_b, tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, T, D, K,
                          s_sa, s_da0, s_da1, s_sb, s_db0, s_db1,
                          TWO: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):

@@ -26,7 +26,7 @@ INVARIANT_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_sta
 FP32_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)   # fp32 tiles: shared memory
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "s_cs", "K_PER_SPLIT"])
 def _dense_gemm_kernel(x_ptr, w_ptr, c_ptr, M, N, K, s_xm, s_xg, s_wg, s_wn, s_cs, s_cm, s_cg,
                        K_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):

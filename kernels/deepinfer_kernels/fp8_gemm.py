@@ -34,7 +34,7 @@ def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
     return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_cs"])
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm, stride_cs,
                      N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, WB: tl.constexpr, PRECISE_ACC: tl.constexpr,
@@ -72,7 +72,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, st
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _sum_splits_kernel(p_ptr, c_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """c = p[0] + p[1] + ... in this fixed order (torch.sum may reorder by shape)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -175,7 +175,7 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
     return c
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w8a16_gemm_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_cm,
                        N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, WB: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):

@@ -34,7 +34,8 @@ _FLOAT_TYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_TYPES = (torch.int32, torch.int64)
 
 
-@triton.jit(do_not_specialize=["skip_upto", "fill_all"])   # same code for indexer_scores and the top-k path
+# skip_upto / fill_all: the same code for indexer_scores and the top-k path; the rest follow the batch
+@triton.jit(do_not_specialize=["max_rows", "skip_upto", "fill_all", "stride_bt", "stride_st"])
 def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, seq_ptr, pos_ptr, s_ptr,
                   max_rows, skip_upto, fill_all, scale,
                   stride_qt, stride_qh, stride_wt, stride_wh, stride_kb, stride_kr, stride_bt, stride_st,
@@ -76,7 +77,7 @@ def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, seq_ptr, pos_ptr, s_ptr,
         tl.store(out_ptrs, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=rows < max_rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_rows", "stride_st"])
 def _select_kernel(s_ptr, pos_ptr, out_ptr, max_rows, stride_st, K: tl.constexpr,
                    RATIO: tl.constexpr, BLOCK: tl.constexpr, KBLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -232,7 +233,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, block_tab
     block = SELECT_BLOCK if select_block is None else select_block
     if not isinstance(block, int) or not 16 <= block <= 4096 or block & (block - 1):
         raise ValueError(f"indexer_topk: select_block={select_block!r} must be a power of two in [16, 4096]")
-    block = min(block, max(16, triton.next_power_of_2(max_rows)))
+    # not shrunk to the batch's max_rows: BLOCK is a constexpr, and a block that followed the batch
+    # would compile a new kernel variant mid-serving whenever the longest context crossed a power of 2
     T = q.shape[0]
     idx = torch.empty((T, topk), dtype=torch.int32, device=q.device)
     if T == 0:

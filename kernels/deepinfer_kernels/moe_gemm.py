@@ -287,7 +287,7 @@ def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _moe_combine_kernel(y_ptr, out_ptr, T, D, K1: tl.constexpr, SHARED_LAST: tl.constexpr, BT: tl.constexpr,
                         BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)

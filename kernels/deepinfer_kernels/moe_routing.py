@@ -34,7 +34,7 @@ def _sqrt_softplus(x):
     return tl.sqrt_rn(tl.where(x > 20.0, x, log1p))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_kernel(logit_ptr, bias_ptr, tid_ptr, input_ptr, ids_ptr, w_ptr, T, E, stride_l, stride_tid,
                   routed_scale, TOPK: tl.constexpr, K1: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
                   BT: tl.constexpr, HASH: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr):
@@ -130,7 +130,7 @@ def _lower_bound(sorted_ptr, target, n, N_ITER: tl.constexpr):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _schedule_kernel(sorted_ptr, sched_ptr, n, E1, N_ITER: tl.constexpr, EB: tl.constexpr,
                      BM1: tl.constexpr, BM2: tl.constexpr):
     e = tl.arange(0, EB)
@@ -168,8 +168,9 @@ def expert_schedule(sorted_ids: torch.Tensor, num_experts: int, block_m: tuple[i
     n = sorted_ids.numel()
     EB = triton.next_power_of_2(num_experts)
     sched = torch.empty((SCHED_ROWS, EB), dtype=torch.int32, device=sorted_ids.device)
-    # enough halvings for n + 1 outcomes, rounded up to a multiple of 4 (few compiled variants)
-    n_iter = -(-max(n, 1).bit_length() // 4) * 4
+    # enough halvings for n + 1 outcomes: 16 up to 65535 rows (a few idle iterations for small batches,
+    # but one compiled variant whatever the batch), then rounded up to a multiple of 4
+    n_iter = max(16, -(-max(n, 1).bit_length() // 4) * 4)
     _schedule_kernel[(1,)](sorted_ids, sched, n, num_experts, N_ITER=n_iter, EB=EB, BM1=block_m[0],
                            BM2=block_m[1])
     return sched

@@ -105,7 +105,7 @@ def _load_packed(u8_ptr, b16_ptr, off, ok, offs_d, D: tl.constexpr, NOPE: tl.con
     return tl.where(is_q, v.to(dtype), rope.to(dtype))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_idx", "chunk", "s_bt", "s_idx"])
 def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, ring16_ptr, sink_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
                         cu_ptr, start_ptr, tseq_ptr, pos_ptr, slots_ptr, comp_ptr, comp16_ptr, bt_ptr, idx_ptr,
                         H, R, window, n_idx, ratio, qk_scale, chunk,
@@ -206,7 +206,7 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, ring16_ptr, sink_ptr, out_ptr, 
                  o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, NSPLIT, s_ot, s_oh,
                     D: tl.constexpr, BLOCK_H: tl.constexpr):
     """Merge the splits of one (token, head block) in split order, with the sink."""

@@ -19,6 +19,16 @@ from deepinfer_kernels.compressor import new_blocks
 from deepinfer_core.cache.state_cache import BLOCK_SIZE
 from deepinfer_core.ops.transfer import to_device
 
+# Every part of the flat metadata buffer starts on a 16-byte boundary (4 int32s). Triton specialises
+# a kernel on whether each pointer argument is 16-byte aligned: parts packed back to back would move
+# in and out of alignment with the batch's sizes and compile a new variant of every metadata-reading
+# kernel in the middle of serving (seconds each).
+ALIGN = 4
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
 
 @dataclass
 class NewBlocks:
@@ -61,7 +71,8 @@ def _host_parts(starts, lens, slots, tables, ratios, max_blocks: int):
 
 def _views(flat: torch.Tensor, parts_sizes: list[int], ratios, num_seqs: int, max_blocks: int, positions,
            counts, max_rows, block_table: torch.Tensor | None = None) -> AttentionMeta:
-    views = list(torch.split(flat, parts_sizes))
+    padded = list(torch.split(flat, [_padded(n) for n in parts_sizes]))
+    views = [v[:n] for v, n in zip(padded, parts_sizes)]
     cu_t, start_t, seq_t, slot_t = views[:4]
     if block_table is None:
         block_table = views.pop(4).view(num_seqs, max_blocks)
@@ -85,9 +96,10 @@ def build_meta(batch, ratios: tuple[int, ...]) -> AttentionMeta:
         tables = [st.table.ids for st in states]
         max_blocks = max(1, max(len(t) for t in tables))
     parts, counts = _host_parts(starts, lens, slots, tables, ratios, max_blocks)
-    flat = to_device([v for p in parts for v in p], torch.int32, batch.positions.device)
+    flat = to_device([v for p in parts for v in p + [0] * (_padded(len(p)) - len(p))], torch.int32,
+                     batch.positions.device)
     if batch.slot_tables is not None:
-        slot_t = flat[len(parts[0]) + len(parts[1]) + len(parts[2]):][:len(slots)]
+        slot_t = flat[sum(_padded(len(p)) for p in parts[:3]):][:len(slots)]
         device_table = batch.slot_tables.block_table.index_select(0, slot_t)[:, :max_blocks]
     max_rows = {r: max((st + n) // r for st, n in zip(starts, lens)) for r in ratios}
     return _views(flat, [len(p) for p in parts], ratios, len(lens), max_blocks, batch.positions, counts,
@@ -116,7 +128,7 @@ class StaticMeta:
         self.blocks_len = closed_blocks_bound(ratios, n, q)
         sizes = [n + 1, n, n * q, n, n * max_blocks] + [self.blocks_len[r] for r in ratios for _ in (0, 1)]
         dev = positions.device
-        flat = torch.zeros(sum(sizes), dtype=torch.int32, device=dev)
+        flat = torch.zeros(sum(_padded(n) for n in sizes), dtype=torch.int32, device=dev)
         rows = {r: max_blocks * 128 // r for r in ratios}      # the most rows a block table can hold
         self.meta = m = _views(flat, sizes, ratios, n, max_blocks, positions,
                                [self.blocks_len[r] for r in ratios], rows)

@@ -1,0 +1,47 @@
+"""After the engine's warm-up, serving never compiles a Triton kernel: requests of every length arrive
+while others decode (mixed prefill + decode batches of changing sizes, speculative verification, the
+bundled model as `LLM()` runs it, bf16 + QAT). A new kernel variant mid-serving costs seconds (the
+stall this test was written for: a wave of requests waited 5.5 s behind compiles at concurrency 64).
+Run on a GPU machine: `python -m pytest -q -m gpu tests/gpu/test_no_late_compiles.py`."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from deepinfer_kernels.compile_watch import compile_watch
+
+from deepinfer_core import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def serve_mixed(llm: LLM, steps: int, seed: int) -> int:
+    """Staggered arrivals: 0-4 new requests before each step (prompts 1-700 tokens, 1-48 new tokens,
+    greedy or sampled), stepped until all finish; returns the requests served."""
+    rng, engine, n = random.Random(seed), llm.engine, 0
+    vocab = llm.runner.model_config.vocab_size
+    for step in range(steps):
+        for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
+            ids = [rng.randrange(2, vocab) for _ in range(rng.choice([1, 5, 17, 64, 130, rng.randrange(1, 700)]))]
+            params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randrange(1, 48),
+                                    ignore_eos=True, seed=n)
+            engine.add_request(f"r{seed}-{n}", ids, params)
+            n += 1
+        if engine.has_unfinished_requests():
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return n
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_no_compiles_after_warmup(dtype):
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    watch = compile_watch()                   # installed before the engine compiles anything
+    llm = LLM(dtype=dtype, device="cuda", max_num_seqs=64, max_model_len=1024)
+    start = watch.mark()
+    served = serve_mixed(llm, steps=300, seed=0)
+    late = watch.since(start)
+    print(f"[gpu] {served} requests after the warm-up; {len(late)} compiles")
+    assert not late, "Triton compiled after the warm-up:\n" + "\n".join(map(str, late))
