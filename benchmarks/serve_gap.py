@@ -14,7 +14,7 @@ time to each request's first output (p50 / p99).
 
     python benchmarks/serve_gap.py --layers 4 --input-len 512 --output-len 128 --concurrency 1,64,256
     python benchmarks/serve_gap.py --tiny --input-len 32 --output-len 8 --concurrency 1,4     # CPU smoke
-    python benchmarks/serve_gap.py --layers 4 --concurrency 16,64 --rounds 2 --engine-process  # the stall
+    python benchmarks/serve_gap.py --layers 4 --concurrency 16,64,256 --rounds 2 --engine-process  # waves
 
 On CUDA the table also counts the Triton kernels compiled during each mode's run (after the warm-ups;
 `deepinfer_kernels.compile_watch`): a compile in the middle of serving stalls every request for

@@ -371,23 +371,24 @@ TABLE: dict[str, Run | Skip] = {
     "\"Hello\"}], \"max_tokens\": 16}'": Skip("needs the server of the line above running; tests/serve/test_server.py "
                                               "sends the same requests with httpx and the openai client"),
     "python benchmarks/serve_bench.py --dummy-layers 4 --launch \"--dtype bfloat16 --max-model-len 2048 "
-    "--max-num-seqs 256\" --input-len 512 --output-len 128 --concurrency 1,16,64,256 --prompts-per-concurrency 2 "
-    "--warmup-output-len 128 --label v4flash_4L_bf16_thread": Skip(
+    "--max-num-seqs 256 --no-engine-process\" --input-len 512 --output-len 128 --concurrency 1,16,64,256 "
+    "--prompts-per-concurrency 2 --warmup-output-len 128 --label v4flash_4L_bf16_thread": Skip(
         "a V4-Flash-width model on the H200; tests/benchmarks/test_serve_bench.py runs it end to end on a tiny one"),
     "python benchmarks/serve_bench.py --dummy-layers 4 --launch \"--dtype bfloat16 --max-model-len 2048 "
     "--max-num-seqs 256 --engine-process\" --input-len 512 --output-len 128 --concurrency 1,16,64,256 "
     "--prompts-per-concurrency 2 --warmup-output-len 128 --label v4flash_4L_bf16_proc": Skip(
         "a V4-Flash-width model on the H200; tests/serve/test_server_dp.py serves over --engine-process on the CPU"),
-    "python benchmarks/serve_gap.py --layers 4 --concurrency 16,64 --rounds 2 --engine-process": Skip(
+    "python benchmarks/serve_gap.py --layers 4 --concurrency 16,64,256 --rounds 2 --engine-process": Skip(
         "a V4-Flash-width model on the H200; tests/benchmarks/test_serve_gap.py runs it on the tiny config"),
+    "python -m pytest -q -m gpu tests/gpu/test_no_late_compiles.py": Skip(
+        "needs a CUDA GPU (Triton compiles only there; run on the H200)"),
     "python benchmarks/report_channel.py": Skip("prints timings (never a timed test); runs in seconds on a CPU"),
     "python benchmarks/throughput.py --layers 4 --input-len 512 --output-len 128 --sweep-batches 1,16,64,256 "
     "--max-model-len 2048 --label v4flash_4L_serve_cmp": Skip(
         "a V4-Flash-width model on the H200; its CPU path runs in tests/benchmarks/test_throughput.py"),
     "python benchmarks/serve_gap.py --layers 4 --input-len 512 --output-len 128 --concurrency 1,64,256 "
-    "--dtype float32": Skip("the float32 run of the line below; a V4-Flash-width model on the H200"),
-    "python benchmarks/serve_gap.py --layers 4 --input-len 512 --output-len 128 --concurrency 1,64,256": Skip(
-        "a V4-Flash-width model on the H200; tests/benchmarks/test_serve_gap.py runs it on the tiny config"),
+    "--dtype float32": Skip("a V4-Flash-width model on the H200; tests/benchmarks/test_serve_gap.py runs serve_gap "
+                            "on the tiny config"),
     "python -m deepinfer_core.serve --model /tmp/tiny-v4 --port 8000 --api-key sk-local": Skip(
         "a server runs until it is stopped; examples/openai_client.py (run above) starts and stops one, "
         "tests/serve/test_server.py tests one"),

@@ -12,6 +12,7 @@ import torch
 from deepinfer_kernels.compile_watch import compile_watch
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -36,10 +37,11 @@ def serve_mixed(llm: LLM, steps: int, seed: int) -> int:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16"])
-def test_no_compiles_after_warmup(dtype):
+def test_no_compiles_after_warmup(dtype, tmp_path):
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
     watch = compile_watch()                   # installed before the engine compiles anything
-    llm = LLM(dtype=dtype, device="cuda", max_num_seqs=64, max_model_len=1024)
+    model = make_trained_checkpoint(tmp_path / "trained", ARTIFACT)    # the model LLM() runs
+    llm = LLM(model=str(model), dtype=dtype, device="cuda", max_num_seqs=64, max_model_len=1024)
     start = watch.mark()
     served = serve_mixed(llm, steps=300, seed=0)
     late = watch.since(start)

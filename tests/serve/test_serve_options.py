@@ -26,3 +26,19 @@ def test_unsupported_data_parallel_options_are_refused_at_start(flags, message, 
     monkeypatch.setattr("deepinfer_core.parallel.dp_engine.DataParallelLLM._start", no_rank)
     assert serve_main.main(["--model", "/nonexistent", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        ([], None),  # this machine's platform is the CPU: the engine thread
+        (["--device", "cuda"], True),  # the engine process (README Serve: faster behind the server)
+        (["--device", "cuda", "--no-engine-process"], False),
+        (["--engine-process"], True),
+        (["--no-engine-process"], False),
+    ],
+)
+def test_the_server_runs_a_cuda_engine_in_its_own_process_by_default(flags, expected, monkeypatch):
+    monkeypatch.delenv("DEEPINFER_ACCELERATOR", raising=False)
+    args = serve_main.build_parser().parse_args(flags)
+    assert serve_main.server_engine_options(args).get("engine_process") is expected
