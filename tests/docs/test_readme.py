@@ -424,7 +424,8 @@ TABLE: dict[str, Run | Skip] = {
     AVX2_SUITE: Skip("the whole CI suite a second time (held to AVX2 kernels), run by hand: CI's"
                      " 30 minutes hold one run"),
     "python -m pytest -q -s -m gpu tests/gpu": Skip(GPU),
-    "python -m pytest -q tests/kernels": Skip("part of the CI command (tests/kernels runs there)"),
+    "DEEPINFER_USE_NEXTN_DECODE=0 python -m pytest -q -n 8 tests/kernels tests/gpu": Skip(
+        "the compiled kernel and GPU tests: " + GPU + " (tests/kernels runs in CI under the interpreter)"),
     "python benchmarks/tune_kernels.py": Skip(GPU),
     "DEEPINFER_ACCELERATOR=nvidia ./build.sh --test": Skip("installs the nvidia backend; " + GPU),
     "python tests/structured/so_corpus.py": Skip(
