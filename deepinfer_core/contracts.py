@@ -45,6 +45,9 @@ class AttentionBackend(Protocol):
     def forward(self, attn: Any, inp: Any, batch: Any, states: list) -> torch.Tensor:
         """One layer's attention over the batch (model/attention.py builds `inp`)."""
 
+    # Optional: `compiles_expected() -> ContextManager`, entered around the runner's warm-up on CUDA
+    # (runner/warmup.py): a backend whose kernels compile just in time can report compiles after it.
+
 
 @runtime_checkable
 class GraphMetadata(Protocol):

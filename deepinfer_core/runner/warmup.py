@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -44,6 +45,15 @@ def warm_up(runner, max_tokens: int) -> float:
     once greedy and once seeded on the logits."""
     if torch.device(runner.device).type != "cuda":
         return 0.0
+    # a backend that compiles kernels may watch for compiles after this (AttentionBackend's optional
+    # `compiles_expected`, contracts.py): those stall every request of their step
+    ops = runner.loaded.ops
+    expected = getattr(ops.attention, "compiles_expected", None) if ops is not None else None
+    with expected() if expected is not None else nullcontext():
+        return _warm_up(runner, max_tokens)
+
+
+def _warm_up(runner, max_tokens: int) -> float:
     from ..api.sampling_params import SamplingParams
     from ..engine.scheduler import CacheUpdates
     from ..engine.step_executor import StepBatch

@@ -7,7 +7,9 @@ of a per-batch tensor, a pointer into a packed buffer) makes new variants appear
 serving, seconds each; the engine's warm-up cannot cover every combination. The kernels therefore
 mark batch-dependent integers `do_not_specialize` and the metadata buffers keep their parts
 aligned. This watch checks that: `mark()` after the warm-up, run a workload, `since(mark)` must be
-empty; each event names the arguments in which it differs from the closest earlier variant.
+empty; each event names the arguments in which it differs from the closest earlier variant. The
+engine's warm-up runs inside `expecting()` (through the nvidia attention backend's
+`compiles_expected`); once a warm-up has finished, a compile outside one is logged as a warning.
 
     from deepinfer_kernels.compile_watch import compile_watch
     watch = compile_watch()          # installs Triton's JIT hooks once per process
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,8 @@ class CompileWatch:
         self.events: list[CompileEvent] = []
         self._started: dict[str, float] = {}
         self._previous = (None, None)
+        self._expected = 0            # warm-ups in progress
+        self.armed = False            # a warm-up has finished: later compiles stall requests
 
     def install(self) -> None:
         from triton import knobs
@@ -73,6 +79,16 @@ class CompileWatch:
 
         knobs.runtime.jit_cache_hook = before
         knobs.runtime.jit_post_compile_hook = after
+
+    @contextmanager
+    def expecting(self) -> Iterator[None]:
+        """Compiles inside are expected (an engine's warm-up); afterwards the watch is armed."""
+        self._expected += 1
+        try:
+            yield
+        finally:
+            self._expected -= 1
+            self.armed = True
 
     def mark(self) -> int:
         return len(self.events)
@@ -96,7 +112,11 @@ class CompileWatch:
         if t0 is not None:
             event = next(e for e in reversed(self.events) if e.kernel == kw["fn"].name)
             event.seconds = time.perf_counter() - t0
-            log.debug("%s", event)
+            if self.armed and not self._expected:
+                log.warning("%s after the engine's warm-up: the requests of this step waited for it (a "
+                            "kernel argument that follows the batch; please report it)", event)
+            else:
+                log.debug("%s", event)
 
 
 _WATCH: CompileWatch | None = None

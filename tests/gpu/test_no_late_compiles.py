@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-from deepinfer_kernels.compile_watch import compile_watch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
@@ -39,6 +38,9 @@ def serve_mixed(llm: LLM, steps: int, seed: int) -> int:
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_no_compiles_after_warmup(dtype, tmp_path):
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    # imported here, not at collection: importing triton before tests/kernels' conftest sets
+    # TRITON_INTERPRET=1 would leave every kernel compiled-only in a CPU run
+    from deepinfer_kernels.compile_watch import compile_watch
     watch = compile_watch()                   # installed before the engine compiles anything
     model = make_trained_checkpoint(tmp_path / "trained", ARTIFACT)    # the model LLM() runs
     llm = LLM(model=str(model), dtype=dtype, device="cuda", max_num_seqs=64, max_model_len=1024)

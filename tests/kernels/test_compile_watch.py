@@ -39,3 +39,22 @@ def test_a_new_variant_names_the_arguments_that_differ_from_the_closest_earlier_
     watch._on_start(hook_args("d", False, False, 128))
     assert [str(e).split(" compiled")[0] for e in watch.since(mark)] == ["_k"]
     assert watch.since(mark)[0].differs == {"BLOCK": "=64 -> =128"}
+
+
+def test_a_compile_after_a_warm_up_is_a_warning_and_one_inside_a_warm_up_is_not(caplog):
+    watch = CompileWatch()
+
+    def compile_now(key: str, block: int) -> None:
+        watch._on_start(hook_args(key, True, True, block))
+        watch._on_end(hook_args(key, True, True, block))
+
+    with caplog.at_level("DEBUG", logger="deepinfer_kernels.compile_watch"):
+        compile_now("before", 16)                   # kernel tests, tools: no engine warmed up yet
+        with watch.expecting():                     # the runner's warm-up
+            compile_now("warm-up", 32)
+        assert watch.armed and not [r for r in caplog.records if r.levelname == "WARNING"]
+        compile_now("serving", 64)
+        with watch.expecting():                     # a second engine's warm-up in the same process
+            compile_now("second warm-up", 128)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "-> =64)" in warnings[0] and "after the engine's warm-up" in warnings[0]
