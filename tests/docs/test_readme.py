@@ -473,6 +473,8 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/weight_memory.py": Skip(
         "~80 s of CPU over the 43-layer meta graph, rewrites benchmarks/results/weight_memory.json; "
         "tests/benchmarks/test_weight_memory.py runs the same accounting on the tiny config"),
+    "python benchmarks/qat_divergence.py --ablate": Skip("about 2 minutes of CPU (8 LLM runs over the bundled "
+                                                         "model); the teacher-forced mode below is skipped too"),
     "python benchmarks/qat_divergence.py": Skip(
         "a measurement whose numbers the README quotes (4 forwards of the bundled model, ~1 min of CPU), "
         "nothing to assert"),
