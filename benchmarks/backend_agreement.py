@@ -52,6 +52,11 @@ def top2_gap(logprobs: dict) -> float:
     return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
+def first_divergence(a: list[int], b: list[int], n: int) -> int:
+    """How many leading tokens two continuations share (n when all do)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n)
+
+
 def greedy_agreement(devices: list[str], model: str | None = None, prompts: list[str] = GREEDY_PROMPTS) -> dict:
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
@@ -66,7 +71,7 @@ def greedy_agreement(devices: list[str], model: str | None = None, prompts: list
                 runs[dtype] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
                 speculator = llm.engine.executor.speculator       # bf16 verify steps round as batches of rows
                 drafts.add(speculator.num_drafts if speculator is not None else 0)
-            prefix = [next((i for i, (a, b) in enumerate(zip(f.token_ids, h.token_ids)) if a != b), n)
+            prefix = [first_divergence(f.token_ids, h.token_ids, n)
                       for f, h in zip(runs["float32"], runs["bfloat16"])]
             # float32's top-2 log-prob gap along its own greedy path: where bf16 parts, and how many near-ties
             gaps = [[top2_gap(lp) for lp in f.logprobs] for f in runs["float32"]]

@@ -60,7 +60,7 @@ def greedy_prefix_agreement(model: str, off: set[str]) -> dict:
     """bf16 vs float32 greedy agreement with the QAT parts in `off` switched off in both runs (the
     portable ops patched for the duration: CPU only)."""
     sys.path.insert(0, str(HERE))
-    from backend_agreement import GREEDY_PROMPTS
+    from backend_agreement import GREEDY_PROMPTS, first_divergence
 
     from deepinfer_core import LLM, SamplingParams
     pointwise = portable_pointwise.PortablePointwise.norm_rope_quant
@@ -81,8 +81,7 @@ def greedy_prefix_agreement(model: str, off: set[str]) -> dict:
     finally:
         portable_pointwise.PortablePointwise.norm_rope_quant = pointwise
         portable_linear.fake_quant_fp8 = QUANT
-    prefix = [next((i for i, (a, b) in enumerate(zip(f, h)) if a != b), n)
-              for f, h in zip(runs["float32"], runs["bfloat16"])]
+    prefix = [first_divergence(f, h, n) for f, h in zip(runs["float32"], runs["bfloat16"])]
     return dict(agreement=sum(prefix) / (n * len(prefix)), first_divergence=prefix)
 
 

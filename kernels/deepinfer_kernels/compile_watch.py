@@ -60,14 +60,12 @@ class CompileWatch:
     def __init__(self) -> None:
         self.events: list[CompileEvent] = []
         self._started: dict[str, float] = {}
-        self._previous = (None, None)
         self._expected = 0            # warm-ups in progress
         self.armed = False            # a warm-up has finished: later compiles stall requests
 
     def install(self) -> None:
         from triton import knobs
-        pre, post = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
-        self._previous = (pre, post)
+        pre, post = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook   # chained, kept
 
         def before(**kw):
             self._on_start(kw)
