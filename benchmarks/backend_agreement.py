@@ -61,6 +61,9 @@ def greedy_agreement(devices: list[str], model: str | None = None, prompts: list
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_core.tools.bundled_model import bundled_tiny_model_dir
     name, model, n = model or "bundled trained tiny model", model or str(bundled_tiny_model_dir()), 32
+    if model.endswith(".safetensors"):          # a training run's compact artifact: build its checkpoint
+        from deepinfer_core.tools.trained_model import make_trained_checkpoint
+        model = str(make_trained_checkpoint(Path(tempfile.mkdtemp()) / "ckpt", model))
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
     rows = []
     for device in devices:
@@ -96,7 +99,8 @@ def main() -> None:
     ap.add_argument("--mma-sync-tiles", action="store_true",
                     help="force 16-row FP8 GEMM tiles (mma.sync, fp32-exact sums) instead of wgmma tiles, to "
                          "separate the FP8 tensor cores' short accumulator from everything else")
-    ap.add_argument("--model", help="--greedy on this checkpoint (default: the bundled trained tiny model)")
+    ap.add_argument("--model", help="--greedy on this checkpoint or training artifact (run/artifact.safetensors; "
+                                    "default: the bundled trained tiny model)")
     ap.add_argument("--prompts", type=Path, help="--greedy with these prompts (JSON: {\"prompts\": [...]})")
     ap.add_argument("--tag", default="", help="suffix of the --greedy JSON's name")
     args = ap.parse_args()

@@ -513,6 +513,13 @@ TABLE: dict[str, Run | Skip] = {
     "python -m tools.train_tiny.train corpus.npz run --device cuda --steps 100000 --minutes 5 --batch 8 "
     "--length 2048 --warmup 30 --eval-every 50 --act-noise 0.0625": Skip(
         GPU + "; tests/train_tiny trains a few CPU steps with the same code"),
+    "python -m tools.train_tiny.train corpus.npz run --device cuda --steps 100000 --minutes 8.1 --batch 32 "
+    "--length 2048 --warmup 30 --eval-every 25 --act-noise 0.0625 --export final": Skip(
+        GPU + "; tests/train_tiny trains a few CPU steps with the same code"),
+    "python -m tools.train_tiny.train corpus.npz run --device cuda --steps 100000 --minutes 5.2 --batch 32 "
+    "--length 2048 --warmup 30 --eval-every 25 --no-qat": Skip(GPU + "; tests/train_tiny trains a few CPU steps"),
+    "python benchmarks/backend_agreement.py --greedy cpu --model run/artifact.safetensors": Skip(
+        "needs a GPU training run's artifact; the bundled model's agreement command runs the same code"),
     "python -m tools.train_tiny.count_ops corpus.npz --batch 8 --length 2048": Skip(
         "needs the corpus (fetched with pip); the training step it counts runs in tests/train_tiny"),
     "python -m tools.train_tiny.check run corpus.npz": Skip(

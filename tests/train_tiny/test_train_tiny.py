@@ -104,3 +104,18 @@ def test_the_loss_counts_the_shared_row_once_per_token_it_stands_for():
     full = torch.cat([logits[:, :-1], logits[:, -1:].expand(-1, 129280 - (rows - 1))], dim=1)
     want = torch.logsumexp(full, dim=1) - logits.gather(1, targets[:, None]).squeeze(1)
     torch.testing.assert_close(M.nll(logits, targets), want)
+
+
+@pytest.mark.parametrize("export, step", [("best", 1), ("final", 3)])
+def test_export_picks_the_best_evaluation_or_the_last_step(tmp_path, monkeypatch, export, step):
+    """The held-out loss rises after step 1 (a stubbed evaluation): `best` exports step 1's weights,
+    `final` (a run meant to learn its training text by heart) the last step's."""
+    write_corpus(tmp_path)
+    calls = iter(range(100))
+    monkeypatch.setattr(train, "evaluate", lambda *a, **k: {"main_nll": 5.0 + next(calls)})
+    args = train.parse([str(tmp_path / "corpus.npz"), str(tmp_path / "out"), "--device", "cpu", "--steps", "3",
+                        "--batch", "1", "--length", "32", "--warmup", "1", "--eval-every", "1",
+                        "--eval-windows", "1", "--vocab-rows", "64", "--export", export])
+    report = train.train(args)
+    assert report["best_step"] == 1 and report["exported_step"] == step
+    assert read_artifact(tmp_path / "out" / "artifact.safetensors")[2]["exported_step"] == step

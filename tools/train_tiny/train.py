@@ -108,14 +108,15 @@ def train(a: argparse.Namespace) -> dict:
            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
            "final": curve[-1] if curve else None, "best_step": best[1] if best else step,
            "heldout_windows": {"count": len(held), "length": a.length, "starts": held.tolist()}}
-    if best is not None and best[1] != step:    # the held-out loss rose since: keep the best weights
+    keep_best = a.export == "best" and best is not None
+    if keep_best and best[1] != step:    # the held-out loss rose since: keep the best weights
         with torch.no_grad():
             for n, t in model.named_buffers():
                 t.copy_(best[2][n])
     M.round_to_checkpoint(model)
     exported = evaluate(model, held_rows, held, a.length, a.device, a.batch)
     print(json.dumps({"exported_heldout": exported}), flush=True)
-    info = dict(run, exported_step=best[1] if best else step, exported_heldout=exported)
+    info = dict(run, exported_step=best[1] if keep_best else step, exported_heldout=exported)
     write_artifact(model, vocab, out / "artifact.safetensors", info)
     (out / "report.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
@@ -147,6 +148,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab-rows", type=int, default=8192, help="embedding/head rows (the last is shared)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-windows", type=int, default=64)
+    ap.add_argument("--export", choices=("best", "final"), default="best",
+                    help="the weights exported: the best held-out evaluation's or the last step's (a run meant to "
+                         "learn the training text by heart keeps training past the held-out minimum)")
     return ap.parse_args(argv)
 
 
