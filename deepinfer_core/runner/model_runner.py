@@ -33,7 +33,7 @@ from ..plugin_context import BuildContext
 from ..plugins import get_plugin_manager
 from .cuda_graphs import DecodeGraphs
 from .slot_tables import SlotTables
-from .warmup import warm_up
+from .warmup import compiles_expected, warm_up
 
 if TYPE_CHECKING:
     from ..engine.step_executor import StepBatch
@@ -292,7 +292,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        with torch.no_grad():
+        with torch.no_grad(), compiles_expected(self):
             self.model(ForwardBatch.build([[0] * n], [scratch.bind(0, list(range(scratch.num_blocks)))],
                                           self.device))
         torch.cuda.synchronize()

@@ -45,12 +45,19 @@ def warm_up(runner, max_tokens: int) -> float:
     once greedy and once seeded on the logits."""
     if torch.device(runner.device).type != "cuda":
         return 0.0
-    # a backend that compiles kernels may watch for compiles after this (AttentionBackend's optional
-    # `compiles_expected`, contracts.py): those stall every request of their step
+    with compiles_expected(runner):
+        return _warm_up(runner, max_tokens)
+
+
+def compiles_expected(runner):
+    """A context in which kernel compiles are part of start-up: the warm-up and the start-up's memory
+    profile forward (which, in a process that already served another engine with other numerics,
+    compiles that engine's variants first). A backend that compiles kernels may watch for compiles
+    outside it (AttentionBackend's optional `compiles_expected`, contracts.py): those stall every
+    request of their step."""
     ops = runner.loaded.ops
     expected = getattr(ops.attention, "compiles_expected", None) if ops is not None else None
-    with expected() if expected is not None else nullcontext():
-        return _warm_up(runner, max_tokens)
+    return expected() if expected is not None else nullcontext()
 
 
 def _warm_up(runner, max_tokens: int) -> float:

@@ -34,6 +34,7 @@ class CompileEvent:
     args: dict[str, str]               # parameter -> "i32", "i32 %16", "*bf16 aligned", "=3" (constexpr)
     seconds: float = 0.0
     differs: dict[str, str] = field(default_factory=dict)   # vs the closest earlier variant: "old -> new"
+    expected: bool = True              # before any warm-up finished, or inside one (`expecting`)
 
     def __str__(self) -> str:
         what = ", ".join(f"{k}: {v}" for k, v in self.differs.items()) or "first variant"
@@ -98,7 +99,7 @@ class CompileWatch:
         name = kw["fn"].name
         args = describe_args(kw["compile"])
         earlier = [e.args for e in self.events if e.kernel == name]
-        event = CompileEvent(name, args)
+        event = CompileEvent(name, args, expected=not self.armed or self._expected > 0)
         if earlier:
             closest = min(earlier, key=lambda a: sum(a.get(k) != v for k, v in args.items()))
             event.differs = {k: f"{closest.get(k)} -> {v}" for k, v in args.items() if closest.get(k) != v}
@@ -110,7 +111,7 @@ class CompileWatch:
         if t0 is not None:
             event = next(e for e in reversed(self.events) if e.kernel == kw["fn"].name)
             event.seconds = time.perf_counter() - t0
-            if self.armed and not self._expected:
+            if not event.expected:
                 log.warning("%s after the engine's warm-up: the requests of this step waited for it (a "
                             "kernel argument that follows the batch; please report it)", event)
             else:

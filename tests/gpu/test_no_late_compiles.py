@@ -35,17 +35,27 @@ def serve_mixed(llm: LLM, steps: int, seed: int) -> int:
     return n
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16"])
-def test_no_compiles_after_warmup(dtype, tmp_path):
+@pytest.mark.parametrize("simulate_qat", [True, False])
+def test_no_compiles_after_warmup(simulate_qat, tmp_path):
+    """Run in this order, the QAT-off engine is the second of the process: its start-up (memory profile,
+    warm-up) compiles its own variants after the first engine armed the watch, as in
+    benchmarks/backend_agreement.py --greedy; those compiles are start-up, not serving."""
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
     # imported here, not at collection: importing triton before tests/kernels' conftest sets
     # TRITON_INTERPRET=1 would leave every kernel compiled-only in a CPU run
     from deepinfer_kernels.compile_watch import compile_watch
     watch = compile_watch()                   # installed before the engine compiles anything
     model = make_trained_checkpoint(tmp_path / "trained", ARTIFACT)    # the model LLM() runs
-    llm = LLM(model=str(model), dtype=dtype, device="cuda", max_num_seqs=64, max_model_len=1024)
+    before = watch.mark()
+    llm = LLM(model=str(model), dtype="bfloat16", simulate_qat=simulate_qat, device="cuda", max_num_seqs=64,
+              max_model_len=1024)
+    unexpected = [e for e in watch.since(before) if not e.expected]
     start = watch.mark()
     served = serve_mixed(llm, steps=300, seed=0)
     late = watch.since(start)
-    print(f"[gpu] {served} requests after the warm-up; {len(late)} compiles")
+    print(f"[gpu] QAT {simulate_qat}: {start - before} compiles at start-up ({len(unexpected)} outside it), "
+          f"{served} requests after the warm-up; {len(late)} compiles")
+    assert not unexpected, "Triton compiled outside the start-up:\n" + "\n".join(map(str, unexpected))
     assert not late, "Triton compiled after the warm-up:\n" + "\n".join(map(str, late))
+    del llm
+    torch.cuda.empty_cache()

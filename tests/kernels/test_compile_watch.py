@@ -58,3 +58,4 @@ def test_a_compile_after_a_warm_up_is_a_warning_and_one_inside_a_warm_up_is_not(
             compile_now("second warm-up", 128)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "-> =64)" in warnings[0] and "after the engine's warm-up" in warnings[0]
+    assert [e.expected for e in watch.events] == [True, True, False, True]
