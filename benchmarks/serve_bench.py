@@ -7,7 +7,7 @@ the launched server gets a temporary config-only model directory of the real V4-
 layers (throughput.py's `--layers N` model: CSA/HCA alternating, FP8 experts, the V4 tokenizer) and
 `--load-format dummy`: random weights of V4-Flash width, no checkpoint needed.
 
-Every request is a streamed `/v1/completions` call (httpx, asyncio): a token-id prompt (random ids,
+Every request is a streamed `/v1/completions` call (aiohttp, asyncio): a token-id prompt (random ids,
 seeded, `--input-len` +- `--range-ratio`) or a `--dataset` line, `max_tokens` = its output length,
 `ignore_eos`, temperature 0, `stream_options.include_usage`. Requests arrive on a seeded Poisson
 schedule (`--request-rate`, default inf = all at once; `--burstiness` as vLLM's) and at most
@@ -173,10 +173,7 @@ class Bench:
     async def measure_all(self) -> None:
         a = self.a
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
-        # no pool limit: httpx's default of 100 connections would cap the concurrency silently
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        timeout = httpx.Timeout(a.request_timeout, connect=60.0)
-        async with httpx.AsyncClient(base_url=self.srv.url, headers=headers, limits=limits, timeout=timeout) as cl:
+        async with SH.client_session(self.srv.url, headers, a.request_timeout) as cl:
             for k, (conc, n) in enumerate(self.plan()):
                 row: dict[str, Any] = {
                     "concurrency": conc,
@@ -186,9 +183,9 @@ class Bench:
                     "output_len": a.output_len,
                 }
                 try:  # a server that died mid-run: the remaining rows say so, the run still ends cleanly
-                    health = await cl.get("/health")
-                    down = None if health.status_code == 200 else f"{health.status_code} {health.text[:200]}"
-                except httpx.HTTPError as e:
+                    async with cl.get("/health") as health:
+                        down = None if health.status == 200 else f"{health.status} {(await health.text())[:200]}"
+                except SH.CLIENT_ERRORS as e:
                     down = f"{type(e).__name__}: {e}"
                 if down is not None:
                     row["status"] = f"not run: /health: {down}"

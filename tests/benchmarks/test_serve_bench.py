@@ -12,7 +12,6 @@ import math
 import sys
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -143,33 +142,44 @@ def test_prompts_per_concurrency_plans_whole_rounds_of_the_batch():
 
 
 def test_client_reports_every_failure():
-    """Request 0 streams 3 chunks + usage + [DONE]; 1 is refused (503); 2's stream breaks off before
-    [DONE]: one completed request, two failed ones with their errors."""
+    """Request 0 streams 3 chunks + usage + [DONE]; 1 is refused (503); 2's stream ends before [DONE]:
+    one completed request, two failed ones with their errors (a local aiohttp server)."""
+    from aiohttp import web
 
     def event(d: dict) -> bytes:
         return f"data: {json.dumps(d)}\n\n".encode()
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
         assert body["stream"] and body["ignore_eos"] and body["stream_options"] == {"include_usage": True}
         which = body["prompt"][0]
         if which == 1:
-            return httpx.Response(503, json={"error": {"message": "busy"}})
-
-        async def stream():
-            for t in ("a", "b", "c"):
-                await asyncio.sleep(0.01)
-                yield event({"choices": [{"index": 0, "text": t}]})
-            if which == 0:
-                yield event({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}})
-                yield b"data: [DONE]\n\n"
-
-        return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
+            return web.json_response({"error": {"message": "busy"}}, status=503)
+        r = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await r.prepare(request)
+        for t in ("a", "b", "c"):
+            await asyncio.sleep(0.01)
+            await r.write(event({"choices": [{"index": 0, "text": t}]}))
+        if which == 0:
+            await r.write(event({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}))
+            await r.write(b"data: [DONE]\n\n")
+        await r.write_eof()
+        return r
 
     async def go():
-        reqs = [SM.BenchRequest([i, 9], 3, 2) for i in range(3)]
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://fake") as cl:
-            return await SH.run_requests(cl, "m", reqs, [0.0, 0.0, 0.0], concurrency=2)
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            reqs = [SM.BenchRequest([i, 9], 3, 2) for i in range(3)]
+            async with SH.client_session(f"http://127.0.0.1:{port}", {}, 30.0) as cl:
+                return await SH.run_requests(cl, "m", reqs, [0.0, 0.0, 0.0], concurrency=2)
+        finally:
+            await runner.cleanup()
 
     results, duration = asyncio.run(go())
     s = SM.summarize(results, duration)
