@@ -382,6 +382,13 @@ TABLE: dict[str, Run | Skip] = {
         "a V4-Flash-width model on the H200; tests/benchmarks/test_serve_gap.py runs it on the tiny config"),
     "python -m pytest -q -m gpu tests/gpu/test_no_late_compiles.py": Skip(
         "needs a CUDA GPU (Triton compiles only there; run on the H200)"),
+    "python benchmarks/serve_bench.py --dummy-layers 4 --launch \"--dtype bfloat16 --max-model-len 2048 "
+    "--max-num-seqs 256 --engine-process\" --input-len 512 --output-len 128 --concurrency 16,64 "
+    "--prompts-per-concurrency 2 --warmup-output-len 128 --label v4flash_4L_bf16_proc_aiohttp": Skip(
+        "a V4-Flash-width model on the H200; tests/benchmarks/test_serve_bench.py runs it end to end on a tiny one"),
+    "python benchmarks/throughput.py --layers 4 --input-len 512 --output-len 128 --sweep-batches 16,64 "
+    "--max-model-len 2048 --label v4flash_4L_serve_cmp_aiohttp": Skip(
+        "a V4-Flash-width model on the H200; tests/benchmarks/test_throughput.py runs its CI-sized form"),
     "python benchmarks/report_channel.py": Skip("prints timings (never a timed test); runs in seconds on a CPU"),
     "python benchmarks/throughput.py --layers 4 --input-len 512 --output-len 128 --sweep-batches 1,16,64,256 "
     "--max-model-len 2048 --label v4flash_4L_serve_cmp": Skip(
