@@ -8,7 +8,8 @@ and MMA ones (LDG global loads, LDGSTS async copies into shared memory, LDS / LD
 shared stores, BAR barriers, HMMA tensor-core MMAs): a decode that goes through shared memory shows there.
 
 Variants: the FP8 weights; FP4 experts with the integer decode; FP4 experts with the byte-permute
-decode (PRMT). The H200 runs Triton 3.6: put a 3.6 install first on PYTHONPATH to see what it
+decode (PRMT). `--kernels swap_ab`: a probe with the operands swapped (weights first, tokens second), to
+see whether the decoded weights reach wgmma as its register operand. The H200 runs Triton 3.6: put a 3.6 install first on PYTHONPATH to see what it
 compiles (`pip install --target DIR triton==3.6.0`); layouts may differ between Triton versions.
 
     python benchmarks/aot_sm90.py [--configs 4x4,8x2] [--kernels w13,w2] [--block-m 16]
@@ -25,6 +26,7 @@ from collections import Counter
 import triton
 import triton.language as tl
 from deepinfer_kernels import moe_gemm as M
+from deepinfer_kernels.fp4_experts import fp4_tile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -63,6 +65,33 @@ def w2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
     return _compile(M._moe_w2_kernel, sig, const, warps, stages)
 
 
+@triton.jit
+def _swap_ab_probe(p_ptr, g_ptr, s_ptr, x_ptr, y_ptr, K, stride_x, stride_y, BN: tl.constexpr, BM: tl.constexpr,
+                   PRMT: tl.constexpr):
+    """y^T = W x^T for one BN-row tile of an FP4 expert and BM tokens: the decoded weights are the
+    dot's first operand (wgmma's A, which may come from registers), the tokens its second (from
+    shared memory), one fresh dot per 128-deep block as in the grouped GEMMs. Compiled only here, to
+    see the layouts; not a kernel the engine runs."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    scale = tl.load(s_ptr + rn)
+    acc = tl.zeros((BN, BM), tl.float32)
+    for k0 in range(0, K, 128):
+        part = tl.zeros((BN, BM), tl.float32)
+        for kk in tl.static_range(4):
+            w = tl.trans(fp4_tile(p_ptr, g_ptr, rn, rn >= 0, k0 + kk * 32, K, scale, BN, 32, PRMT))
+            xt = tl.load(x_ptr + rm[None, :] * stride_x + (k0 + kk * 32 + tl.arange(0, 32))[:, None])
+            part = tl.dot(w, xt, part)
+        acc += part * scale[:, None]
+    tl.store(y_ptr + rm[None, :] * stride_y + rn[:, None], acc.to(tl.bfloat16))
+
+
+def swap_ab(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
+    sig = dict(p_ptr="*u8", g_ptr="*u8", s_ptr="*fp32", x_ptr="*fp8e4nv", y_ptr="*bf16", K="i32", stride_x="i32",
+               stride_y="i32")
+    return _compile(_swap_ab_probe, sig, dict(BN=64, BM=block_m, PRMT=prmt), warps, stages)
+
+
 def describe(kernel) -> dict:
     """Registers and local memory (spills) of the cubin, MMA instructions, dot operand kWidths, SASS
     instruction count."""
@@ -85,15 +114,18 @@ def describe(kernel) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="4x4,8x2", help="num_warps x num_stages, comma separated")
-    ap.add_argument("--kernels", default="w13,w2")
+    ap.add_argument("--kernels", default="w13,w2", help="w13, w2 and/or swap_ab: a probe of the grouped GEMMs "
+                    "with the operands swapped (FP4 variants only; see _swap_ab_probe)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}")
     ap.add_argument("--block-m", type=int, default=16)
     a = ap.parse_args()
     print(f"Triton {triton.__version__}, target sm_90, BLOCK_M {a.block_m}")
     for name in a.kernels.split(","):
-        build = {"w13": w13, "w2": w2}[name]
+        build = {"w13": w13, "w2": w2, "swap_ab": swap_ab}[name]
         for variant in a.variants.split(","):
             w4, prmt = VARIANTS[variant]
+            if name == "swap_ab" and not w4:
+                continue
             for cfg in a.configs.split(","):
                 warps, stages = (int(x) for x in cfg.split("x"))
                 d = describe(build(w4, prmt, warps, stages, a.block_m))

@@ -26,3 +26,14 @@ def test_w2_compiles_for_sm90_and_is_described():
     traffic = re.findall(r"LDG (\d+), LDGSTS (\d+), LDS (\d+), LDSM (\d+), STS (\d+), STSM (\d+), BAR (\d+), "
                          r"HMMA (\d+)", r.stdout)
     assert len(traffic) == 2 and all(int(row[-1]) > 0 for row in traffic), r.stdout    # both run tensor-core MMAs
+
+
+def test_the_swapped_probe_feeds_decoded_fp4_weights_to_wgmma():
+    """With the weights as the dot's first operand, the FP4 decode reaches Hopper's wgmma (e4m3 x e4m3,
+    the tokens as its N = 16) instead of the f16 mma.sync the grouped GEMMs compile to at 16 rows."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "swap_ab", "--configs", "4x3", "--variants",
+                        "fp4 prmt"], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in r.stdout, r.stdout
+    assert re.search(r"HMMA 0\b", r.stdout), r.stdout

@@ -472,6 +472,8 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/fp4_moe_replay.py --batch 256 --tokens 35,38,180": Skip(
         "~15 min and ~10 GB on 2 cores (256 V4-Flash experts under the interpreter); "
         "tests/benchmarks/test_fp4_moe_replay.py runs it at a small width"),
+    "python benchmarks/aot_sm90.py --kernels swap_ab,w2 --configs 4x3": Skip(
+        "compiles kernel variants for sm_90 (CPU, ~30 s); tests/benchmarks/test_aot_sm90.py compiles the probe"),
     "python benchmarks/aot_sm90.py": Skip(
         "compiles six kernel variants for sm_90 (~1 min of CPU); tests/benchmarks/test_aot_sm90.py compiles two"),
     "python benchmarks/fp4_moe_bench.py --reps 10 --diagnose": Skip(
