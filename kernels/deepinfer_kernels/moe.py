@@ -89,5 +89,6 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Ex
                      x_dtype=x.dtype, quant_out=quant_mid, block_m=bm1, num_warps=cfg["num_warps1"],
                      num_stages=cfg["num_stages1"])
     y = moe_w2(a, a_s, w2, s2, order, sched, max_tiles(n, E1, bm2), out_dtype=compute_dtype, block_m=bm2,
-               block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"])
+               block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+               swap_ab=cfg.get("swap_ab2", False))
     return moe_combine(y.view(T, K1, D), x.dtype, shared_last=shared_last)

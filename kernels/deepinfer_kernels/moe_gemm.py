@@ -164,6 +164,37 @@ def _w2_loop(a_rows, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, p_ptr, 
 
 
 @triton.jit
+def _w2_loop_swapped(a_ptr, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptr, p_ptr, g_ptr, s_ptrs, I, stride_a,
+                     N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISE_ACC: tl.constexpr, FP4: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr):
+    """`_w2_loop` with FP8 activations and the operands swapped: y^T = w a^T, the weights first (so
+    Hopper's wgmma takes them, decoded from FP4 in registers, as its register operand, and the tile's
+    rows are wgmma's N, 8 or more, instead of its M, 64) and the rows second. The same products and
+    the same 32-deep chain per 128-deep block; the block's scales multiply in the same order."""
+    aT_rows = a_ptr + offs_r[None, :] * stride_a                   # [1, BLOCK_M]: row r's activations
+    accT = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kb in range(0, N_KG):
+        k_ok = offs_k < I - kb * BLOCK_K
+        sw = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
+        sa = tl.load(as_ptr + offs_r * N_KG + kb, mask=r_ok, other=0.0)
+        if FP4:
+            dT = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for j in tl.static_range(BLOCK_K // SUB):
+                k0 = kb * BLOCK_K + j * SUB
+                offs_s = k0 + tl.arange(0, SUB)
+                aT = tl.load(aT_rows + offs_s[:, None], mask=(offs_s < I)[:, None] & r_ok[None, :], other=0.0)
+                w = fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, I, sw, BLOCK_N, SUB, PRMT)
+                dT = tl.dot(tl.trans(w), aT, dT, max_num_imprecise_acc=PRECISE_ACC)
+        else:
+            wT = tl.load(w_ptr + offs_n[:, None] * I + kb * BLOCK_K + offs_k[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            aT = tl.load(aT_rows + kb * BLOCK_K + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            dT = tl.dot(wT, aT, max_num_imprecise_acc=PRECISE_ACC)
+        accT += dT * sa[None, :] * sw[:, None]
+    return tl.trans(accT)
+
+
+@triton.jit
 def _chain_dot(a, w, acc, QAT: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                PRECISE_ACC: tl.constexpr):
     """acc + a @ w as one link of a chain of dots over a 128-deep block: the MMAs of a single 128-deep
@@ -253,7 +284,7 @@ def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    QAT: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                    PRECISE_ACC: tl.constexpr, W4: tl.constexpr, SUB: tl.constexpr,
-                   PRMT: tl.constexpr):
+                   PRMT: tl.constexpr, SWAP: tl.constexpr = False):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE2, BLOCK_M)
@@ -270,7 +301,22 @@ def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
     s_ptrs = ws_ptr + e64 * NB_D * N_KG + (offs_n // BLOCK_K) * N_KG
     pe_ptr = p_ptr + e64 * D * (I // 2)
     ge_ptr = g_ptr + e64 * D * (I // 32)
-    if W4:              # compile-time, as in _moe_w13_kernel
+    we_ptr = w_ptr + (e64 - E4) * D * I
+    if SWAP:            # FP8 activations (QAT) only: see _w2_loop_swapped
+        if W4:
+            if e < E4:
+                acc = _w2_loop_swapped(a_ptr, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, we_ptr, pe_ptr, ge_ptr,
+                                       s_ptrs, I, stride_a, N_KG, BLOCK_M, BLOCK_N, BLOCK_K, PRECISE_ACC, True,
+                                       SUB, PRMT)
+            else:
+                acc = _w2_loop_swapped(a_ptr, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, we_ptr, pe_ptr, ge_ptr,
+                                       s_ptrs, I, stride_a, N_KG, BLOCK_M, BLOCK_N, BLOCK_K, PRECISE_ACC, False,
+                                       SUB, PRMT)
+        else:
+            acc = _w2_loop_swapped(a_ptr, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, we_ptr, pe_ptr, ge_ptr,
+                                   s_ptrs, I, stride_a, N_KG, BLOCK_M, BLOCK_N, BLOCK_K, PRECISE_ACC, False, SUB,
+                                   PRMT)
+    elif W4:            # compile-time, as in _moe_w13_kernel
         if e < E4:
             acc = _w2_loop(a_rows, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, pe_ptr, ge_ptr, s_ptrs, I,
                            N_KG, BLOCK_M, BLOCK_N, BLOCK_K, QAT, CDT, IEEE, UPCAST, PRECISE_ACC, True, SUB, PRMT)
@@ -381,9 +427,11 @@ def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: Experts, s13: to
 
 def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: Experts, s2: torch.Tensor, order: torch.Tensor,
            sched: torch.Tensor, n_tiles: int, *, out_dtype: torch.dtype, block_m: int, block_n: int,
-           num_warps: int = 4, num_stages: int = 3, precise_acc: int = 32) -> torch.Tensor:
+           num_warps: int = 4, num_stages: int = 3, precise_acc: int = 32, swap_ab: bool = False) -> torch.Tensor:
     """a [n, I] in sorted row order (e4m3 + a_scale [n, I/128], or unquantised); w2 [E1, D, I] e4m3 +
-    s2 [E1, D/128, I/128] -> y [n, D] out_dtype in (token, slot) order (row order[r] gets row r)."""
+    s2 [E1, D/128, I/128] -> y [n, D] out_dtype in (token, slot) order (row order[r] gets row r).
+    `swap_ab` (FP8 activations only; experimental, see `_w2_loop_swapped`): the weights as the dots'
+    first operand."""
     n, I = a.shape
     E1, D, _ = w2.shape
     weights = _check_experts(w2, s2, (E1, D, I), "moe_w2: w2")
@@ -393,6 +441,9 @@ def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: Experts, s2: torch
         raise ValueError(f"moe_w2: order has {order.numel()} entries for {n} rows of a")
     if block_n > BLOCK_K or BLOCK_K % block_n:
         raise ValueError(f"moe_w2: block_n={block_n} must divide the weight block {BLOCK_K}")
+    if swap_ab and a_scale is None:
+        raise ValueError("moe_w2: swap_ab=True needs FP8 activations (a_scale given: the QAT simulation); "
+                         f"a is {a.dtype}")
     y = torch.empty((n, D), dtype=out_dtype, device=a.device)
     if n == 0:
         return y
@@ -405,8 +456,8 @@ def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: Experts, s2: torch
                          **weights, EB=sched.shape[1], N_KG=triton.cdiv(I, BLOCK_K), NB_D=triton.cdiv(D, BLOCK_K),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, QAT=a_scale is not None,
                          CDT=TL_DTYPES[cdt], IEEE=cdt == torch.float32, UPCAST=_interpreted(),
-                         PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), num_warps=num_warps,
-                          num_stages=num_stages)
+                         PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), SWAP=swap_ab,
+                         num_warps=num_warps, num_stages=num_stages)
     return y
 
 
