@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from .fp8_quant import act_quant
-from .moe_gemm import Experts, moe_combine, moe_w2, moe_w13
+from .moe_combine import moe_combine
+from .moe_gemm import Experts, moe_w2, moe_w13
 from .moe_routing import expert_schedule, max_tiles, route_topk
 
 __all__ = ["fused_moe", "invariant_moe_config", "moe_tile_config", "route_topk"]

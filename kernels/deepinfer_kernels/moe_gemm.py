@@ -10,9 +10,8 @@ host-known bound.
 compute dtype as the reference's linear layers return it; routed experts clamp u to +-limit and g
 to <= limit; a = route_weight * silu(g) * u, rounded to x's dtype, then (QAT) quantised per row and
 128 channels to FP8 in the epilogue exactly like `fp8_quant.act_quant` (BLOCK_N = 128 = one group).
-`moe_w2`: y = w2 a, written back to (token, slot) order. `moe_combine`: per token, the shared
-expert first and then slots 0..k-1 in that fixed order, summed in fp32 — so a token's result never
-depends on how the batch was permuted.
+`moe_w2`: y = w2 a, written back to (token, slot) order (moe_swapped.py: its opt-in form with the
+operands swapped). The combine of the slots' outputs: moe_combine.py.
 
 The FP8 recipe is fp8_gemm's: per 128-deep K step a fresh dot, then the activation and weight scale
 multiply into the fp32 accumulator. Without QAT the activations stay bf16/fp32 and the FP8 weights are
@@ -29,6 +28,7 @@ import triton.language as tl
 from .fp4_experts import Fp4Experts, fp4_tile
 from .fp8_quant import AMAX_FLOOR, FP8_MAX, _pow2_ceil, _round_to_e4m3_grid
 from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
+from .moe_swapped import _w2_loop_swapped
 
 BLOCK_K = 128          # = the weight and activation quantisation block
 # globals a kernel reads must be constexpr (compiled Triton refuses plain Python numbers)
@@ -161,37 +161,6 @@ def _w2_loop(a_rows, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptrs, p_ptr, 
             else:
                 acc += _wide_dot(a, w, CDT, IEEE, UPCAST) * sw[None, :]
     return acc
-
-
-@triton.jit
-def _w2_loop_swapped(a_ptr, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptr, p_ptr, g_ptr, s_ptrs, I, stride_a,
-                     N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISE_ACC: tl.constexpr, FP4: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr):
-    """`_w2_loop` with FP8 activations and the operands swapped: y^T = w a^T, the weights first (so
-    Hopper's wgmma takes them, decoded from FP4 in registers, as its register operand, and the tile's
-    rows are wgmma's N, 8 or more, instead of its M, 64) and the rows second. The same products and
-    the same 32-deep chain per 128-deep block; the block's scales multiply in the same order."""
-    aT_rows = a_ptr + offs_r[None, :] * stride_a                   # [1, BLOCK_M]: row r's activations
-    accT = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kb in range(0, N_KG):
-        k_ok = offs_k < I - kb * BLOCK_K
-        sw = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
-        sa = tl.load(as_ptr + offs_r * N_KG + kb, mask=r_ok, other=0.0)
-        if FP4:
-            dT = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for j in tl.static_range(BLOCK_K // SUB):
-                k0 = kb * BLOCK_K + j * SUB
-                offs_s = k0 + tl.arange(0, SUB)
-                aT = tl.load(aT_rows + offs_s[:, None], mask=(offs_s < I)[:, None] & r_ok[None, :], other=0.0)
-                w = fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, I, sw, BLOCK_N, SUB, PRMT)
-                dT = tl.dot(tl.trans(w), aT, dT, max_num_imprecise_acc=PRECISE_ACC)
-        else:
-            wT = tl.load(w_ptr + offs_n[:, None] * I + kb * BLOCK_K + offs_k[None, :],
-                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            aT = tl.load(aT_rows + kb * BLOCK_K + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-            dT = tl.dot(wT, aT, max_num_imprecise_acc=PRECISE_ACC)
-        accT += dT * sa[None, :] * sw[:, None]
-    return tl.trans(accT)
 
 
 @triton.jit
@@ -333,22 +302,6 @@ def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["T"])
-def _moe_combine_kernel(y_ptr, out_ptr, T, D, K1: tl.constexpr, SHARED_LAST: tl.constexpr, BT: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = (rows < T)[:, None] & (offs < D)[None, :]
-    ptrs = y_ptr + rows.to(tl.int64)[:, None] * K1 * D + offs[None, :]
-    acc = tl.zeros((BT, BLOCK), dtype=tl.float32)
-    for i in tl.static_range(K1):
-        j = (i + K1 - SHARED_LAST) % K1        # shared expert (last slot) first, then slots 0..k-1
-        acc += tl.load(ptrs + j * D, mask=ok, other=0.0).to(tl.float32)
-    if out_ptr.dtype.element_ty != tl.float32:
-        acc = _round(acc, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + offs[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -459,18 +412,3 @@ def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: Experts, s2: torch
                          PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), SWAP=swap_ab,
                          num_warps=num_warps, num_stages=num_stages)
     return y
-
-
-def moe_combine(y: torch.Tensor, out_dtype: torch.dtype, shared_last: bool = True) -> torch.Tensor:
-    """y [T, K1, D] expert outputs by (token, slot) -> [T, D]: fp32 sum in a fixed order (the last
-    slot, the shared expert, first when `shared_last`, then slots 0, 1, ...), cast to out_dtype."""
-    if y.dim() != 3 or not y.is_contiguous():
-        raise ValueError(f"moe_combine: y must be a contiguous [T, K1, D] tensor, got {tuple(y.shape)}")
-    T, K1, D = y.shape
-    out = torch.empty((T, D), dtype=out_dtype, device=y.device)
-    if T:
-        block = min(512, triton.next_power_of_2(D))
-        bt = 4096 // block                                 # [bt, block] tiles: 4096 elements a program
-        _moe_combine_kernel[(triton.cdiv(T, bt), triton.cdiv(D, block))](
-            y, out, T, D, K1=K1, SHARED_LAST=int(shared_last), BT=bt, BLOCK=block)
-    return out

@@ -1,0 +1,43 @@
+"""The w2 grouped GEMM's K loop with its operands swapped (`moe_w2(swap_ab=True)`, opt-in, FP8
+activations only): y^T = w a^T. At decode sizes a tile has 16 rows; as the dots' second operand they
+are Hopper wgmma's N (8 or more), where as the first they would be its M (64), so Triton compiles the
+unswapped form to f16 `mma.sync` instead (`benchmarks/aot_sm90.py --swap` shows both). Not yet run on
+a GPU: speed and the compiled bits are the next measurement (`benchmarks/fp4_moe_bench.py --swap-ab`).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fp4_experts import fp4_tile
+
+
+@triton.jit
+def _w2_loop_swapped(a_ptr, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptr, p_ptr, g_ptr, s_ptrs, I, stride_a,
+                     N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISE_ACC: tl.constexpr, FP4: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr):
+    """`_w2_loop` with FP8 activations and the operands swapped: y^T = w a^T, the weights first (so
+    Hopper's wgmma takes them, decoded from FP4 in registers, as its register operand, and the tile's
+    rows are wgmma's N, 8 or more, instead of its M, 64) and the rows second. The same products and
+    the same 32-deep chain per 128-deep block; the block's scales multiply in the same order."""
+    aT_rows = a_ptr + offs_r[None, :] * stride_a                   # [1, BLOCK_M]: row r's activations
+    accT = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kb in range(0, N_KG):
+        k_ok = offs_k < I - kb * BLOCK_K
+        sw = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
+        sa = tl.load(as_ptr + offs_r * N_KG + kb, mask=r_ok, other=0.0)
+        if FP4:
+            dT = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for j in tl.static_range(BLOCK_K // SUB):
+                k0 = kb * BLOCK_K + j * SUB
+                offs_s = k0 + tl.arange(0, SUB)
+                aT = tl.load(aT_rows + offs_s[:, None], mask=(offs_s < I)[:, None] & r_ok[None, :], other=0.0)
+                w = fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, I, sw, BLOCK_N, SUB, PRMT)
+                dT = tl.dot(tl.trans(w), aT, dT, max_num_imprecise_acc=PRECISE_ACC)
+        else:
+            wT = tl.load(w_ptr + offs_n[:, None] * I + kb * BLOCK_K + offs_k[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            aT = tl.load(aT_rows + kb * BLOCK_K + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            dT = tl.dot(wT, aT, max_num_imprecise_acc=PRECISE_ACC)
+        accT += dT * sa[None, :] * sw[:, None]
+    return tl.trans(accT)
