@@ -9,8 +9,8 @@ shared stores, BAR barriers, HMMA tensor-core MMAs): a decode that goes through 
 
 Variants: the FP8 weights; FP4 experts with the integer decode; FP4 experts with the byte-permute
 decode (PRMT). `--kernels swap_ab`: a probe with the operands swapped (weights first, tokens
-second), to see whether the decoded weights reach wgmma as its register operand; `--swap`: the w2
-kernel with its operands swapped (moe_w2's swap_ab). The H200 runs Triton 3.6: put a 3.6 install
+second), to see whether the decoded weights reach wgmma as its register operand; `--swap`: the
+kernels with their operands swapped (moe_w13 / moe_w2 swap_ab). The H200 runs Triton 3.6: put a 3.6 install
 first on PYTHONPATH to see what it compiles (`pip install --target DIR triton==3.6.0`); layouts may
 differ between Triton versions.
 
@@ -54,7 +54,7 @@ def w13(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
                D="i32", E1="i32", E4="i32", n_clamped="i32", limit="fp32", stride_x="i32", stride_a="i32")
     const = dict(K1=7, EB=512, N_KG=32, NB_I=16, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, QAT_IN=True,
                  QAT_OUT=True, CDT=tl.bfloat16, XDT=tl.bfloat16, IEEE=False, UPCAST=False, PRECISE_ACC=32, W4=w4,
-                 SUB=32, PRMT=prmt)
+                 SUB=32, PRMT=prmt, SWAP=SWAP)
     return _compile(M._moe_w13_kernel, sig, const, warps, stages)
 
 
@@ -63,11 +63,11 @@ def w2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
                order_ptr="*i64", sched_ptr="*i32", y_ptr="*bf16", D="i32", I="i32", E1="i32", E4="i32",
                stride_a="i32", stride_y="i32")
     const = dict(EB=512, N_KG=16, NB_D=32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, QAT=True, CDT=tl.bfloat16,
-                 IEEE=False, UPCAST=False, PRECISE_ACC=32, W4=w4, SUB=32, PRMT=prmt, SWAP=SWAP_W2)
+                 IEEE=False, UPCAST=False, PRECISE_ACC=32, W4=w4, SUB=32, PRMT=prmt, SWAP=SWAP)
     return _compile(M._moe_w2_kernel, sig, const, warps, stages)
 
 
-SWAP_W2 = False         # --swap: the w2 kernel with the operands swapped (moe_w2's swap_ab)
+SWAP = False            # --swap: w13 and w2 with their operands swapped (moe_w13 / moe_w2 swap_ab)
 
 
 @triton.jit
@@ -123,10 +123,10 @@ def main() -> None:
                     "with the operands swapped (FP4 variants only; see _swap_ab_probe)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}")
     ap.add_argument("--block-m", type=int, default=16)
-    ap.add_argument("--swap", action="store_true", help="compile w2 with the operands swapped (moe_w2 swap_ab)")
+    ap.add_argument("--swap", action="store_true", help="compile w13 / w2 with their operands swapped (swap_ab)")
     a = ap.parse_args()
-    global SWAP_W2
-    SWAP_W2 = a.swap
+    global SWAP
+    SWAP = a.swap
     print(f"Triton {triton.__version__}, target sm_90, BLOCK_M {a.block_m}")
     for name in a.kernels.split(","):
         build = {"w13": w13, "w2": w2, "swap_ab": swap_ab}[name]

@@ -116,8 +116,9 @@ def main() -> None:
     ap.add_argument("--spread", type=int, default=4, help="binades the group scale bytes span")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--diagnose", action="store_true", help="where the two forms differ; kernel registers/spills")
-    ap.add_argument("--swap-ab", action="store_true", help="also time w2 with the operands swapped (swap_ab2), "
-                    "FP8 and FP4, each swapped FP4 result checked bitwise against the swapped FP8 one")
+    ap.add_argument("--swap-ab", action="store_true",
+                    help="also time w13 and w2 with the operands swapped (swap_ab1/2), FP8 and FP4, each swapped "
+                         "FP4 result checked bitwise against the swapped FP8 one")
     args = ap.parse_args()
     dev, E, D, I, K = "cuda", args.experts, args.hidden, args.inter, args.topk
     gen = torch.Generator().manual_seed(0)
@@ -137,8 +138,8 @@ def main() -> None:
                                             "num_stages2": s1})
             for w1, w2, s1 in ((base["num_warps1"], base["num_warps2"], base["num_stages1"]), (8, 8, 2), (8, 8, 3),
                                (4, 4, 2))]
-        if args.swap_ab:          # w2 with the weights as the dots' first operand, both forms
-            swapped = {**base, "swap_ab2": True}
+        if args.swap_ab:          # w13 and w2 with the weights as the dots' first operand, both forms
+            swapped = {**base, "swap_ab1": True, "swap_ab2": True}
             variants += [("fp8 swap", "fp8", swapped), ("fp4 swap", "fp4", swapped)]
         for label, form, cfg in variants:
             w13, s13, w2, s2 = forms[form]

@@ -88,7 +88,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Ex
     a, a_s = moe_w13(xq, xs, w13, s13, order, route_w, sched, max_tiles(n, E1, bm1), k1=K1, n_clamped=n_clamped
                      if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype,
                      x_dtype=x.dtype, quant_out=quant_mid, block_m=bm1, num_warps=cfg["num_warps1"],
-                     num_stages=cfg["num_stages1"])
+                     num_stages=cfg["num_stages1"], swap_ab=cfg.get("swap_ab1", False))
     y = moe_w2(a, a_s, w2, s2, order, sched, max_tiles(n, E1, bm2), out_dtype=compute_dtype, block_m=bm2,
                block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
                swap_ab=cfg.get("swap_ab2", False))

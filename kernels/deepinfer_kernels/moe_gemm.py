@@ -28,7 +28,7 @@ import triton.language as tl
 from .fp4_experts import Fp4Experts, fp4_tile
 from .fp8_quant import AMAX_FLOOR, FP8_MAX, _pow2_ceil, _round_to_e4m3_grid
 from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
-from .moe_swapped import _w2_loop_swapped
+from .moe_swapped import _w2_loop_swapped, _w13_loop_swapped
 
 BLOCK_K = 128          # = the weight and activation quantisation block
 # globals a kernel reads must be constexpr (compiled Triton refuses plain Python numbers)
@@ -186,7 +186,7 @@ def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     QAT_IN: tl.constexpr, QAT_OUT: tl.constexpr, CDT: tl.constexpr, XDT: tl.constexpr,
                     IEEE: tl.constexpr, UPCAST: tl.constexpr, PRECISE_ACC: tl.constexpr, W4: tl.constexpr,
-                    SUB: tl.constexpr, PRMT: tl.constexpr):
+                    SUB: tl.constexpr, PRMT: tl.constexpr, SWAP: tl.constexpr = False):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE1, BLOCK_M)
@@ -208,7 +208,22 @@ def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
     sg_ptrs = ws_ptr + e64 * 2 * NB_I * N_KG + (offs_n // BLOCK_K) * N_KG
     x_rows = x_ptr + tok[:, None] * stride_x
     # the branch sits outside the K loops (one loop per weight form) so that each loop's loads pipeline
-    if W4:              # a compile-time branch: the FP8 kernels stay exactly what they were
+    we_ptr = w_ptr + (e64 - E4) * 2 * I * D
+    if SWAP:            # FP8 activations (QAT) only: moe_swapped.py
+        if W4:
+            if e < E4:
+                acc_g, acc_u = _w13_loop_swapped(x_ptr, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, we_ptr, pg_ptr,
+                                                 gg_ptr, sg_ptrs, I, D, stride_x, N_KG, NB_I, BLOCK_M, BLOCK_N,
+                                                 BLOCK_K, PRECISE_ACC, True, SUB, PRMT)
+            else:
+                acc_g, acc_u = _w13_loop_swapped(x_ptr, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, we_ptr, pg_ptr,
+                                                 gg_ptr, sg_ptrs, I, D, stride_x, N_KG, NB_I, BLOCK_M, BLOCK_N,
+                                                 BLOCK_K, PRECISE_ACC, False, SUB, PRMT)
+        else:
+            acc_g, acc_u = _w13_loop_swapped(x_ptr, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, we_ptr, pg_ptr,
+                                             gg_ptr, sg_ptrs, I, D, stride_x, N_KG, NB_I, BLOCK_M, BLOCK_N,
+                                             BLOCK_K, PRECISE_ACC, False, SUB, PRMT)
+    elif W4:            # a compile-time branch: the FP8 kernels stay exactly what they were
         if e < E4:
             acc_g, acc_u = _w13_loop(x_rows, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, gg_ptr,
                                      sg_ptrs, I, D, N_KG, NB_I, BLOCK_M, BLOCK_N, BLOCK_K, QAT_IN, CDT, IEEE,
@@ -337,12 +352,12 @@ def _check_experts(w: Experts, s: torch.Tensor, shape: tuple, name: str) -> dict
 def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: Experts, s13: torch.Tensor,
             order: torch.Tensor, route_w: torch.Tensor, sched: torch.Tensor, n_tiles: int, *, k1: int,
             n_clamped: int, limit: float, compute_dtype: torch.dtype, x_dtype: torch.dtype, quant_out: bool,
-            block_m: int, num_warps: int = 4, num_stages: int = 3, precise_acc: int = 32
+            block_m: int, num_warps: int = 4, num_stages: int = 3, precise_acc: int = 32, swap_ab: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, D]: e4m3 with per-128 scales `x_scale` [T, D/128] (QAT) or unquantised (bf16/fp32, x_scale
     None); w13 [E1, 2, I, D] e4m3 (or `Fp4Experts`) + s13 [E1, 2, I/128, D/128]; order [n] (token*k1 + slot, sorted by
     expert); route_w [n] fp32 by (token, slot). Returns w2's input in sorted row order: (e4m3 [n, I],
-    scales [n, I/128]) with `quant_out`, else ([n, I] compute_dtype, None)."""
+    scales [n, I/128]) with `quant_out`, else ([n, I] compute_dtype, None). `swap_ab`: as `moe_w2`'s."""
     T, D = x.shape
     E1, _, I, _ = w13.shape
     n = order.numel()
@@ -354,6 +369,9 @@ def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: Experts, s13: to
     if n != T * k1 or route_w.numel() != n or route_w.dtype != torch.float32:
         raise ValueError(f"moe_w13: order ({n}) and route_w ({route_w.numel()}, {route_w.dtype}) must both "
                          f"hold T*k1 = {T * k1} entries (route_w float32)")
+    if swap_ab and x_scale is None:
+        raise ValueError(f"moe_w13: swap_ab=True needs FP8 activations (x_scale given: the QAT simulation); x is "
+                         f"{x.dtype}")
     if compute_dtype not in TL_DTYPES or x_dtype not in TL_DTYPES:
         raise ValueError(f"moe_w13: compute_dtype {compute_dtype} / x_dtype {x_dtype} not one of {list(TL_DTYPES)}")
     block_n = 128           # one act_quant group per program (and g, u of the same 128 channels)
@@ -373,8 +391,8 @@ def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: Experts, s13: to
                           NB_I=triton.cdiv(I, BLOCK_K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
                           QAT_IN=x_scale is not None, QAT_OUT=quant_out, CDT=TL_DTYPES[compute_dtype],
                           XDT=TL_DTYPES[x_dtype], IEEE=compute_dtype == torch.float32, UPCAST=_interpreted(),
-                          PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), num_warps=num_warps,
-                          num_stages=num_stages)
+                          PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), SWAP=swap_ab,
+                          num_warps=num_warps, num_stages=num_stages)
     return a, a_s
 
 

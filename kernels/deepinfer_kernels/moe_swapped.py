@@ -1,5 +1,5 @@
-"""The w2 grouped GEMM's K loop with its operands swapped (`moe_w2(swap_ab=True)`, opt-in, FP8
-activations only): y^T = w a^T. At decode sizes a tile has 16 rows; as the dots' second operand they
+"""The grouped GEMMs' K loops with their operands swapped (`moe_w13` / `moe_w2` with `swap_ab=True`,
+opt-in, FP8 activations only): y^T = w a^T. At decode sizes a tile has 16 rows; as the dots' second operand they
 are Hopper wgmma's N (8 or more), where as the first they would be its M (64), so Triton compiles the
 unswapped form to f16 `mma.sync` instead (`benchmarks/aot_sm90.py --swap` shows both). Not yet run on
 a GPU: speed and the compiled bits are the next measurement (`benchmarks/fp4_moe_bench.py --swap-ab`).
@@ -41,3 +41,43 @@ def _w2_loop_swapped(a_ptr, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptr, p
             dT = tl.dot(wT, aT, max_num_imprecise_acc=PRECISE_ACC)
         accT += dT * sa[None, :] * sw[:, None]
     return tl.trans(accT)
+
+
+@triton.jit
+def _w13_loop_swapped(x_ptr, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, w_ptr, pg_ptr, gg_ptr, sg_ptrs, I, D, stride_x,
+                      N_KG: tl.constexpr, NB_I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRECISE_ACC: tl.constexpr, FP4: tl.constexpr, SUB: tl.constexpr,
+                      PRMT: tl.constexpr):
+    """`_w13_loop` with FP8 activations and the operands swapped (as `_w2_loop_swapped`): the w1 (gate)
+    and w3 (up) accumulators of one tile, [BLOCK_M, BLOCK_N] each. `w_ptr`: the expert's FP8 w1 rows
+    (its w3 rows follow, I * D further)."""
+    xT_rows = x_ptr + tok[None, :] * stride_x                      # [1, BLOCK_M]: row r's token
+    su_ptrs = sg_ptrs + NB_I * N_KG
+    accT_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    accT_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kb in range(0, N_KG):
+        k_ok = offs_k < D - kb * BLOCK_K
+        sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
+        su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
+        sa = tl.load(xs_ptr + tok * N_KG + kb, mask=r_ok, other=0.0)
+        if FP4:
+            dg = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            du = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for j in tl.static_range(BLOCK_K // SUB):
+                k0 = kb * BLOCK_K + j * SUB
+                offs_s = k0 + tl.arange(0, SUB)
+                xT = tl.load(xT_rows + offs_s[:, None], mask=(offs_s < D)[:, None] & r_ok[None, :], other=0.0)
+                wg = fp4_tile(pg_ptr, gg_ptr, offs_n, n_ok, k0, D, sg, BLOCK_N, SUB, PRMT)
+                dg = tl.dot(tl.trans(wg), xT, dg, max_num_imprecise_acc=PRECISE_ACC)
+                wu = fp4_tile(pg_ptr + I * (D // 2), gg_ptr + I * (D // 32), offs_n, n_ok, k0, D, su, BLOCK_N,
+                              SUB, PRMT)
+                du = tl.dot(tl.trans(wu), xT, du, max_num_imprecise_acc=PRECISE_ACC)
+        else:
+            xT = tl.load(xT_rows + kb * BLOCK_K + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            w_rows = w_ptr + offs_n[:, None] * D + kb * BLOCK_K + offs_k[None, :]
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            dg = tl.dot(tl.load(w_rows, mask=w_ok, other=0.0), xT, max_num_imprecise_acc=PRECISE_ACC)
+            du = tl.dot(tl.load(w_rows + I * D, mask=w_ok, other=0.0), xT, max_num_imprecise_acc=PRECISE_ACC)
+        accT_g += dg * sa[None, :] * sg[:, None]
+        accT_u += du * sa[None, :] * su[:, None]
+    return tl.trans(accT_g), tl.trans(accT_u)

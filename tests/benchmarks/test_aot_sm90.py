@@ -39,10 +39,11 @@ def test_the_swapped_probe_feeds_decoded_fp4_weights_to_wgmma():
     assert re.search(r"HMMA 0\b", r.stdout), r.stdout
 
 
-def test_the_swapped_w2_kernel_compiles_to_wgmma():
-    """moe_w2's swap_ab form (weights first) compiles for sm_90 to wgmma e4m3 for FP8 and FP4 experts."""
+def test_the_swapped_kernels_compile_to_wgmma():
+    """The swap_ab forms (weights first) of w13 and w2 compile for sm_90 to wgmma e4m3, FP8 and FP4
+    experts alike."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "w2", "--configs", "4x4", "--variants",
+    r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "w13,w2", "--configs", "4x4", "--variants",
                         "fp8,fp4 prmt", "--swap"], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3") == 2, r.stdout
+    assert r.stdout.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3") == 4, r.stdout

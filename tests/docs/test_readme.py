@@ -474,7 +474,7 @@ TABLE: dict[str, Run | Skip] = {
         "tests/benchmarks/test_fp4_moe_replay.py runs it at a small width"),
     "python benchmarks/aot_sm90.py --kernels swap_ab,w2 --configs 4x3": Skip(
         "compiles kernel variants for sm_90 (CPU, ~30 s); tests/benchmarks/test_aot_sm90.py compiles the probe"),
-    "python benchmarks/aot_sm90.py --kernels w2 --configs 4x4 --swap": Skip(
+    "python benchmarks/aot_sm90.py --kernels w13,w2 --configs 4x4 --swap": Skip(
         "compiles kernel variants for sm_90 (CPU, ~30 s); tests/benchmarks/test_aot_sm90.py compiles them"),
     "python benchmarks/fp4_moe_bench.py --swap-ab": Skip(GPU + " (times the fused MoE compiled)"),
     "python benchmarks/aot_sm90.py": Skip(

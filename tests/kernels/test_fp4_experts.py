@@ -108,7 +108,7 @@ def moe(x, weights, qat: bool, dtype, kdev, swap: bool = False):
     return fused_moe(x.to(kdev, dtype), ids, rw, w13, s13, w2, s2, n_clamped=E, swiglu_limit=0.8, quant_in=qat,
                      quant_mid=qat, compute_dtype=dtype, shared_last=True,
                      config=dict(block_m1=16, block_m2=16, block_n2=128, num_warps1=4, num_stages1=2,
-                                 num_warps2=4, num_stages2=2, swap_ab2=swap))
+                                 num_warps2=4, num_stages2=2, swap_ab1=swap, swap_ab2=swap))
 
 
 def _to(t, dev):
@@ -161,9 +161,10 @@ def test_decoding_a_group_at_a_time_stays_close_under_the_interpreter(kdev, monk
 
 
 @pytest.mark.parametrize("dtype,D,I", [(torch.float32, 256, 128), (torch.bfloat16, 128, 160)])
-def test_the_swapped_w2_keeps_fp4_equal_to_fp8_and_close_to_the_unswapped_one(kdev, dtype, D, I):
-    """w2 with the weights as the dots' first operand (`swap_ab2`, QAT): FP4 experts still give their
-    re-encoding's bits, and the result is the unswapped one up to the order of the fp32 sums."""
+def test_the_swapped_gemms_keep_fp4_equal_to_fp8_and_close_to_the_unswapped_ones(kdev, dtype, D, I):
+    """w13 and w2 with the weights as the dots' first operand (`swap_ab1`, `swap_ab2`, QAT): FP4 experts
+    still give their re-encoding's bits, and the result is the unswapped one up to the order of the fp32
+    sums."""
     fp8_form, fp4_form = stacked_experts(D, I, seed=D + I)
     x = torch.randn(11, D, generator=torch.Generator().manual_seed(3))
     plain = moe(x, fp8_form, True, dtype, kdev)
@@ -175,7 +176,7 @@ def test_the_swapped_w2_keeps_fp4_equal_to_fp8_and_close_to_the_unswapped_one(kd
                                atol=1e-6)
 
 
-def test_the_swapped_w2_refuses_unquantised_activations(kdev):
+def test_the_swapped_gemms_refuse_unquantised_activations(kdev):
     fp8_form, _ = stacked_experts(128, 128, seed=1)
     with pytest.raises(ValueError, match="swap_ab=True needs FP8 activations"):
         moe(torch.randn(3, 128), fp8_form, False, torch.float32, kdev, swap=True)
