@@ -1,8 +1,9 @@
-"""The grouped GEMMs' K loops with their operands swapped (`moe_w13` / `moe_w2` with `swap_ab=True`,
-opt-in, FP8 activations only): y^T = w a^T. At decode sizes a tile has 16 rows; as the dots' second operand they
-are Hopper wgmma's N (8 or more), where as the first they would be its M (64), so Triton compiles the
-unswapped form to f16 `mma.sync` instead (`benchmarks/aot_sm90.py --swap` shows both). Not yet run on
-a GPU: speed and the compiled bits are the next measurement (`benchmarks/fp4_moe_bench.py --swap-ab`).
+"""The grouped GEMMs' K loops with their operands swapped (`moe_w13` / `moe_w2` with
+`swap_ab=True`, opt-in, FP8 activations only): y^T = w a^T. At decode sizes a tile has 16 rows; as
+the dots' second operand they are Hopper wgmma's N (8 or more), where as the first they would be its
+M (64), so Triton compiles the unswapped form to f16 `mma.sync` instead (`benchmarks/aot_sm90.py
+--swap` shows both). Not yet run on a GPU: speed and the compiled bits are the next measurement
+(`benchmarks/fp4_moe_bench.py --swap-ab`).
 """
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from .fp4_experts import fp4_tile
 def _w2_loop_swapped(a_ptr, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptr, p_ptr, g_ptr, s_ptrs, I, stride_a,
                      N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PRECISE_ACC: tl.constexpr, FP4: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr):
-    """`_w2_loop` with FP8 activations and the operands swapped: y^T = w a^T, the weights first (so
-    Hopper's wgmma takes them, decoded from FP4 in registers, as its register operand, and the tile's
-    rows are wgmma's N, 8 or more, instead of its M, 64) and the rows second. The same products and
+    """`_w2_loop` with FP8 activations and the operands swapped: y^T = w a^T, the weights first (wgmma's
+    A operand, which may sit in registers; the tile's rows become its N, 8 or more, instead of its M,
+    64) and the rows second. The same products and
     the same 32-deep chain per 128-deep block; the block's scales multiply in the same order."""
     aT_rows = a_ptr + offs_r[None, :] * stride_a                   # [1, BLOCK_M]: row r's activations
     accT = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
