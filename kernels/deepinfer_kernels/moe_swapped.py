@@ -14,32 +14,45 @@ from .fp4_experts import fp4_tile
 
 
 @triton.jit
+def _block_swapped(rowsT, r_ok, K, kb, offs_k, offs_n, n_ok, w_ptr, p_ptr, g_ptr, scale, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE_ACC: tl.constexpr, FP4: tl.constexpr,
+                   SUB: tl.constexpr, PRMT: tl.constexpr):
+    """w x^T over the 128-deep block kb of one expert weight [N, K] and the tile's rows (`rowsT`: each
+    row's first input, [1, BLOCK_M]): [BLOCK_N, BLOCK_M] fp32, before the block's scales. FP8: rows of
+    `w_ptr`; FP4: decoded from `p_ptr` / `g_ptr` SUB inputs at a time (`scale`: the outputs' block
+    scales, which the decode needs), the dots chained in the 128-deep dot's MMA order."""
+    if FP4:
+        dT = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for j in tl.static_range(BLOCK_K // SUB):
+            k0 = kb * BLOCK_K + j * SUB
+            offs_s = k0 + tl.arange(0, SUB)
+            xT = tl.load(rowsT + offs_s[:, None], mask=(offs_s < K)[:, None] & r_ok[None, :], other=0.0)
+            w = fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N, SUB, PRMT)
+            dT = tl.dot(tl.trans(w), xT, dT, max_num_imprecise_acc=PRECISE_ACC)
+    else:
+        k_ok = offs_k < K - kb * BLOCK_K
+        xT = tl.load(rowsT + kb * BLOCK_K + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        wT = tl.load(w_ptr + offs_n[:, None] * K + kb * BLOCK_K + offs_k[None, :],
+                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        dT = tl.dot(wT, xT, max_num_imprecise_acc=PRECISE_ACC)
+    return dT
+
+
+@triton.jit
 def _w2_loop_swapped(a_ptr, as_ptr, offs_r, r_ok, offs_k, offs_n, n_ok, w_ptr, p_ptr, g_ptr, s_ptrs, I, stride_a,
                      N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PRECISE_ACC: tl.constexpr, FP4: tl.constexpr, SUB: tl.constexpr, PRMT: tl.constexpr):
     """`_w2_loop` with FP8 activations and the operands swapped: y^T = w a^T, the weights first (wgmma's
     A operand, which may sit in registers; the tile's rows become its N, 8 or more, instead of its M,
-    64) and the rows second. The same products and
-    the same 32-deep chain per 128-deep block; the block's scales multiply in the same order."""
-    aT_rows = a_ptr + offs_r[None, :] * stride_a                   # [1, BLOCK_M]: row r's activations
+    64) and the rows second. The same products and the same 32-deep chain per 128-deep block; the
+    block's scales multiply in the same order."""
+    aT_rows = a_ptr + offs_r[None, :] * stride_a
     accT = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(0, N_KG):
-        k_ok = offs_k < I - kb * BLOCK_K
         sw = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
         sa = tl.load(as_ptr + offs_r * N_KG + kb, mask=r_ok, other=0.0)
-        if FP4:
-            dT = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for j in tl.static_range(BLOCK_K // SUB):
-                k0 = kb * BLOCK_K + j * SUB
-                offs_s = k0 + tl.arange(0, SUB)
-                aT = tl.load(aT_rows + offs_s[:, None], mask=(offs_s < I)[:, None] & r_ok[None, :], other=0.0)
-                w = fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, I, sw, BLOCK_N, SUB, PRMT)
-                dT = tl.dot(tl.trans(w), aT, dT, max_num_imprecise_acc=PRECISE_ACC)
-        else:
-            wT = tl.load(w_ptr + offs_n[:, None] * I + kb * BLOCK_K + offs_k[None, :],
-                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            aT = tl.load(aT_rows + kb * BLOCK_K + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-            dT = tl.dot(wT, aT, max_num_imprecise_acc=PRECISE_ACC)
+        dT = _block_swapped(aT_rows, r_ok, I, kb, offs_k, offs_n, n_ok, w_ptr, p_ptr, g_ptr, sw, BLOCK_M, BLOCK_N,
+                            BLOCK_K, PRECISE_ACC, FP4, SUB, PRMT)
         accT += dT * sa[None, :] * sw[:, None]
     return tl.trans(accT)
 
@@ -51,34 +64,19 @@ def _w13_loop_swapped(x_ptr, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, w_ptr, pg_
                       PRMT: tl.constexpr):
     """`_w13_loop` with FP8 activations and the operands swapped (as `_w2_loop_swapped`): the w1 (gate)
     and w3 (up) accumulators of one tile, [BLOCK_M, BLOCK_N] each. `w_ptr`: the expert's FP8 w1 rows
-    (its w3 rows follow, I * D further)."""
-    xT_rows = x_ptr + tok[None, :] * stride_x                      # [1, BLOCK_M]: row r's token
+    (its w3 rows follow, I * D further; FP4 codes and scale bytes likewise after pg_ptr / gg_ptr)."""
+    xT_rows = x_ptr + tok[None, :] * stride_x
     su_ptrs = sg_ptrs + NB_I * N_KG
     accT_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     accT_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(0, N_KG):
-        k_ok = offs_k < D - kb * BLOCK_K
         sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
         su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
         sa = tl.load(xs_ptr + tok * N_KG + kb, mask=r_ok, other=0.0)
-        if FP4:
-            dg = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            du = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for j in tl.static_range(BLOCK_K // SUB):
-                k0 = kb * BLOCK_K + j * SUB
-                offs_s = k0 + tl.arange(0, SUB)
-                xT = tl.load(xT_rows + offs_s[:, None], mask=(offs_s < D)[:, None] & r_ok[None, :], other=0.0)
-                wg = fp4_tile(pg_ptr, gg_ptr, offs_n, n_ok, k0, D, sg, BLOCK_N, SUB, PRMT)
-                dg = tl.dot(tl.trans(wg), xT, dg, max_num_imprecise_acc=PRECISE_ACC)
-                wu = fp4_tile(pg_ptr + I * (D // 2), gg_ptr + I * (D // 32), offs_n, n_ok, k0, D, su, BLOCK_N,
-                              SUB, PRMT)
-                du = tl.dot(tl.trans(wu), xT, du, max_num_imprecise_acc=PRECISE_ACC)
-        else:
-            xT = tl.load(xT_rows + kb * BLOCK_K + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-            w_rows = w_ptr + offs_n[:, None] * D + kb * BLOCK_K + offs_k[None, :]
-            w_ok = n_ok[:, None] & k_ok[None, :]
-            dg = tl.dot(tl.load(w_rows, mask=w_ok, other=0.0), xT, max_num_imprecise_acc=PRECISE_ACC)
-            du = tl.dot(tl.load(w_rows + I * D, mask=w_ok, other=0.0), xT, max_num_imprecise_acc=PRECISE_ACC)
+        dg = _block_swapped(xT_rows, r_ok, D, kb, offs_k, offs_n, n_ok, w_ptr, pg_ptr, gg_ptr, sg, BLOCK_M,
+                            BLOCK_N, BLOCK_K, PRECISE_ACC, FP4, SUB, PRMT)
+        du = _block_swapped(xT_rows, r_ok, D, kb, offs_k, offs_n, n_ok, w_ptr + I * D, pg_ptr + I * (D // 2),
+                            gg_ptr + I * (D // 32), su, BLOCK_M, BLOCK_N, BLOCK_K, PRECISE_ACC, FP4, SUB, PRMT)
         accT_g += dg * sa[None, :] * sg[:, None]
         accT_u += du * sa[None, :] * su[:, None]
     return tl.trans(accT_g), tl.trans(accT_u)
