@@ -10,9 +10,9 @@ shared stores, BAR barriers, HMMA tensor-core MMAs): a decode that goes through 
 Variants: the FP8 weights; FP4 experts with the integer decode; FP4 experts with the byte-permute
 decode (PRMT). `--kernels swap_ab`: a probe with the operands swapped (weights first, tokens
 second), to see whether the decoded weights reach wgmma as its register operand; `--swap`: the
-kernels with their operands swapped (moe_w13 / moe_w2 swap_ab). The H200 runs Triton 3.6: put a 3.6 install
-first on PYTHONPATH to see what it compiles (`pip install --target DIR triton==3.6.0`); layouts may
-differ between Triton versions.
+kernels with their operands swapped (moe_w13 / moe_w2 swap_ab). The H200 runs Triton 3.6: put a
+3.6 install first on PYTHONPATH to see what it compiles (`pip install --target DIR triton==3.6.0`);
+layouts may differ between Triton versions.
 
     python benchmarks/aot_sm90.py [--configs 4x4,8x2] [--kernels w13,w2] [--block-m 16]
 """
@@ -24,6 +24,7 @@ import re
 import subprocess
 import tempfile
 from collections import Counter
+from functools import partial
 
 import triton
 import triton.language as tl
@@ -48,26 +49,23 @@ def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
     return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
 
 
-def w13(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
+def w13(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, swap: bool = False):
     sig = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", p_ptr="*u8", g_ptr="*u8",
                order_ptr="*i64", rw_ptr="*fp32", sched_ptr="*i32", a_ptr="*fp8e4nv", as_ptr="*fp32", I="i32",
                D="i32", E1="i32", E4="i32", n_clamped="i32", limit="fp32", stride_x="i32", stride_a="i32")
     const = dict(K1=7, EB=512, N_KG=32, NB_I=16, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, QAT_IN=True,
                  QAT_OUT=True, CDT=tl.bfloat16, XDT=tl.bfloat16, IEEE=False, UPCAST=False, PRECISE_ACC=32, W4=w4,
-                 SUB=32, PRMT=prmt, SWAP=SWAP)
+                 SUB=32, PRMT=prmt, SWAP=swap)
     return _compile(M._moe_w13_kernel, sig, const, warps, stages)
 
 
-def w2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
+def w2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, swap: bool = False):
     sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", p_ptr="*u8", g_ptr="*u8",
                order_ptr="*i64", sched_ptr="*i32", y_ptr="*bf16", D="i32", I="i32", E1="i32", E4="i32",
                stride_a="i32", stride_y="i32")
     const = dict(EB=512, N_KG=16, NB_D=32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, QAT=True, CDT=tl.bfloat16,
-                 IEEE=False, UPCAST=False, PRECISE_ACC=32, W4=w4, SUB=32, PRMT=prmt, SWAP=SWAP)
+                 IEEE=False, UPCAST=False, PRECISE_ACC=32, W4=w4, SUB=32, PRMT=prmt, SWAP=swap)
     return _compile(M._moe_w2_kernel, sig, const, warps, stages)
-
-
-SWAP = False            # --swap: w13 and w2 with their operands swapped (moe_w13 / moe_w2 swap_ab)
 
 
 @triton.jit
@@ -125,11 +123,9 @@ def main() -> None:
     ap.add_argument("--block-m", type=int, default=16)
     ap.add_argument("--swap", action="store_true", help="compile w13 / w2 with their operands swapped (swap_ab)")
     a = ap.parse_args()
-    global SWAP
-    SWAP = a.swap
     print(f"Triton {triton.__version__}, target sm_90, BLOCK_M {a.block_m}")
     for name in a.kernels.split(","):
-        build = {"w13": w13, "w2": w2, "swap_ab": swap_ab}[name]
+        build = {"w13": partial(w13, swap=a.swap), "w2": partial(w2, swap=a.swap), "swap_ab": swap_ab}[name]
         for variant in a.variants.split(","):
             w4, prmt = VARIANTS[variant]
             if name == "swap_ab" and not w4:
