@@ -127,9 +127,9 @@ def stop(srv: Server, timeout: float = 120.0) -> None:
 
 def client_session(url: str, headers: dict[str, str], read_timeout: float) -> aiohttp.ClientSession:
     """The streaming client: aiohttp, not httpx. Why: per SSE event httpx's async line iterator costs
-    ~3x the CPU (77 against 27 us on a 2-core dev machine, 64 streams), and the client's event loop,
-    busy for most of a second at thousands of events per second, then delays the chunks and ends it
-    times. No connection limit (a pool limit would cap the concurrency silently)."""
+    about four times the CPU (`benchmarks/sse_client_cost.py`), and a client event loop that busy, at
+    thousands of events per second, delays the chunk and end times it records. No connection limit
+    (a pool limit would cap the concurrency silently)."""
     return aiohttp.ClientSession(
         base_url=url,
         headers=headers,

@@ -1,7 +1,8 @@
 """benchmarks/serve_bench.py on the CPU, CI-sized: the per-request and aggregate figures on synthetic
 timestamps (known TTFT / ITL / TPOT), the seeded arrival schedule, the workload generators, the SSE
-client against an in-process fake server (failures are counted, never dropped), and one end-to-end
-run that launches the real server on a 3-layer tiny checkpoint. Nothing here asserts a speed.
+client against an in-process fake server (failures are counted, never dropped), one end-to-end run
+that launches the real server on a 3-layer tiny checkpoint, and sse_client_cost.py's two clients
+reading every event. Nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -186,6 +187,16 @@ def test_client_reports_every_failure():
     assert (s["completed"], s["failed"], s["total_output_tokens"]) == (1, 2, 3)
     assert results[0].ttft > 0 and len(results[0].itl) == 2 and results[0].token_source == "usage"
     assert s["errors"][0].startswith("request 1: HTTP 503") and "without [DONE]" in s["errors"][1]
+
+
+def test_sse_client_cost_reads_every_event_with_both_clients(tmp_path, monkeypatch):
+    import sse_client_cost as SC
+
+    monkeypatch.setattr(SC, "RESULTS", tmp_path)
+    res = SC.main(["--streams", "3", "--events", "4", "--rounds", "1"])
+    assert [(r["client"], r["events"]) for r in res["rows"]] == [("httpx", 12), ("aiohttp", 12)]
+    assert all(r["cpu_us_per_event"] > 0 for r in res["rows"])
+    assert json.loads((tmp_path / "sse_client_cost.json").read_text())["rows"] == res["rows"]
 
 
 # ---- end to end -----------------------------------------------------------------------------------------

@@ -389,6 +389,8 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/throughput.py --layers 4 --input-len 512 --output-len 128 --sweep-batches 16,64 "
     "--max-model-len 2048 --label v4flash_4L_serve_cmp_aiohttp": Skip(
         "a V4-Flash-width model on the H200; tests/benchmarks/test_throughput.py runs its CI-sized form"),
+    "python benchmarks/sse_client_cost.py": Skip("prints timings (never a timed test); "
+                                                  "tests/benchmarks/test_serve_bench.py runs it CI-sized"),
     "python benchmarks/report_channel.py": Skip("prints timings (never a timed test); runs in seconds on a CPU"),
     "python benchmarks/throughput.py --layers 4 --input-len 512 --output-len 128 --sweep-batches 1,16,64,256 "
     "--max-model-len 2048 --label v4flash_4L_serve_cmp": Skip(
