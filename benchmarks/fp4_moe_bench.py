@@ -1,6 +1,7 @@
 """One V4-Flash MoE layer (256 routed experts, top 6, plus the shared expert; D 4096, I 2048) through
 `fused_moe` with the routed experts as the load-time FP8 re-encoding and kept FP4 (`Fp4Experts`),
-bf16 + QAT as the engine runs it: time per call (median of CUDA-event timings) and the weight bytes
+bf16 + QAT as the engine runs it: time per call (median of CUDA-graph replays, as a decode step runs it;
+`--no-graph`: eager calls) and the weight bytes
 each form reads, per batch size, with the outputs checked bit for bit between the two forms.
 
     python benchmarks/fp4_moe_bench.py [--batches 1,8,64,256] [--reps 20]
@@ -46,8 +47,17 @@ def random_experts(E: int, D: int, I: int, spread: int, gen: torch.Generator, de
     return forms
 
 
-def time_call(fn, reps: int) -> float:
+def time_call(fn, reps: int, graph: bool) -> float:
+    """Median ms of `reps` calls; with `graph`, of CUDA-graph replays of one captured call (the GPU time
+    a decode step's graph spends, without this script's launch gaps, which dominate at small batches)."""
     for _ in range(3):
+        fn()
+    if graph:
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
         fn()
     times = []
     for _ in range(reps):
@@ -117,8 +127,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--diagnose", action="store_true", help="where the two forms differ; kernel registers/spills")
     ap.add_argument("--swap-ab", action="store_true",
-                    help="also time w13 and w2 with the operands swapped (swap_ab1/2), FP8 and FP4, each swapped "
-                         "FP4 result checked bitwise against the swapped FP8 one")
+                    help="also time w13 and/or w2 with the operands swapped (swap_ab1/2), FP8 and FP4, each swapped "
+                         "FP4 result checked bitwise against the FP8 one with the same tiles")
+    ap.add_argument("--no-graph", action="store_true",
+                    help="time eager calls (host launch gaps included) instead of CUDA-graph replays")
     args = ap.parse_args()
     dev, E, D, I, K = "cuda", args.experts, args.hidden, args.inter, args.topk
     gen = torch.Generator().manual_seed(0)
@@ -139,8 +151,9 @@ def main() -> None:
             for w1, w2, s1 in ((base["num_warps1"], base["num_warps2"], base["num_stages1"]), (8, 8, 2), (8, 8, 3),
                                (4, 4, 2))]
         if args.swap_ab:          # w13 and w2 with the weights as the dots' first operand, both forms
-            swapped = {**base, "swap_ab1": True, "swap_ab2": True}
-            variants += [("fp8 swap", "fp8", swapped), ("fp4 swap", "fp4", swapped)]
+            for tag, s1, s2 in (("swap", True, True), ("swap1", True, False), ("swap2", False, True)):
+                swapped = {**base, "swap_ab1": s1, "swap_ab2": s2}
+                variants += [(f"fp8 {tag}", "fp8", swapped), (f"fp4 {tag}", "fp4", swapped)]
         for label, form, cfg in variants:
             w13, s13, w2, s2 = forms[form]
 
@@ -148,9 +161,9 @@ def main() -> None:
                 return fused_moe(x, ids, rw, w13, s13, w2, s2, n_clamped=E, swiglu_limit=10.0, quant_in=True,
                                  quant_mid=True, compute_dtype=torch.bfloat16, shared_last=True, config=cfg)
             out[label] = call()
-            ms[label] = time_call(call, args.reps)
+            ms[label] = time_call(call, args.reps, graph=not args.no_graph)
         for label in ms:
-            ref = out["fp8 swap"] if "swap" in label else out["fp8"]
+            ref = out["fp8" + label[3:]] if "swap" in label else out["fp8"]     # the same tiles' FP8 form
             print(f"  b{T} {label}: {ms[label]:.3f} ms, bitwise {torch.equal(out[label], ref)}")
         if args.diagnose:
             diagnose(T, x, ids, rw, forms, out, variants, E)

@@ -65,7 +65,22 @@ def profile(fn, reps: int = 3) -> tuple[dict[str, float], dict[str, float]]:
     for name, t in by_name.items():
         by_family[family(name)] += t
     top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:15])
+    other = {k: v for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if family(k) == "other"}
+    top.update({f"[other] {k}": v for k, v in list(other.items())[:8]})
     return dict(sorted(by_family.items(), key=lambda kv: -kv[1])), top
+
+
+def swap_decode_moe(which: str) -> None:
+    """Make the fused MoE's 16-row (decode) tiles swap the operands of w13 and/or w2."""
+    from deepinfer_kernels import moe as km
+    plain = km.moe_tile_config
+
+    def tiles(*args, **kw):
+        cfg = plain(*args, **kw)
+        if cfg["block_m1"] == 16:
+            cfg.update(swap_ab1=which in ("w13", "both"), swap_ab2=which in ("w2", "both"))
+        return cfg
+    km.moe_tile_config = tiles
 
 
 def main(argv=None) -> dict:
@@ -74,7 +89,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode", default="1x4k,64x4k,256x4k", help="BATCHxCONTEXT list")
     ap.add_argument("--prefill", default="4k")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--swap-ab", default="", choices=("", "w13", "w2", "both"),
+                    help="decode-sized MoE tiles (16 rows) with the named grouped GEMMs' operands swapped")
+    ap.add_argument("--label", default="", help="suffix of the JSON's name")
     a = ap.parse_args(argv)
+    if a.swap_ab:
+        swap_decode_moe(a.swap_ab)
     base, source = load_base_config()
     cfg = bench_config(base, a.layers)
     built = build_random_model(cfg, "cuda")
@@ -111,9 +131,10 @@ def main(argv=None) -> dict:
         for fam, t in s["kernel_us_by_family"].items():
             print(f"  {t / 1e3:9.3f} ms  {100 * t / total:5.1f}%  {fam}")
         print("  top kernels:")
-        for k, t in list(s["top_kernels_us"].items())[:8]:
+        for k, t in list(s["top_kernels_us"].items())[:8] + [kv for kv in s["top_kernels_us"].items()
+                                                              if kv[0].startswith("[other]")]:
             print(f"  {t / 1e3:9.3f} ms  {k[:110]}")
-    out = Path(a.out_dir) / f"profile_{result['gpu'].replace(' ', '_')}.json"
+    out = Path(a.out_dir) / f"profile_{result['gpu'].replace(' ', '_')}{a.label}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out}")
