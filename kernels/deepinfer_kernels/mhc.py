@@ -35,7 +35,8 @@ import triton.language as tl
 BLOCK_M = 64        # tokens per stage-1 program (fixed: changing it per T would break batch invariance)
 BLOCK_K = 64        # K step of the stage-1 loop
 SPLIT_K = 512       # K slice per stage-1 program: hc*D = 16384 -> 32 slices at V4-Flash width
-BLOCK_T = 32        # tokens per coefficient program (softmax + Sinkhorn on [BLOCK_T, hc, hc] tiles)
+BLOCK_T = 4         # tokens per coefficient program (softmax + Sinkhorn on [BLOCK_T, hc, hc] tiles;
+#                     4 is the fastest at every token count, benchmarks/tune_mhc.py on the H200)
 EW_BLOCK_T = 8      # tokens per collapse / post program
 COLLAPSE_BLOCK_D = 512   # D chunk of a collapse program: a [8, 512] tile per stream
 POST_BLOCK_D = 128       # D chunk of a post program: a [8, hc, 128] fp32 accumulator
