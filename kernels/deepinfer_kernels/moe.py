@@ -21,15 +21,10 @@ from .moe_routing import expert_schedule, max_tiles, route_topk
 __all__ = ["fused_moe", "invariant_moe_config", "moe_tile_config", "route_topk"]
 
 
-def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False,
-                    fp8_acts: bool = False) -> dict:
+def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False) -> dict:
     """Tiles by the mean rows per routed expert: decode (few rows per expert) is weight-bandwidth
     bound, so BLOCK_M 16 and narrow w2 tiles give many programs; prefill takes 64-row tiles.
-    `wide_fp32`: unquantised fp32 activations (test numerics) need smaller tiles in shared memory.
-    `fp8_acts` (w2's input FP8, the QAT simulation): decode tiles run w2 with its operands swapped
-    (wgmma e4m3, the weights first): as fast as unswapped on the H200 (CUDA-graph timed,
-    benchmarks/fp4_moe_bench.py) and FP4 experts then give their FP8 re-encoding's bits at V4-Flash
-    size, which the unswapped FP4 tile does not in a few rows."""
+    `wide_fp32`: unquantised fp32 activations (test numerics) need smaller tiles in shared memory."""
     # (warps chosen so that ptxas reports no or only tiny spills for sm_90 at V4-Flash sizes)
     rows = tokens * topk / max(num_experts, 1)
     if rows <= 16:
@@ -41,8 +36,6 @@ def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = 
     if wide_fp32:
         cfg.update(block_m1=min(cfg["block_m1"], 32), block_m2=min(cfg["block_m2"], 32), num_stages1=2,
                    num_stages2=2)
-    if fp8_acts and cfg["block_m2"] == 16:
-        cfg["swap_ab2"] = True
     return cfg
 
 
@@ -84,7 +77,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Ex
     K1, E1 = ids.shape[1], w13.shape[0]
     n = T * K1
     cfg = dict(config or moe_tile_config(T, K1, E1, wide_fp32=compute_dtype == torch.float32
-                                         and not (quant_in and quant_mid), fp8_acts=quant_mid))
+                                         and not (quant_in and quant_mid)))
     bm1, bm2 = cfg["block_m1"], cfg["block_m2"]
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)     # stable: deterministic rows
     sched = expert_schedule(sorted_ids, E1, (bm1, bm2))

@@ -478,12 +478,13 @@ TABLE: dict[str, Run | Skip] = {
         "compiles kernel variants for sm_90 (CPU, ~30 s); tests/benchmarks/test_aot_sm90.py compiles the probe"),
     "python benchmarks/aot_sm90.py --kernels w13,w2 --configs 4x4 --swap": Skip(
         "compiles kernel variants for sm_90 (CPU, ~30 s); tests/benchmarks/test_aot_sm90.py compiles them"),
-    "python benchmarks/fp4_moe_bench.py --swap-ab": Skip(GPU + " (times the fused MoE compiled)"),
+    "python benchmarks/fp4_moe_bench.py --swap-ab --reps 30": Skip(GPU + " (times the fused MoE compiled)"),
+    "python benchmarks/tune_mhc.py": Skip(GPU + " (CUDA-graph timings of the mHC kernels)"),
+    "python benchmarks/profile_step.py --decode 1x4k,8x4k,64x4k --prefill 4k": Skip(GPU),
+    "DEEPINFER_USE_NEXTN_DECODE=0 python -m pytest -q -n 8 tests/kernels tests/gpu "
+    "--ignore=tests/gpu/test_engine_cuda.py": Skip(GPU + " (the compiled kernel and GPU tests)"),
     "python benchmarks/aot_sm90.py": Skip(
         "compiles six kernel variants for sm_90 (~1 min of CPU); tests/benchmarks/test_aot_sm90.py compiles two"),
-    "python benchmarks/fp4_moe_bench.py --reps 10 --diagnose": Skip(
-        "CUDA only (one V4-Flash MoE layer on the GPU); the kernels it times run under the interpreter in "
-        "tests/kernels/test_fp4_experts.py"),
     "python benchmarks/weight_memory.py": Skip(
         "~80 s of CPU over the 43-layer meta graph, rewrites benchmarks/results/weight_memory.json; "
         "tests/benchmarks/test_weight_memory.py runs the same accounting on the tiny config"),

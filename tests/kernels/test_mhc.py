@@ -197,3 +197,26 @@ def test_invalid_inputs_raise_value_errors_naming_the_argument():
     for msg, args in bad_post.items():
         with pytest.raises(ValueError, match=msg):
             mhc.post(*args)
+
+
+def test_every_tile_setting_the_tuner_tries_gives_the_same_result(kdev, monkeypatch):
+    """benchmarks/tune_mhc.py times the kernels under other tile constants: each must run and give the
+    shipped constants' result up to the summation order (fp32 streams)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import tune_mhc
+    from deepinfer_kernels import mhc as kmhc
+
+    x, fn, scale, base = to(kdev, *make_site(9, 4, 200, torch.float32, seed=21))
+    f = torch.randn(9, 200, generator=torch.Generator().manual_seed(22)).to(kdev)
+    y0, post0, comb0 = kmhc.mhc_pre(x, fn, scale, base, 4, 20, EPS, EPS)
+    out0 = kmhc.mhc_post(f, x, post0, comb0)
+    assert tune_mhc.VARIANTS[0] == {} and len(tune_mhc.VARIANTS) > 1
+    for change in tune_mhc.VARIANTS[1:]:
+        with monkeypatch.context() as m:
+            for name, value in change.items():
+                assert name in tune_mhc.KNOBS and hasattr(kmhc, name), name
+                m.setattr(kmhc, name, value)
+            y, post, comb = kmhc.mhc_pre(x, fn, scale, base, 4, 20, EPS, EPS)
+            out = kmhc.mhc_post(f, x, post, comb)
+        for got, want in ((y, y0), (post, post0), (comb, comb0), (out, out0)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, c=change: f"{c}: {m}")
