@@ -5,7 +5,9 @@ sizes divisible by 16) and report per variant what the compiled kernel is: regis
 the TTGIR: the K grouping inside the MMAs, which decides the fp32 rounding of the sums) and the SASS
 instruction count, and how many of its instructions (static counts, the whole kernel) are memory, barrier
 and MMA ones (LDG global loads, LDGSTS async copies into shared memory, LDS / LDSM shared loads, STS / STSM
-shared stores, BAR barriers, HMMA tensor-core MMAs): a decode that goes through shared memory shows there.
+shared stores, BAR barriers, HMMA tensor-core MMAs, STG global stores): a decode that goes through shared
+memory shows there. `--kernels fp8_gemm`: the dense FP8 GEMM at a prefill tile; `--unspecialise stride_cs`
+compiles its split stride as `do_not_specialize` did (its epilogue then stores 2-byte scalars).
 
 Variants: the FP8 weights; FP4 experts with the integer decode; FP4 experts with the byte-permute
 decode (PRMT). `--kernels swap_ab`: a probe with the operands swapped (weights first, tokens
@@ -28,6 +30,7 @@ from functools import partial
 
 import triton
 import triton.language as tl
+from deepinfer_kernels import fp8_gemm as F
 from deepinfer_kernels import moe_gemm as M
 from deepinfer_kernels.fp4_experts import fp4_tile
 from triton.backends.compiler import GPUTarget
@@ -35,16 +38,21 @@ from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-TRAFFIC = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "STSM", "BAR", "HMMA")
+TRAFFIC = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "STSM", "BAR", "HMMA", "STG")
 VARIANTS = {"fp8": (False, False), "fp4 integer": (True, False), "fp4 prmt": (True, True)}   # (W4, PRMT)
+
+
+UNSPECIALISED: set[str] = set()     # --unspecialise: more i32 arguments compiled as the JIT's do_not_specialize
 
 
 def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
     sig = {**sig, **{k: "constexpr" for k in const}}
     names = fn.arg_names
-    # the JIT's specialisation on the device: aligned pointers, i32 sizes divisible by 16 (not the counts)
+    # the JIT's specialisation on the device: aligned pointers, i32 sizes divisible by 16 (not the counts,
+    # not the kernel's do_not_specialize arguments)
+    plain = {"E1", "E4", "n_clamped", *fn.do_not_specialize, *UNSPECIALISED}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig.get(n, "").startswith("*") or (sig.get(n) == "i32" and n not in ("E1", "E4", "n_clamped"))}
+             if sig.get(n, "").startswith("*") or (sig.get(n) == "i32" and n not in plain)}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
 
@@ -66,6 +74,15 @@ def w2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, swap: bool =
     const = dict(EB=512, N_KG=16, NB_D=32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, QAT=True, CDT=tl.bfloat16,
                  IEEE=False, UPCAST=False, PRECISE_ACC=32, W4=w4, SUB=32, PRMT=prmt, SWAP=swap)
     return _compile(M._moe_w2_kernel, sig, const, warps, stages)
+
+
+def fp8_gemm(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
+    """The dense FP8 linear's GEMM (`fp8_gemm._fp8_gemm_kernel`) at a prefill tile, V4-Flash's K = 4096."""
+    sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", c_ptr="*bf16", M="i32", N="i32",
+               K="i32", stride_am="i32", stride_wn="i32", stride_cm="i32", stride_cs="i32")
+    const = dict(N_KG=32, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, WB=128, PRECISE_ACC=32,
+                 KG_PER_SPLIT=32)
+    return _compile(F._fp8_gemm_kernel, sig, const, warps, stages)
 
 
 @triton.jit
@@ -117,18 +134,23 @@ def describe(kernel) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="4x4,8x2", help="num_warps x num_stages, comma separated")
-    ap.add_argument("--kernels", default="w13,w2", help="w13, w2 and/or swap_ab: a probe of the grouped GEMMs "
-                    "with the operands swapped (FP4 variants only; see _swap_ab_probe)")
+    ap.add_argument("--kernels", default="w13,w2", help="w13, w2, swap_ab (a probe of the grouped GEMMs with the "
+                    "operands swapped; FP4 variants only; see _swap_ab_probe) and/or fp8_gemm (the dense FP8 "
+                    "GEMM; the fp8 variant only; --block-m 128 is its prefill tile)")
+    ap.add_argument("--unspecialise", default="", help="i32 arguments to compile without the divisibility "
+                    "specialisation, as do_not_specialize would (e.g. stride_cs)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}")
     ap.add_argument("--block-m", type=int, default=16)
     ap.add_argument("--swap", action="store_true", help="compile w13 / w2 with their operands swapped (swap_ab)")
     a = ap.parse_args()
+    UNSPECIALISED.update(filter(None, a.unspecialise.split(",")))
     print(f"Triton {triton.__version__}, target sm_90, BLOCK_M {a.block_m}")
     for name in a.kernels.split(","):
-        build = {"w13": partial(w13, swap=a.swap), "w2": partial(w2, swap=a.swap), "swap_ab": swap_ab}[name]
+        build = {"w13": partial(w13, swap=a.swap), "w2": partial(w2, swap=a.swap), "swap_ab": swap_ab,
+                 "fp8_gemm": fp8_gemm}[name]
         for variant in a.variants.split(","):
             w4, prmt = VARIANTS[variant]
-            if name == "swap_ab" and not w4:
+            if (name == "swap_ab" and not w4) or (name == "fp8_gemm" and w4):
                 continue
             for cfg in a.configs.split(","):
                 warps, stages = (int(x) for x in cfg.split("x"))

@@ -4,7 +4,7 @@ cuBLAS picks its algorithm (tile shape, split-K) by the problem's M, so a row's 
 number of rows in the launch. This kernel fixes everything that decides a row's summation order
 from the weight shape alone: the tile (`INVARIANT_CONFIG`, never a function of M), the K loop order,
 and a split-K count `splits_for(N, K)` (decode layers with few output tiles still spread over the
-SMs) whose partials are added in split order by `fp8_gemm._sum_splits_kernel`. fp32 inputs multiply
+SMs) whose partials are added in split order by `fp8_gemm.sum_splits`. fp32 inputs multiply
 in IEEE fp32 (no tf32); bf16 x bf16 products are exact in fp32.
 
 `g` is an optional group axis (V4's block-diagonal wo_a): X [M, G, K] strided, W [G, N, K].
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import _num_sms, _sum_splits_kernel, _tile_ids
+from .fp8_gemm import _num_sms, _tile_ids, split_partials, sum_splits
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from . import sparse_attention  # noqa: F401  (installs the interpreter's loop-bound fix)
@@ -26,7 +26,7 @@ INVARIANT_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_sta
 FP32_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)   # fp32 tiles: shared memory
 
 
-@triton.jit(do_not_specialize=["M", "s_cs", "K_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
 def _dense_gemm_kernel(x_ptr, w_ptr, c_ptr, M, N, K, s_xm, s_xg, s_wg, s_wn, s_cs, s_cm, s_cg,
                        K_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
@@ -91,15 +91,14 @@ def dense_gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None =
     splits = splits_for(N, K, G, cfg, _num_sms(x.device))
     per = triton.cdiv(triton.cdiv(K, splits), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     splits = triton.cdiv(K, per)
-    dest = c if splits == 1 else torch.empty((splits,) + tuple(c.shape), dtype=torch.float32, device=x.device)
+    dest, s_cs = split_partials(c, splits)
     s_xg = x.stride(1) if grouped else 0
     s_wg = w.stride(0) if grouped else 0
     s_cg = N if grouped else 0
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), G, splits)
-    _dense_gemm_kernel[grid](x, w, dest, M, N, K, x.stride(0), s_xg, s_wg, w.stride(-2), M * G * N, G * N, s_cg,
+    _dense_gemm_kernel[grid](x, w, dest, M, N, K, x.stride(0), s_xg, s_wg, w.stride(-2), s_cs, G * N, s_cg,
                              per, GROUP_M=8, IEEE=x.dtype == torch.float32,
                              UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg)
     if splits > 1:
-        numel = M * G * N
-        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](dest, c, numel, SPLITS=splits, BLOCK=1024)
+        sum_splits(dest, s_cs, c, splits)
     return c

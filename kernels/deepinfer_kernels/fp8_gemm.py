@@ -34,7 +34,7 @@ def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
     return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
 
 
-@triton.jit(do_not_specialize=["M", "stride_cs"])
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm, stride_cs,
                      N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, WB: tl.constexpr, PRECISE_ACC: tl.constexpr,
@@ -73,14 +73,33 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, st
 
 
 @triton.jit(do_not_specialize=["numel"])
-def _sum_splits_kernel(p_ptr, c_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """c = p[0] + p[1] + ... in this fixed order (torch.sum may reorder by shape)."""
+def _sum_splits_kernel(p_ptr, c_ptr, numel, stride_s, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """c = p[0] + p[1] + ... in this fixed order (torch.sum may reorder by shape); split s at p + s * stride_s."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
     for s in range(1, SPLITS):
-        acc += tl.load(p_ptr + s * numel + offs, mask=ok, other=0.0)
+        acc += tl.load(p_ptr + s * stride_s + offs, mask=ok, other=0.0)
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+def split_partials(c: torch.Tensor, splits: int) -> tuple[torch.Tensor, int]:
+    """(where a split-K GEMM writes, the stride between its splits): `c` itself and 0 for one split, else
+    fp32 partials whose per-split stride is padded to a multiple of 16 elements. Either way the stride is
+    a multiple of 16, so Triton's specialisation of it never changes (no late compile) and is the one
+    that vectorises the output stores. Unspecialised (`do_not_specialize`, as from 4f16d2b until this),
+    a 128x128 prefill tile's epilogue stores 2-byte scalars: `benchmarks/aot_sm90.py --kernels fp8_gemm
+    --configs 8x3 --block-m 128 [--unspecialise stride_cs]`, Triton 3.6 for sm_90: 8 global stores
+    against 64, SASS 1080 against 1560."""
+    if splits == 1:
+        return c, 0
+    stride = triton.cdiv(c.numel(), 16) * 16
+    return torch.empty(splits * stride, dtype=torch.float32, device=c.device), stride
+
+
+def sum_splits(partials: torch.Tensor, stride: int, c: torch.Tensor, splits: int) -> None:
+    """c = the splits' partials added in split order (`split_partials`' buffer)."""
+    _sum_splits_kernel[(triton.cdiv(c.numel(), 1024),)](partials, c, c.numel(), stride, SPLITS=splits, BLOCK=1024)
 
 
 def split_k(N: int, K: int, cfg: dict, M: int, num_sms: int) -> int:
@@ -165,13 +184,13 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
         splits = split_k(N, K, cfg, M, _num_sms(qa.device))
     per = triton.cdiv(n_kg, splits)
     splits = triton.cdiv(n_kg, per)
-    dest = c if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=qa.device)
+    dest, stride_cs = split_partials(c, splits)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), splits)
-    _fp8_gemm_kernel[grid](qa, sa, qw, sw, dest, M, N, K, qa.stride(0), qw.stride(0), N, M * N, N_KG=n_kg,
+    _fp8_gemm_kernel[grid](qa, sa, qw, sw, dest, M, N, K, qa.stride(0), qw.stride(0), N, stride_cs, N_KG=n_kg,
                            BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, PRECISE_ACC=precise_acc,
                            KG_PER_SPLIT=per, **cfg)
     if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](dest, c, M * N, SPLITS=splits, BLOCK=1024)
+        sum_splits(dest, stride_cs, c, splits)
     return c
 
 

@@ -47,3 +47,18 @@ def test_the_swapped_kernels_compile_to_wgmma():
                         "fp8,fp4 prmt", "--swap"], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3") == 4, r.stdout
+
+
+def test_the_fp8_gemm_split_stride_stays_specialised_so_its_stores_vectorise():
+    """fp8_gemm passes a split stride that is always a multiple of 16 (`split_partials`), so the kernel
+    keeps Triton's divisibility specialisation of it; compiled without it (`--unspecialise stride_cs`,
+    what do_not_specialize did), the epilogue's global stores become 2-byte scalars."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    stores = {}
+    for extra in ([], ["--unspecialise", "stride_cs"]):
+        r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "fp8_gemm", "--configs", "8x3", "--block-m",
+                            "128", *extra], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "wgmma" in r.stdout, r.stdout
+        stores[bool(extra)] = int(re.search(r"STG (\d+)", r.stdout)[1])
+    assert 0 < stores[False] * 4 <= stores[True], stores
