@@ -8,6 +8,8 @@ and MMA ones (LDG global loads, LDGSTS async copies into shared memory, LDS / LD
 shared stores, BAR barriers, HMMA tensor-core MMAs, STG global stores): a decode that goes through shared
 memory shows there. `--kernels fp8_gemm`: the dense FP8 GEMM at a prefill tile; `--unspecialise stride_cs`
 compiles its split stride as `do_not_specialize` did (its epilogue then stores 2-byte scalars).
+`--kernels attention --kv bf16,fp8 --block-m 64 --configs 8x2` (`--block-m` is the heads per program
+there; 16 with `--configs 4x2` is the decode tile): the sparse attention over bf16 or packed FP8 pools.
 
 Variants: the FP8 weights; FP4 experts with the integer decode; FP4 experts with the byte-permute
 decode (PRMT). `--kernels swap_ab`: a probe with the operands swapped (weights first, tokens
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 from deepinfer_kernels import fp8_gemm as F
 from deepinfer_kernels import moe_gemm as M
+from deepinfer_kernels import sparse_attention as S
 from deepinfer_kernels.fp4_experts import fp4_tile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -85,6 +88,23 @@ def fp8_gemm(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
     return _compile(F._fp8_gemm_kernel, sig, const, warps, stages)
 
 
+def attention(kv_fp8: bool, warps: int, stages: int, block_h: int):
+    """The sparse attention kernel over CSA rows (D 512, 32-key tiles), its ring and compressed rows
+    bf16 or packed FP8 (kv_fp8: 448 e4m3 + 64 bf16 RoPE + 7 exponent bytes per row); 64 heads per
+    program is the prefill tile, fewer the decode one (with split-KV)."""
+    nope = 448 if kv_fp8 else 0
+    pool = "*u8" if kv_fp8 else "*bf16"
+    sig = dict(q_ptr="*bf16", kv_ptr="*bf16", ring_ptr=pool, ring16_ptr="*bf16", sink_ptr="*fp32", out_ptr="*bf16",
+               ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", cu_ptr="*i32", start_ptr="*i32", tseq_ptr="*i32",
+               pos_ptr="*i32", slots_ptr="*i32", comp_ptr=pool, comp16_ptr="*bf16", bt_ptr="*i32", idx_ptr="*i32",
+               H="i32", R="i32", window="i32", n_idx="i32", ratio="i32", qk_scale="fp32", chunk="i32", s_qt="i32",
+               s_qh="i32", s_kv="i32", s_rs="i32", s_rr="i32", s_cb="i32", s_cr="i32", s_bt="i32", s_idx="i32",
+               s_ot="i32", s_oh="i32")
+    const = dict(D=512, BLOCK_H=block_h, BLOCK_N=32, RPB=64, COMP=1, CLAMP=True, SPLIT=block_h < 64, UPCAST=False,
+                 IEEE=False, RING_NOPE=nope, COMP_NOPE=nope)
+    return _compile(S._sparse_attn_kernel, sig, const, warps, stages)
+
+
 @triton.jit
 def _swap_ab_probe(p_ptr, g_ptr, s_ptr, x_ptr, y_ptr, K, stride_x, stride_y, BN: tl.constexpr, BM: tl.constexpr,
                    PRMT: tl.constexpr):
@@ -128,15 +148,18 @@ def describe(kernel) -> dict:
                 dot_kwidths=sorted({int(k) for k in re.findall(r"dot_op<\{opIdx = \d, parent = #\w+, kWidth = (\d+)",
                                                                kernel.asm["ttgir"])}),
                 sass_instructions=len(ops), top_sass=Counter(o.split(".")[0] for o in ops).most_common(6),
-                traffic={k: sum(o.split(".")[0] == k for o in ops) for k in TRAFFIC})
+                traffic={**{k: sum(o.split(".")[0] == k for o in ops) for k in TRAFFIC},
+                         "LDS/STS of 1-2 B": sum(o.split(".")[0] in ("LDS", "STS") and o.endswith(("U8", "U16"))
+                                                  for o in ops)})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="4x4,8x2", help="num_warps x num_stages, comma separated")
     ap.add_argument("--kernels", default="w13,w2", help="w13, w2, swap_ab (a probe of the grouped GEMMs with the "
-                    "operands swapped; FP4 variants only; see _swap_ab_probe) and/or fp8_gemm (the dense FP8 "
-                    "GEMM; the fp8 variant only; --block-m 128 is its prefill tile)")
+                    "operands swapped; FP4 variants only; see _swap_ab_probe), fp8_gemm (the dense FP8 GEMM; the "
+                    "fp8 variant only; --block-m 128 is its prefill tile) and/or attention (see --kv)")
+    ap.add_argument("--kv", default="bf16,fp8", help="--kernels attention: the pools' forms (bf16, fp8 packed)")
     ap.add_argument("--unspecialise", default="", help="i32 arguments to compile without the divisibility "
                     "specialisation, as do_not_specialize would (e.g. stride_cs)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}")
@@ -146,6 +169,15 @@ def main() -> None:
     UNSPECIALISED.update(filter(None, a.unspecialise.split(",")))
     print(f"Triton {triton.__version__}, target sm_90, BLOCK_M {a.block_m}")
     for name in a.kernels.split(","):
+        if name == "attention":
+            for kv in a.kv.split(","):
+                for cfg in a.configs.split(","):
+                    warps, stages = (int(x) for x in cfg.split("x"))
+                    d = describe(attention(kv == "fp8", warps, stages, a.block_m))
+                    print(f"attention {kv} pools, {a.block_m} heads, warps {warps} stages {stages}: regs "
+                          f"{d['registers']} local {d['local_bytes']} B, SASS {d['sass_instructions']}", flush=True)
+                    print("    " + ", ".join(f"{k} {n}" for k, n in d["traffic"].items()))
+            continue
         build = {"w13": partial(w13, swap=a.swap), "w2": partial(w2, swap=a.swap), "swap_ab": swap_ab,
                  "fp8_gemm": fp8_gemm}[name]
         for variant in a.variants.split(","):

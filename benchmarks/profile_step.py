@@ -91,6 +91,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--swap-ab", default="", choices=("", "w13", "w2", "both"),
                     help="decode-sized MoE tiles (16 rows) with the named grouped GEMMs' operands swapped")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8"),
+                    help="storage of the window and compressed KV rows, as LLM(kv_cache_dtype=...)")
     ap.add_argument("--label", default="", help="suffix of the JSON's name")
     a = ap.parse_args(argv)
     if a.swap_ab:
@@ -99,7 +101,8 @@ def main(argv=None) -> dict:
     cfg = bench_config(base, a.layers)
     built = build_random_model(cfg, "cuda")
     finish_model(built)
-    model, layout, clock = built.model, cache_layout(built.cfg, built.ctx.torch_dtype, built.ctx.simulate_qat), Clock("cuda")
+    model, layout, clock = built.model, cache_layout(built.cfg, built.ctx.torch_dtype, built.ctx.simulate_qat,
+                                                 a.kv_cache_dtype), Clock("cuda")
     result = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "config_source": source, "shapes": []}
     with torch.no_grad():
         for spec in [s for s in a.decode.split(",") if s]:

@@ -90,19 +90,28 @@ def _attend_tile(q, k, ok, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, IEEE: 
 
 
 @triton.jit
-def _load_packed(u8_ptr, b16_ptr, off, ok, offs_d, D: tl.constexpr, NOPE: tl.constexpr, dtype: tl.constexpr):
+def _load_packed(u8_ptr, b16_ptr, off, ok, BLOCK_N: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
+                 dtype: tl.constexpr):
     """[BLOCK_N, D] `dtype` key rows of a packed FP8 pool, row i starting at byte off[i] (rows with
     ok=False are zero): e4m3 code * 2^(e-127) on the nope dims, the stored bf16 on the RoPE dims.
-    b16_ptr is the same pool viewed as bf16. Layout: [NOPE codes | D-NOPE bf16 | NOPE/64 exponents]."""
-    is_q = (offs_d < NOPE)[None, :]
-    m_q = ok[:, None] & is_q
-    code = tl.load(u8_ptr + off[:, None] + offs_d[None, :], mask=m_q, other=0)
-    e = tl.load(u8_ptr + off[:, None] + (2 * D - NOPE) + offs_d[None, :] // 64, mask=m_q, other=0)
+    b16_ptr is the same pool viewed as bf16. Layout: [NOPE codes | D-NOPE bf16 | NOPE/64 exponents].
+    Built as [BLOCK_N, D/64, 64] (a row's 64-dim groups) so each group's exponent byte is loaded once
+    and broadcast, not gathered per element."""
+    G: tl.constexpr = D // 64
+    g = tl.arange(0, G)
+    j = tl.arange(0, 64)
+    d3 = (g * 64)[None, :, None] + j[None, None, :]
+    is_q = (g < NOPE // 64)[None, :, None]
+    row = off[:, None, None]
+    ok3 = ok[:, None, None]
+    code = tl.load(u8_ptr + row + d3, mask=ok3 & is_q, other=0)
+    e = tl.load(u8_ptr + off[:, None] + (2 * D - NOPE) + g[None, :], mask=ok[:, None] & (g < NOPE // 64)[None, :],
+                other=0)
     scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    v = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
-    rope = tl.load(b16_ptr + (off // 2 - NOPE // 2)[:, None] + offs_d[None, :],
-                   mask=ok[:, None] & (offs_d >= NOPE)[None, :], other=0.0)
-    return tl.where(is_q, v.to(dtype), rope.to(dtype))
+    v = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+    rope = tl.load(b16_ptr + (off // 2 - NOPE // 2)[:, None, None] + d3, mask=ok3 & (g >= NOPE // 64)[None, :, None],
+                   other=0.0)
+    return tl.reshape(tl.where(is_q, v.to(dtype), rope.to(dtype)), (BLOCK_N, D))
 
 
 @triton.jit(do_not_specialize=["n_idx", "chunk", "s_bt", "s_idx"])
@@ -156,7 +165,7 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, ring16_ptr, sink_ptr, out_ptr, 
         p = lo + i
         in_ring = ok & (p < start)
         if RING_NOPE > 0:     # packed FP8 ring (kv_fp8)
-            kr = _load_packed(ring_ptr, ring16_ptr, slot * s_rs + (p % R) * s_rr, in_ring, offs_d, D, RING_NOPE,
+            kr = _load_packed(ring_ptr, ring16_ptr, slot * s_rs + (p % R) * s_rr, in_ring, BLOCK_N, D, RING_NOPE,
                               kv_ptr.dtype.element_ty)
         else:
             kr = tl.load(ring_base + ((p % R) * s_rr)[:, None] + offs_d[None, :], mask=in_ring[:, None], other=0.0)
@@ -182,7 +191,7 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, ring16_ptr, sink_ptr, out_ptr, 
                 r = j
             blk = tl.load(bt_ptr + seq * s_bt + r // RPB, mask=ok, other=0).to(tl.int64)
             if COMP_NOPE > 0:     # packed FP8 rows (kv_fp8)
-                k = _load_packed(comp_ptr, comp16_ptr, blk * s_cb + (r % RPB) * s_cr, ok, offs_d, D, COMP_NOPE,
+                k = _load_packed(comp_ptr, comp16_ptr, blk * s_cb + (r % RPB) * s_cr, ok, BLOCK_N, D, COMP_NOPE,
                                  kv_ptr.dtype.element_ty)
             else:
                 k = tl.load(comp_ptr + (blk * s_cb + (r % RPB) * s_cr)[:, None] + offs_d[None, :],
