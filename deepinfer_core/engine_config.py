@@ -386,13 +386,8 @@ class EngineConfig(_Section):
                              "built yet (the ranks run on the CPU over gloo); allowed with data_parallel_size > 1: "
                              "device='cpu' or None")
         # MTP speculation pairs up: a speculating rank's step launches one verify forward through the main
-        # (expert-parallel) layers; the MTP block drafts with its own, local experts (no collective).
-        if self.speculative.enable_mtp_varlen:
-            raise ValueError(f"data_parallel_size={dp} with enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1): "
-                             "confidence-scheduled verification is not supported with data parallelism yet (its "
-                             "start-up step-time profile runs forwards through the expert-parallel layers, not "
-                             "tested across ranks); allowed with data_parallel_size > 1: enable_mtp_varlen=False, "
-                             "num_speculative_tokens > 0 with the checkpoint's MTP block (not a DSpark drafter)")
+        # (expert-parallel) layers; the MTP block drafts with its own, local experts (no collective). VARLEN
+        # too: every rank profiles the same forwards at start-up and they share one table (dp_worker.py).
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":

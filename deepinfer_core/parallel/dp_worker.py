@@ -91,6 +91,9 @@ class RankStats:
     spec_drafted_tokens: int = 0
     spec_verified_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # VARLEN (enable_mtp_varlen): the step-time table every rank schedules with, the lengths chosen this call
+    varlen_ms: list[list[float]] = field(default_factory=list)
+    varlen_chosen: list[int] = field(default_factory=list)
     # EPLB (enable_eplb), during this call: rearrangements and what they moved on this rank
     eplb_rearrangements: int = 0
     eplb_layers_changed: int = 0          # summed over rearrangements
@@ -164,6 +167,22 @@ def _spec_counts(engine) -> tuple[int, int, int, int]:
     if m is None:
         return 0, 0, 0, 0
     return m.num_steps, m.num_drafted_tokens, m.num_verified_tokens, m.num_accepted_tokens
+
+
+def shared_varlen_policy(policy, group):
+    """VARLEN under DP. Every rank profiled its step-time table with the same forwards in the same order
+    (so the expert-parallel layers' collectives lined up); a lockstep iteration lasts as long as its
+    slowest rank, so each rank schedules with the elementwise maximum of the ranks' tables: one
+    all-reduce, the same table everywhere."""
+    from ..speculative.varlen import StepTimes, VarlenPolicy
+    times = policy.times
+    ms = torch.tensor(times.ms, dtype=torch.float64)
+    try:
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as exc:
+        raise EPCommError(f"VARLEN step-time table exchange failed: {exc}") from exc
+    shared = StepTimes(times.buckets, times.max_rows, tuple(tuple(row) for row in ms.tolist()))
+    return VarlenPolicy(shared, policy.max_drafts)
 
 
 def rank_load(engine) -> int:
@@ -245,6 +264,7 @@ class RankLoop:
         idle_needed = self.groups.ep is not None     # a placeholder pass serves the other ranks' MoE rows
         pairs_before = eplb.pairs_per_layer.clone() if eplb is not None else None
         spec_before = _spec_counts(engine)
+        chosen_before = list(engine.varlen.chosen) if engine.varlen is not None else []
         while True:
             self._drain()                 # what arrived since the last iteration joins this one
             if self.stopping or not _any_rank(engine.has_unfinished_requests(), self.groups.cpu, self.spec.rank):
@@ -279,6 +299,9 @@ class RankLoop:
         stats.num_preemptions = engine.scheduler.num_preemptions
         (stats.spec_verify_steps, stats.spec_drafted_tokens, stats.spec_verified_tokens,
          stats.spec_accepted_tokens) = (a - b for a, b in zip(_spec_counts(engine), spec_before))
+        if engine.varlen is not None:
+            stats.varlen_ms = [list(row) for row in engine.varlen.times.ms]
+            stats.varlen_chosen = [a - b for a, b in zip(engine.varlen.chosen, chosen_before)]
         stats.seconds = time.perf_counter() - t0
         load, gauges = rank_load(engine), self._gauges()
         self.results.put(("idle", IdleReport(self.spec.rank, self.runs, self.consumed, load, gauges, stats)))
@@ -347,6 +370,8 @@ def worker_main(spec: WorkerSpec, commands, results) -> None:
     try:
         groups, llm = build_rank(spec)
         engine = llm.engine                    # sizes the state cache now: a bad budget fails at start-up
+        if engine.varlen is not None:          # (profiled by llm.engine, every rank in step)
+            engine.use_varlen(shared_varlen_policy(engine.varlen, groups.cpu))
         eplb = None
         if spec.expert_parallel:
             from .eplb_runtime import runtime_eplb_from_config

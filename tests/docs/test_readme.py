@@ -231,8 +231,9 @@ def check_cli_data_parallel(r: Result) -> None:
 
 
 def check_serve_data_parallel_refused(r: Result) -> None:
-    """The server refuses DP with VARLEN at start: one line naming both settings, no traceback."""
-    assert "error: data_parallel_size=2 with enable_mtp_varlen=True" in r.stderr, r.stderr
+    """The server refuses spare expert slots without expert parallelism at start: one line naming both
+    settings, no traceback."""
+    assert "error: num_redundant_experts=2 needs enable_expert_parallel" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -415,8 +416,7 @@ TABLE: dict[str, Run | Skip] = {
     "python -m deepinfer_core.serve --model /tmp/tiny-v4 --port 8000 --data-parallel-size 2 "
     "--enable-expert-parallel": Skip("a server runs until it is stopped; tests/serve/test_server_dp.py starts "
                                      "this one (deepinfer serve) and tests it"),
-    "python -m deepinfer_core.serve --model /tmp/tiny-v4 --data-parallel-size 2 --num-speculative-tokens 2 "
-    "--enable-mtp-varlen": Run(
+    "python -m deepinfer_core.serve --model /tmp/tiny-v4 --data-parallel-size 2 --num-redundant-experts 2": Run(
         check_serve_data_parallel_refused, status=2
     ),
     "python -m deepinfer_core.tools.make_tiny_checkpoint /tmp/tiny-v4": Run(

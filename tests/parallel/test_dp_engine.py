@@ -81,8 +81,8 @@ def test_assignment_is_by_load_and_deterministic():
 
 
 def test_unsupported_options_are_refused(tiny_ckpt_dir):
-    with pytest.raises(ValueError, match="enable_mtp_varlen"):
-        DataParallelLLM(str(tiny_ckpt_dir), num_speculative_tokens=2, enable_mtp_varlen=True)
+    with pytest.raises(ValueError, match="num_redundant_experts=2 needs enable_expert_parallel"):
+        DataParallelLLM(str(tiny_ckpt_dir), enable_expert_parallel=False, num_redundant_experts=2)
     with pytest.raises(ValueError, match="device"):
         DataParallelLLM(str(tiny_ckpt_dir), device="cuda")
     with pytest.raises(ValueError, match="data_parallel_size"):

@@ -79,8 +79,8 @@ def test_from_runner_refuses_data_parallel():
 def test_unsupported_combinations_are_refused_before_any_rank_starts(tiny_ckpt_dir):
     with pytest.raises(ValueError, match="data_parallel_size=2 with device='cuda'"):
         LLM(str(tiny_ckpt_dir), data_parallel_size=2, device="cuda")
-    with pytest.raises(ValueError, match="data_parallel_size=2 with enable_mtp_varlen=True"):
-        LLM(str(tiny_ckpt_dir), data_parallel_size=2, num_speculative_tokens=2, enable_mtp_varlen=True)
+    with pytest.raises(ValueError, match="num_redundant_experts=2 needs enable_expert_parallel"):
+        LLM(str(tiny_ckpt_dir), data_parallel_size=2, num_redundant_experts=2)
     with pytest.raises(ValueError, match="enable_eplb=True needs enable_expert_parallel=True"):
         LLM(str(tiny_ckpt_dir), data_parallel_size=2, enable_eplb=True)
 

@@ -45,9 +45,44 @@ def test_dp2_ep_mtp_speculation_equals_one_process(spec_options, dp_workload, dp
         assert s.forwards + s.idle_forwards == s.iterations   # one EP pass per iteration
 
 
-def test_config_accepts_mtp_speculation_and_refuses_varlen_under_dp():
+def test_config_accepts_mtp_speculation_and_varlen_under_dp():
     from deepinfer_core.engine_config import EngineConfig
     cfg = EngineConfig.from_options(data_parallel_size=2, enable_expert_parallel=True, num_speculative_tokens=2)
     assert cfg.speculative.num_speculative_tokens == 2 and cfg.cache.max_backtracking_tokens >= 3
-    with pytest.raises(ValueError, match=r"enable_mtp_varlen=True .*DSpark"):
-        EngineConfig.from_options(data_parallel_size=2, num_speculative_tokens=2, enable_mtp_varlen=True)
+    cfg = EngineConfig.from_options(data_parallel_size=2, num_speculative_tokens=2, enable_mtp_varlen=True)
+    assert cfg.speculative.enable_mtp_varlen
+
+
+VARLEN_PROMPTS = ["HAMLET.\nTo be, or not to be,", "KING.\nMy lord, the", "ROMEO.\nBut soft, what light",
+                  "QUEEN.\nAlas, my lord,"]
+VARLEN_TOKENS = 24
+
+
+def test_dp2_ep_mtp_varlen_is_lossless_and_shares_one_step_time_table(tmp_path_factory):
+    """VARLEN under DP + EP 2 on the bundled trained model (its MTP block drafts acceptable tokens):
+    every rank profiles the same forwards at start-up and schedules with the ranks' elementwise-maximum
+    table. VARLEN refuses batch-invariant ops, so the oracle is float32 without the QAT simulation: the
+    greedy margins along the reference paths (checked first, from their top-2 logprobs) are far wider
+    than float32's rounding of different batch shapes, so any token that differs is the scheduling's."""
+    from deepinfer_core import SamplingParams
+    from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
+    model = str(make_trained_checkpoint(tmp_path_factory.mktemp("trained") / "ckpt", ARTIFACT))
+    options = dict(dtype="float32", simulate_qat=False, max_model_len=256, max_num_seqs=4)
+    ref = LLM(model=model, device="cpu", num_speculative_tokens=0, batch_invariant=True, **options)
+    scored = SamplingParams(temperature=0.0, max_tokens=VARLEN_TOKENS, ignore_eos=True, logprobs=2)
+    outs = ref.generate(VARLEN_PROMPTS, scored, use_tqdm=False)
+    gaps = [sorted((lp.logprob for lp in step.values()), reverse=True) for o in outs for step in o.outputs[0].logprobs]
+    assert min(top[0] - top[1] for top in gaps) > 1e-3, "the reference paths have near-ties: choose other prompts"
+    reference = _tokens(outs)
+    greedy = SamplingParams(temperature=0.0, max_tokens=VARLEN_TOKENS, ignore_eos=True)
+    with LLM(model, data_parallel_size=2, enable_expert_parallel=True, num_speculative_tokens=2,
+             enable_mtp_varlen=True, **options) as llm:
+        out = llm.generate(VARLEN_PROMPTS, greedy, use_tqdm=False)
+        stats = llm._dp.last_stats
+    assert _tokens(out) == reference
+    assert len(stats) == 2 and all(s.num_requests > 0 for s in stats)
+    assert stats[0].varlen_ms == stats[1].varlen_ms and len(stats[0].varlen_ms) > 0   # one table
+    for s in stats:
+        assert s.spec_verify_steps > 0 and sum(s.varlen_chosen) > 0
+        assert s.spec_drafted_tokens >= s.spec_verified_tokens >= s.spec_accepted_tokens
+        assert s.forwards + s.idle_forwards == s.iterations   # still one EP pass per iteration

@@ -1,6 +1,6 @@
 """`python -m deepinfer_core.serve` refuses engine options the engine cannot run, with the engine's
 message naming both settings and exit status 2, before any rank starts (what DataParallelLLM does not
-build yet: speculative decoding and GPU devices with data parallelism)."""
+build yet: GPU devices with data parallelism; settings that need another one)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from deepinfer_core.serve import __main__ as serve_main
     "flags,message",
     [
         (
-            ["--data-parallel-size", "2", "--num-speculative-tokens", "2", "--enable-mtp-varlen"],
-            "data_parallel_size=2 with enable_mtp_varlen=True",
+            ["--data-parallel-size", "2", "--num-redundant-experts", "2"],
+            "num_redundant_experts=2 needs enable_expert_parallel",
         ),
         (["--data-parallel-size", "2", "--device", "cuda"], "data_parallel_size=2 with device='cuda'"),
     ],
