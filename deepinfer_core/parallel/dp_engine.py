@@ -91,7 +91,7 @@ def _free_port() -> int:
 def _rank_config(config: EngineConfig) -> EngineConfig:
     """The ranks' device and drafts resolved. One engine process (engine_process=True, data_parallel_size
     1) keeps the options as they are: it is the in-process engine moved to a child. Several ranks run on the
-    CPU: EngineConfig refused an explicit GPU device and VARLEN already; an unset device must not be a GPU
+    CPU: EngineConfig refused an explicit GPU device already; an unset device must not be a GPU
     the ranks would silently not use, and unset drafts are 0 (speculation under DP is asked for by number)."""
     dp = config.parallel.data_parallel_size
     if dp == 1:

@@ -25,7 +25,8 @@ Invariants this keeps:
   and drafting (`Speculator.run`: the MTP block over the step's rows, then k - 1 more MTP steps) run
   the MTP block only, whose MoE keeps the single-process method with all its experts (ep_moe.py
   `moe_layers` is the main layers), so no collective. A rank that speculates and one that does not
-  (or is idle) still pair. VARLEN (its start-up profile) and the DSpark drafter are refused under DP.
+  (or is idle) still pair. VARLEN's start-up profile runs the same forwards on every rank, whose tables
+  then become one (`shared_varlen_policy`); the DSpark drafter is refused under DP.
 * Without expert parallelism the ranks share no collective but the vote, and no placeholder runs.
 * Any failure (a dead peer: `EPCommError` or a gloo error in the vote; a bad load) is reported to the
   front end as one ("error", rank, text) message, then the process exits at once: its closed sockets
