@@ -34,10 +34,10 @@ Speculative decoding with the checkpoint's MTP block (`num_speculative_tokens > 
 rank's step still launches at most one forward through the main, expert-parallel layers (the verify
 forward); the MTP block drafts with its own, local experts, so the lockstep pairing holds (dp_worker.py).
 With `enable_mtp_varlen` every rank profiles its step-time table with the same forwards at start-up and
-all schedule with the elementwise maximum of the ranks' tables (`shared_varlen_policy`).
+all schedule with the elementwise maximum of the ranks' tables (`shared_varlen_policy`). A DSpark
+checkpoint's drafter pairs the same way (its stages are the mtp.* blocks, with all their experts).
 
-Not here yet: GPU ranks (nccl, one device per rank), the DSpark drafter under DP (not tested across
-ranks; refused), the step-type vote of §3.1(b) (each rank schedules prefill
+Not here yet: GPU ranks (nccl, one device per rank), the step-type vote of §3.1(b) (each rank schedules prefill
 and decode freely; lockstep only pairs the forwards).
 """
 from __future__ import annotations
@@ -158,12 +158,6 @@ class DataParallelLLM(OnlineFrontEnd):
             config = config.replace(model=str(bundled_tiny_model_dir()))
         self.model_dir = _resolve_model(config.model.model)
         self.model_config = ModelConfig.from_file(self.model_dir)
-        drafts = config.speculative.num_speculative_tokens
-        if drafts and self.model_config.dspark is not None and config.parallel.data_parallel_size > 1:
-            raise ValueError(f"data_parallel_size={config.parallel.data_parallel_size} with num_speculative_tokens="
-                             f"{drafts} on a DSpark checkpoint: the DSpark drafter is not supported with data "
-                             "parallelism yet (not tested across ranks); allowed: num_speculative_tokens=0, or a "
-                             "checkpoint whose mtp.* block is V4's MTP block (with or without enable_mtp_varlen)")
         # max_model_len resolved as LLM resolves it (the ranks' LLMs resolve it again, to the same value)
         self.config = config.with_model_limit(self.model_config.max_position_embeddings)
         self.world = config.parallel.data_parallel_size

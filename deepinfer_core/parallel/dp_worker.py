@@ -26,7 +26,7 @@ Invariants this keeps:
   the MTP block only, whose MoE keeps the single-process method with all its experts (ep_moe.py
   `moe_layers` is the main layers), so no collective. A rank that speculates and one that does not
   (or is idle) still pair. VARLEN's start-up profile runs the same forwards on every rank, whose tables
-  then become one (`shared_varlen_policy`); the DSpark drafter is refused under DP.
+  then become one (`shared_varlen_policy`). The DSpark drafter's stages are the mtp.* blocks: local too.
 * Without expert parallelism the ranks share no collective but the vote, and no placeholder runs.
 * Any failure (a dead peer: `EPCommError` or a gloo error in the vote; a bad load) is reported to the
   front end as one ("error", rank, text) message, then the process exits at once: its closed sockets
@@ -92,6 +92,7 @@ class RankStats:
     spec_drafted_tokens: int = 0
     spec_verified_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_proposer: str = ""               # the drafter's class (MTP: "" = the speculator's own MTP drafting)
     # VARLEN (enable_mtp_varlen): the step-time table every rank schedules with, the lengths chosen this call
     varlen_ms: list[list[float]] = field(default_factory=list)
     varlen_chosen: list[int] = field(default_factory=list)
@@ -300,6 +301,9 @@ class RankLoop:
         stats.num_preemptions = engine.scheduler.num_preemptions
         (stats.spec_verify_steps, stats.spec_drafted_tokens, stats.spec_verified_tokens,
          stats.spec_accepted_tokens) = (a - b for a, b in zip(_spec_counts(engine), spec_before))
+        speculator = engine.executor.speculator
+        if speculator is not None and getattr(speculator, "proposer", None) is not None:
+            stats.spec_proposer = type(speculator.proposer).__name__
         if engine.varlen is not None:
             stats.varlen_ms = [list(row) for row in engine.varlen.times.ms]
             stats.varlen_chosen = [a - b for a, b in zip(engine.varlen.chosen, chosen_before)]

@@ -86,3 +86,28 @@ def test_dp2_ep_mtp_varlen_is_lossless_and_shares_one_step_time_table(tmp_path_f
         assert s.spec_verify_steps > 0 and sum(s.varlen_chosen) > 0
         assert s.spec_drafted_tokens >= s.spec_verified_tokens >= s.spec_accepted_tokens
         assert s.forwards + s.idle_forwards == s.iterations   # still one EP pass per iteration
+
+
+def test_dp2_ep_dspark_drafting_is_lossless(tmp_path_factory):
+    """The DSpark drafter under DP + EP 2 (the bundled DSpark variant: the trained target with its trained
+    drafter): its stages are the checkpoint's mtp.* blocks, whose MoE keeps all experts on every rank, and
+    it drafts from the features of the step's one verify forward, so a rank still makes one
+    expert-parallel pass per iteration. Greedy tokens = the non-speculative ones (float32, QAT off,
+    batch-invariant ops)."""
+    from deepinfer_core import SamplingParams
+    from deepinfer_core.tools.trained_model import ARTIFACT, DSPARK_ARTIFACT, make_trained_checkpoint
+    model = str(make_trained_checkpoint(tmp_path_factory.mktemp("trained") / "dspark", ARTIFACT,
+                                        drafter=DSPARK_ARTIFACT))
+    options = dict(dtype="float32", simulate_qat=False, batch_invariant=True, max_model_len=256, max_num_seqs=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=VARLEN_TOKENS, ignore_eos=True)
+    reference = _tokens(LLM(model=model, device="cpu", num_speculative_tokens=0, **options)
+                        .generate(VARLEN_PROMPTS, greedy, use_tqdm=False))
+    with LLM(model, data_parallel_size=2, enable_expert_parallel=True, num_speculative_tokens=3, **options) as llm:
+        out = llm.generate(VARLEN_PROMPTS, greedy, use_tqdm=False)
+        stats = llm._dp.last_stats
+    assert _tokens(out) == reference
+    assert len(stats) == 2 and all(s.num_requests > 0 for s in stats)
+    for s in stats:
+        assert s.spec_proposer == "DSparkDrafter"
+        assert s.spec_verify_steps > 0 and s.spec_accepted_tokens > 0
+        assert s.forwards + s.idle_forwards == s.iterations
