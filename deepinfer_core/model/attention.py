@@ -97,7 +97,7 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(Dh, cfg.rms_norm_eps, device=device)
         # wo_a: grouped projection, bf16 einsum in the reference (no activation quant).
         self.wo_a = Linear(H * Dh // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, fmt, block=block,
-                           act_quant=False, device=device, grouped=True)
+                           act_quant=False, device=device, groups=cfg.o_groups)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D, fmt, block=block, device=device)
         self.compressor = Compressor(cfg, ratio, Dh, "kv", device=device) if ratio else None
         self.indexer = Indexer(cfg, device=device) if ratio == 4 else None

@@ -33,10 +33,13 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, fmt: str, *, block=(128, 128),
-                 act_quant: bool | None = None, dtype=torch.bfloat16, device="cpu", grouped: bool = False):
+                 act_quant: bool | None = None, dtype=torch.bfloat16, device="cpu", groups: int = 1):
         super().__init__()
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
-        self.grouped = grouped     # block-diagonal (V4's wo_a): computed by `apply_grouped`
+        # groups > 1: block-diagonal (V4's wo_a, `apply_grouped`): group g maps its in_features inputs
+        # to output rows g*out/groups .. (g+1)*out/groups
+        self.groups = groups
+        self.grouped = groups > 1
         self.act_quant = (fmt != "bf16") if act_quant is None else act_quant
         self.method = None         # bound by bind_ops(); the op object that computes this layer
         self.compute_dtype = None  # None = the model's compute dtype; fp32 for reference-fp32 layers

@@ -195,19 +195,21 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w8a16_gemm_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_cm,
+def _w8a16_gemm_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_cm, stride_xg, stride_cg,
                        N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, WB: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
+    g = tl.program_id(1)                  # group of a block-diagonal (grouped) product: weight rows g*N..
     pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
-    sw_ptrs = ws_ptr + (offs_n // WB) * N_KG
+    rows = g * N + offs_n                 # this group's weight rows (N % WB == 0 when grouped)
+    x_ptrs = x_ptr + g * stride_xg + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    sw_ptrs = ws_ptr + (rows // WB) * N_KG
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, N_KG):
         k_ok = offs_k < K - kb * BLOCK_K
@@ -224,7 +226,7 @@ def _w8a16_gemm_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_xm, stride_w
         acc += part * sw[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    c_ptrs = c_ptr + g * stride_cg + offs_m[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -232,23 +234,29 @@ def w8a16_gemm(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out_dtype: t
                config: dict | None = None) -> torch.Tensor:
     """x [M, K] bf16 or fp32 (not quantised) times FP8 weights qw [N, K] with block scales sw
     [ceil(N/128), ceil(K/128)]: the weights stay FP8 in memory and are widened tile by tile. fp32
-    inputs multiply in IEEE fp32 (no tf32), matching the core's float32 path."""
-    M, K = x.shape
-    N = qw.shape[0]
+    inputs multiply in IEEE fp32 (no tf32), matching the core's float32 path. Grouped (V4's wo_a):
+    x [M, G, K] times the block-diagonal qw [G*N, K] (group g: rows g*N..(g+1)*N, N a multiple of
+    128) -> [M, G, N], one launch for all groups."""
+    grouped = x.dim() == 3
+    M, K = x.shape[0], x.shape[-1]
+    G = x.shape[1] if grouped else 1
+    N = qw.shape[0] // G
     n_kg = triton.cdiv(K, BLOCK_K)
-    if qw.shape[1] != K or tuple(sw.shape) != (triton.cdiv(N, WEIGHT_BLOCK), n_kg):
+    if qw.shape[1] != K or tuple(sw.shape) != (triton.cdiv(qw.shape[0], WEIGHT_BLOCK), n_kg) or \
+            (grouped and (qw.shape[0] % G or N % WEIGHT_BLOCK)):
         raise ValueError(f"w8a16_gemm: shapes x {tuple(x.shape)}, qw {tuple(qw.shape)}, sw {tuple(sw.shape)} "
-                         f"do not fit (blocks of {WEIGHT_BLOCK})")
+                         f"do not fit (blocks of {WEIGHT_BLOCK}; grouped: G*N rows, N a multiple of it)")
     x = x if x.stride(-1) == 1 else x.contiguous()
     qw, sw = qw.contiguous(), sw.contiguous().float()
-    c = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    c = torch.empty((M, G, N) if grouped else (M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return c
     cfg = dict(config or tile_config(M))
     if x.dtype == torch.float32:            # fp32 tiles: halve the tile to fit shared memory
         cfg.update(BLOCK_M=min(cfg["BLOCK_M"], 64), BLOCK_N=min(cfg["BLOCK_N"], 64), num_stages=2)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _w8a16_gemm_kernel[grid](x, qw, sw, c, M, N, K, x.stride(0), qw.stride(0), c.stride(0), N_KG=n_kg,
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), G)
+    _w8a16_gemm_kernel[grid](x, qw, sw, c, M, N, K, x.stride(0), qw.stride(0), c.stride(0),
+                             x.stride(1) if grouped else 0, c.stride(1) if grouped else 0, N_KG=n_kg,
                              BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, IEEE=x.dtype == torch.float32,
                              UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg)
     return c

@@ -53,11 +53,28 @@ def test_unquantised_activations_keep_fp8_weights(kdev, act_quant, simulate_qat)
     assert ((got - want).norm() / want.norm()) < 1e-5
 
 
-def test_grouped_layers_use_the_portable_method():
-    layer = Linear(256, 256, "fp8", act_quant=False, grouped=True)
-    method = Fp8LinearMethod(torch.bfloat16, True)
-    method.process_weights(layer)
-    assert layer.weight.dtype == torch.bfloat16 and not method.uses_fp8(layer)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_fp8_layers_stay_fp8_and_equal_the_dequantised_product(kdev, dtype):
+    """V4's wo_a (2 groups of 128 output rows here): the FP8 weights stay resident and are widened in the
+    GEMM; the result is the portable method's einsum over the dequantised weights up to summation order.
+    Batch-invariant mode keeps the dequantised form (its dense kernel)."""
+    ours, ref = Linear(256, 256, "fp8", act_quant=False, groups=2), Linear(256, 256, "fp8", act_quant=False, groups=2)
+    q, s = quantize_fp8_block(torch.randn(256, 256, generator=torch.Generator().manual_seed(7)) * 0.05)
+    for layer in (ours, ref):
+        layer.weight.copy_(q)
+        layer.scale.copy_(s)
+    method = Fp8LinearMethod(dtype, True)
+    method.process_weights(ours)
+    PortableLinearMethod(dtype, True).process_weights(ref)
+    assert ours.weight.dtype == torch.float8_e4m3fn and method.uses_fp8(ours)
+    x = torch.randn(5, 2, 256, generator=torch.Generator().manual_seed(8)).to(dtype)
+    got = method.apply_grouped(ours.to(kdev), x.to(kdev)).cpu()
+    want = PortableLinearMethod(dtype, True).apply_grouped(ref, x)
+    assert got.shape == want.shape == (5, 2, 128) and got.dtype == dtype
+    assert ((got.float() - want.float()).norm() / want.float().norm()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    invariant = Linear(256, 256, "fp8", act_quant=False, groups=2)
+    method.batch_invariant_variant().process_weights(invariant)
+    assert invariant.weight.dtype == dtype and not method.uses_fp8(invariant)
 
 
 def test_fp4_experts_are_re_encoded_to_fp8_exactly(kdev):

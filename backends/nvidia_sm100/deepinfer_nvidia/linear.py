@@ -7,8 +7,8 @@ with simulate_qat=True the result equals the portable path up to summation order
 activation quantisation (simulate_qat=False, or a layer the reference computes in bf16) the weights
 still stay FP8 and are widened tile by tile (`w8a16_gemm`). FP4 checkpoint weights (the routed
 experts) are re-encoded to FP8 with 128x128 scales at load when that is exact (`fp4_to_fp8_block`;
-SM90 has no FP4 tensor cores), else dequantised by the portable method. The grouped wo_a uses the
-core's portable method.
+SM90 has no FP4 tensor cores), else dequantised by the portable method. The grouped wo_a (bf16
+activations) keeps its FP8 weights too (`w8a16_gemm` over its groups), except in batch-invariant mode.
 
 bf16 checkpoint weights (`Bf16LinearMethod`) stay bf16 in a bf16 model, including the layers the
 reference computes in fp32 (the compressors' projections): a bf16 x bf16 product is exact in fp32, so
@@ -40,8 +40,15 @@ class Fp8LinearMethod:
     def uses_fp8(self, layer) -> bool:
         return getattr(layer, "fp8_scale", None) is not None
 
+    def keeps_grouped_fp8(self, layer) -> bool:
+        """A grouped FP8 layer (wo_a: bf16 activations in the reference) stays FP8 when each group's rows
+        are whole 128-row scale blocks; batch-invariant mode keeps the dense kernel's dequantised form."""
+        return (layer.fmt == "fp8" and not self.batch_invariant and not (layer.act_quant and self.simulate_qat)
+                and layer.out_features % (layer.groups * self.block[0]) == 0)
+
     def process_weights(self, layer) -> None:
-        if layer.fmt not in ("fp8", "fp4") or self.block != (128, 128) or layer.grouped:
+        if layer.fmt not in ("fp8", "fp4") or self.block != (128, 128) or \
+                (layer.grouped and not self.keeps_grouped_fp8(layer)):
             self.fallback.process_weights(layer)
             return
         weight, scale = layer.weight, layer.scale
@@ -75,9 +82,14 @@ class Fp8LinearMethod:
         return y.view(*lead, y.shape[-1])
 
     def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
-        """V4's wo_a: a bf16 product in the reference (no activation quantisation), so the portable
-        method serves it (a grouped bf16 kernel is future work)."""
-        return self.fallback.apply_grouped(layer, x)
+        """V4's wo_a, x [T, G, in] -> [T, G, out/G]: a bf16 product in the reference (no activation
+        quantisation), so the FP8 weights are widened tile by tile (`w8a16_gemm`, all groups in one
+        launch), as exact as the dequantised weights and half their bytes."""
+        if not self.uses_fp8(layer):
+            return self.fallback.apply_grouped(layer, x)
+        from deepinfer_kernels.fp8_gemm import w8a16_gemm
+        out_dtype = layer.compute_dtype or self.dtype
+        return w8a16_gemm(x.to(out_dtype), layer.weight, layer.fp8_scale, out_dtype=out_dtype)
 
 
 class Bf16LinearMethod:
