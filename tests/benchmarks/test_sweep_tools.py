@@ -187,3 +187,16 @@ def test_sweep_end_to_end_without_transformers(tmp_path):
     assert data["hf"]["status"] == "not run: --no-hf"
     assert all("speedup_vs_hf" not in r for r in data["decode"])
     assert data["verdicts"][3]["pass"] is None
+
+
+def test_sweep_with_fp4_experts_counts_the_checkpoints_expert_bytes(tmp_path):
+    """`--expert-dtype fp4` (examples/sweep/run_sweep.sh's default): the checkpoint's FP4 routed experts,
+    re-encoded by the backend; the roofline reads 0.5 B per weight + one scale byte per 32 of them."""
+    import sweep
+    routed = {}
+    for fmt in ("fp8", "fp4"):
+        result = sweep.main(SMOKE + ["--no-hf", "--expert-dtype", fmt, "--out-dir", str(tmp_path / fmt)])
+        data = _check(result, Path(result["json_path"]))
+        assert data["config"]["expert_dtype"] == fmt
+        routed[fmt] = data["decode"][0]["roofline"]["bench"]["bytes"]["routed_experts"]
+    assert routed["fp4"] / routed["fp8"] == pytest.approx((0.5 + 1 / 32), rel=1e-3), routed
