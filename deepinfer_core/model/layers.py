@@ -39,7 +39,6 @@ class Linear(nn.Module):
         # groups > 1: block-diagonal (V4's wo_a, `apply_grouped`): group g maps its in_features inputs
         # to output rows g*out/groups .. (g+1)*out/groups
         self.groups = groups
-        self.grouped = groups > 1
         self.act_quant = (fmt != "bf16") if act_quant is None else act_quant
         self.method = None         # bound by bind_ops(); the op object that computes this layer
         self.compute_dtype = None  # None = the model's compute dtype; fp32 for reference-fp32 layers
@@ -56,6 +55,10 @@ class Linear(nn.Module):
             self.scale = None
         else:
             raise ValueError(f"unknown weight format {fmt!r}; allowed: fp8, fp4, bf16")
+
+    @property
+    def grouped(self) -> bool:
+        return self.groups > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)

@@ -101,16 +101,14 @@ def _load_packed(u8_ptr, b16_ptr, off, ok, BLOCK_N: tl.constexpr, D: tl.constexp
     g = tl.arange(0, G)
     j = tl.arange(0, 64)
     d3 = (g * 64)[None, :, None] + j[None, None, :]
-    is_q = (g < NOPE // 64)[None, :, None]
-    row = off[:, None, None]
+    nope_g = g < NOPE // 64                   # the groups of e4m3 codes; the rest hold the bf16 RoPE dims
+    is_q = nope_g[None, :, None]
     ok3 = ok[:, None, None]
-    code = tl.load(u8_ptr + row + d3, mask=ok3 & is_q, other=0)
-    e = tl.load(u8_ptr + off[:, None] + (2 * D - NOPE) + g[None, :], mask=ok[:, None] & (g < NOPE // 64)[None, :],
-                other=0)
+    code = tl.load(u8_ptr + off[:, None, None] + d3, mask=ok3 & is_q, other=0)
+    e = tl.load(u8_ptr + off[:, None] + (2 * D - NOPE) + g[None, :], mask=ok[:, None] & nope_g[None, :], other=0)
     scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     v = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
-    rope = tl.load(b16_ptr + (off // 2 - NOPE // 2)[:, None, None] + d3, mask=ok3 & (g >= NOPE // 64)[None, :, None],
-                   other=0.0)
+    rope = tl.load(b16_ptr + (off // 2 - NOPE // 2)[:, None, None] + d3, mask=ok3 & ~is_q, other=0.0)
     return tl.reshape(tl.where(is_q, v.to(dtype), rope.to(dtype)), (BLOCK_N, D))
 
 
