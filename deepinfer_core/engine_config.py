@@ -204,15 +204,16 @@ class SchedulerOptions(_Section):
 
 @dataclass(frozen=True)
 class ParallelOptions(_Section):
-    """Data parallelism (engine processes on one host, CPU ranks over gloo so far) with the routed experts
-    optionally sharded over them (expert parallelism) and rebalanced (EPLB); every other size is 1."""
+    """Data parallelism (engine processes on one host: one GPU each over NCCL, or CPU ranks over gloo)
+    with the routed experts optionally sharded over them (expert parallelism) and rebalanced (EPLB);
+    every other size is 1."""
 
     tensor_parallel_size: int = _opt(1, "devices the weights are split over", _only(1, SINGLE_GPU))
     pipeline_parallel_size: int = _opt(1, "pipeline stages", _only(1, SINGLE_GPU))
     data_parallel_size: int = _opt(1, "engine processes on this host (attention data parallel), stepping in "
-                                   "lockstep; > 1: CPU ranks over gloo (GPU ranks are not built yet), MTP "
-                                   "speculation only when num_speculative_tokens is set (unset = 0), no "
-                                   "enable_mtp_varlen", _positive())
+                                   "lockstep; > 1: rank r on GPU r (NCCL; CUDA graphs off under expert "
+                                   "parallelism) or CPU ranks over gloo; MTP speculation only when "
+                                   "num_speculative_tokens is set (unset = 0)", _positive())
     engine_process: bool | None = _opt(None, "run the engine (scheduler, model, sampler) in a child process "
                                        "while this process keeps the tokenizer and the request front end, so "
                                        "Python work here (an HTTP server's) never holds the GIL the engine's "
@@ -381,10 +382,10 @@ class EngineConfig(_Section):
         if dp == 1:
             return
         device = self.model.device
-        if device is not None and device != "cpu":
-            raise ValueError(f"data_parallel_size={dp} with device={device!r}: GPU data-parallel ranks are not "
-                             "built yet (the ranks run on the CPU over gloo); allowed with data_parallel_size > 1: "
-                             "device='cpu' or None")
+        if device not in (None, "cpu", "cuda"):
+            raise ValueError(f"data_parallel_size={dp} with device={device!r}: rank r runs on GPU r of this host "
+                             "(CUDA) or on the CPU; allowed with data_parallel_size > 1: device='cpu', 'cuda' or "
+                             "None (the detected platform's)")
         # MTP speculation pairs up: a speculating rank's step launches one verify forward through the main
         # (expert-parallel) layers; the MTP block drafts with its own, local experts (no collective). VARLEN
         # too: every rank profiles the same forwards at start-up and they share one table (dp_worker.py).

@@ -37,8 +37,13 @@ With `enable_mtp_varlen` every rank profiles its step-time table with the same f
 all schedule with the elementwise maximum of the ranks' tables (`shared_varlen_policy`). A DSpark
 checkpoint's drafter pairs the same way (its stages are the mtp.* blocks, with all their experts).
 
-Not here yet: GPU ranks (nccl, one device per rank), the step-type vote of §3.1(b) (each rank schedules prefill
-and decode freely; lockstep only pairs the forwards).
+GPU ranks (device 'cuda'): rank r runs on GPU r, the EP group is an NCCL group (NVLink multicast off:
+NCCL_NVLS_ENABLE=0 unless set), the vote and other control traffic stay on a gloo twin. Under expert
+parallelism the ranks run eagerly: the portable dispatch exchanges sizes on the host, which a CUDA graph
+cannot hold (a graph-safe dispatch pads every segment to a fixed size: not built yet).
+
+Not here yet: the step-type vote of §3.1(b) (each rank schedules prefill and decode freely; lockstep only
+pairs the forwards).
 """
 from __future__ import annotations
 
@@ -65,7 +70,9 @@ from .reports import ReportReceiver
 
 log = logging.getLogger("deepinfer.dp")
 
-DEFAULT_TIMEOUT_S = 60.0       # gloo collective timeout of the ranks (a hung peer fails after this)
+DEFAULT_TIMEOUT_S = 60.0       # collective timeout of CPU ranks (a hung peer fails after this)
+GPU_TIMEOUT_S = 900.0          # of GPU ranks: a rank may compile kernels for minutes while its peers wait
+                               # (a rank that dies is seen at once by the front end's polling either way)
 POLL_S = 0.1                   # how often the front end checks that the ranks are alive
 GRACE_S = 5.0                  # after a failure: how long the peers get to report theirs
 STOP_S = 10.0                  # close(): how long the ranks get to leave before they are killed
@@ -90,19 +97,35 @@ def _free_port() -> int:
 
 def _rank_config(config: EngineConfig) -> EngineConfig:
     """The ranks' device and drafts resolved. One engine process (engine_process=True, data_parallel_size
-    1) keeps the options as they are: it is the in-process engine moved to a child. Several ranks run on the
-    CPU: EngineConfig refused an explicit GPU device already; an unset device must not be a GPU
-    the ranks would silently not use, and unset drafts are 0 (speculation under DP is asked for by number)."""
+    1) keeps the options as they are: it is the in-process engine moved to a child. Several ranks run
+    where the options say (unset: the detected platform's device): 'cuda' puts rank r on GPU r of this
+    host, which must have that many; 'cpu' runs them all on the host's cores. Unset drafts are 0
+    (speculation under DP is asked for by number)."""
     dp = config.parallel.data_parallel_size
     if dp == 1:
         return config
-    if config.model.device is None:
+    device = config.model.device
+    if device is None:
         platform = _platform()
-        if platform.device_type != "cpu":
+        device = platform.device_type
+        if device not in ("cpu", "cuda"):
             raise ValueError(f"data_parallel_size={dp}: the detected platform is {platform.name!r} (device "
-                             f"{platform.device_type!r}), but GPU data-parallel ranks are not built yet; pass "
-                             "device='cpu' to run the ranks on the CPU (over gloo)")
-    return config.replace(device="cpu", num_speculative_tokens=config.speculative.num_speculative_tokens or 0)
+                             f"{device!r}), which has no data-parallel ranks yet; allowed: device='cuda' or 'cpu'")
+    if device == "cuda":
+        check_gpu_count(dp)
+    return config.replace(device=device, num_speculative_tokens=config.speculative.num_speculative_tokens or 0)
+
+
+def check_gpu_count(dp: int, available: int | None = None) -> None:
+    """Rank r runs on GPU r: a host with fewer GPUs (as CUDA_VISIBLE_DEVICES shows them) is refused at
+    once, before any rank starts."""
+    if available is None:
+        import torch
+        available = torch.cuda.device_count()
+    if available < dp:
+        raise ValueError(f"data_parallel_size={dp} with device='cuda' needs {dp} GPUs (rank r on GPU r); "
+                         f"this process sees {available} (CUDA_VISIBLE_DEVICES); allowed: data_parallel_size <= "
+                         f"{available}, or device='cpu'")
 
 
 def _platform():
@@ -123,7 +146,8 @@ def _exit_text(code: int | None) -> str:
 
 
 class DataParallelLLM(OnlineFrontEnd):
-    """`LLM`'s `generate` over `data_parallel_size` engine processes (CPU, gloo).
+    """`LLM`'s `generate` over `data_parallel_size` engine processes (one GPU each over NCCL, or CPU ranks
+    over gloo).
 
     `LLM(model, data_parallel_size=N, ...)` builds one of these (`from_config`); direct use takes the same
     options by name, with `enable_expert_parallel` defaulting to True here (shard the routed experts over
@@ -134,7 +158,7 @@ class DataParallelLLM(OnlineFrontEnd):
     Use as a context manager or call `close()`: the ranks are processes."""
 
     def __init__(self, model: str | None = None, data_parallel_size: int = 2,
-                 enable_expert_parallel: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, **options: Any):
+                 enable_expert_parallel: bool | None = None, timeout_s: float | None = None, **options: Any):
         if enable_expert_parallel is None:      # the point of DP here is EP: on unless there is one rank
             enable_expert_parallel = not (isinstance(data_parallel_size, int) and data_parallel_size == 1)
         config = EngineConfig.from_options(model=model, data_parallel_size=data_parallel_size,
@@ -142,17 +166,21 @@ class DataParallelLLM(OnlineFrontEnd):
         self._init(config, timeout_s)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> DataParallelLLM:
+    def from_config(cls, config: EngineConfig, timeout_s: float | None = None) -> DataParallelLLM:
         """The engine `LLM(..., data_parallel_size=N)` runs on: `config` as `EngineConfig.from_options`
         resolved it (its data_parallel_size is the number of ranks)."""
         self = cls.__new__(cls)
         self._init(config, timeout_s)
         return self
 
-    def _init(self, config: EngineConfig, timeout_s: float) -> None:
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r}; allowed: a number of seconds > 0")
+    def _init(self, config: EngineConfig, timeout_s: float | None) -> None:
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0):
+            raise ValueError(f"timeout_s={timeout_s!r}; allowed: a number of seconds > 0, or None (= "
+                             f"{DEFAULT_TIMEOUT_S:g} on CPU ranks, {GPU_TIMEOUT_S:g} on GPU ranks)")
         config = _rank_config(config)
+        if timeout_s is None:
+            timeout_s = GPU_TIMEOUT_S if config.model.device == "cuda" else DEFAULT_TIMEOUT_S
         if config.model.model is None:
             from ..tools.bundled_model import bundled_tiny_model_dir
             config = config.replace(model=str(bundled_tiny_model_dir()))

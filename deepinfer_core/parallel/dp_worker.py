@@ -55,12 +55,12 @@ class WorkerSpec:
 
     rank: int
     world_size: int
-    init_method: str              # tcp://host:port of the gloo rendezvous
+    init_method: str              # tcp://host:port of the rendezvous
     model_dir: str
-    config: EngineConfig          # resolved once by the front end (device cpu, drafts unset = 0)
+    config: EngineConfig          # resolved once by the front end (device cpu or cuda, drafts unset = 0)
     expert_parallel: bool
     num_redundant_experts: int
-    timeout_s: float              # gloo collective timeout: a hung peer becomes an error after this
+    timeout_s: float              # collective timeout: a hung peer becomes an error after this
     num_threads: int              # torch intra-op threads of this rank (ranks share the host's cores)
 
 
@@ -334,9 +334,17 @@ class RankLoop:
         self._invalid = {}
 
 
+def rank_device(spec: WorkerSpec) -> torch.device:
+    """Where rank r runs: GPU r for device 'cuda' (one GPU per rank), else the CPU."""
+    if spec.config.model.device == "cuda":
+        return torch.device("cuda", spec.rank)
+    return torch.device("cpu")
+
+
 def build_rank(spec: WorkerSpec):
     """(process groups, LLM over this rank's runner): groups first, then the expert shard the loader
-    reads, then the engine (its state cache is this rank's own)."""
+    reads, then the engine (its state cache is this rank's own). On a GPU the EP group is NCCL and the
+    control traffic (votes, tables) a gloo twin."""
     from ..api.llm import LLM
     from ..api.tokenizer import load_tokenizer
     from ..config import ModelConfig
@@ -345,16 +353,18 @@ def build_rank(spec: WorkerSpec):
     from .expert_map import ExpertPlacement
     from .groups import ParallelLayout, init_process_groups
 
+    device = rank_device(spec)
     layout = ParallelLayout(world_size=spec.world_size, rank=spec.rank, data_parallel_size=spec.world_size,
                             expert_parallel=spec.expert_parallel)
-    groups = init_process_groups(layout, backend="gloo", init_method=spec.init_method, timeout_s=spec.timeout_s,
-                                 env={})
+    groups = init_process_groups(layout, backend="nccl" if device.type == "cuda" else "gloo",
+                                 init_method=spec.init_method, timeout_s=spec.timeout_s, device=device, env={})
     shard = None
     if spec.expert_parallel:
         cfg = ModelConfig.from_file(spec.model_dir)
         placement = ExpertPlacement.initial(cfg.num_hidden_layers, cfg.n_routed_experts, layout.ep_size,
                                             spec.num_redundant_experts)
-        shard = ExpertShard(placement, layout.ep_rank, layout.ep_size, groups.ep)
+        # the maps live where the router's expert ids do (no host round trip per layer)
+        shard = ExpertShard(placement.to(device), layout.ep_rank, layout.ep_size, groups.ep)
     runner = ModelRunner(spec.model_dir, spec.config, expert_shard=shard)
     tokenizer = load_tokenizer(spec.model_dir, spec.config.model.tokenizer)
     # as LLM.__init__ does after building its runner (from_runner wants a runner whose cache exists)
@@ -373,6 +383,12 @@ def worker_main(spec: WorkerSpec, commands, results) -> None:
     torch.set_num_threads(spec.num_threads)
     groups = None
     try:
+        if rank_device(spec).type == "cuda":
+            # NVLink multicast off unless the user chose otherwise: the portable all-to-all gains nothing
+            # from it, and a program using it can put a shared host's GPUs out of service
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+            torch.cuda.set_device(spec.rank)      # "cuda" (the config's device) is now this rank's GPU
         groups, llm = build_rank(spec)
         engine = llm.engine                    # sizes the state cache now: a bad budget fails at start-up
         if engine.varlen is not None:          # (profiled by llm.engine, every rank in step)

@@ -2,27 +2,32 @@
 
 One MoE layer on EP rank r (every rank of the EP group, an idle one with T = 0 rows too):
     route locally (the wrapped method's gate: logical top-k, tid2eid on hash layers) ->
-    sort each token's top-k by logical expert id -> physical slots (`choose_physical`) ->
-    dispatch -> this rank's slots run on the rows they received (the wrapped method's expert math) ->
+    (portable order: sort each token's top-k by logical expert id) -> physical slots (`choose_physical`) ->
+    dispatch -> this rank's slots run on the pairs they received (the wrapped method's expert math) ->
     combine, starting the sum from the shared expert's output.
+
+The seam to the wrapped single-process method is `EPExperts` (route, shared expert, the received pairs'
+expert outputs, the slots' weights for EPLB): the method's own `ep_experts()` when it has one (the
+NVIDIA backend's grouped FP8/FP4 GEMMs over the received pairs), else `PortableEPExperts`.
 
 Invariants:
 * Exactly one `dispatch` and one `combine` per layer call, whatever T is (0 included): the EP group's
   collectives stay in step as long as every rank calls the same layers in the same order (§3.1).
-* Order of additions per token = the portable method's: fp32 shared-expert output first, then the routed
-  contributions in ascending logical-expert order (the portable loop walks experts ascending; sorting the
-  top-k by id makes combine's fixed k order the same order). With a row-invariant expert GEMM (the
-  batch-invariant feature) the result is bitwise that of the single-process method, for any EP size,
-  placement or replica choice; with the plain CPU GEMM the expert rows see other batch shapes, so only
-  the last bits may differ.
-* The expert math is the wrapped method's: `moe.experts[slot](rows, route_weight, silu=inner.silu)`,
+* Order of additions per token = the wrapped method's: fp32 shared-expert output first, then the routed
+  contributions in its order (`sort_by_expert`: the portable loop walks experts ascending, so the top-k
+  is sorted by id first; a fused method that sums in route order keeps it). With a row-invariant expert
+  GEMM (the batch-invariant feature) the result is bitwise that of the single-process method, for any EP
+  size, placement or replica choice; with the plain GEMMs the expert rows see other batch shapes, so
+  only the last bits may differ.
+* The portable expert math is the wrapped method's: `moe.experts[slot](rows, route_weight, silu=inner.silu)`,
   i.e. the same `Expert.forward` (SwiGLU clamp, weight before w2, dtype casts) and the same bound linear
   method (QAT activation fake-quant included). Only the experts of this rank's slots are kept
   (`shard_experts`); replicas on one rank are copies of the same logical expert.
-* Loading (`ExpertShard` passed to `load_model`): before the checkpoint is read, `prune_remote_experts`
-  empties the experts no slot of this rank holds, and the loader skips their tensors, so a rank reads
-  only `phys_to_log[own slots]` (each logical expert once, replicas copied after loading). The dummy
-  load format fills the full model and then shards it in memory (`shard_experts`).
+* Loading (`ExpertShard` passed to `load_model`): the graph is built on the meta device and
+  `prune_remote_experts` empties the experts no slot of this rank holds, so the loader skips their
+  tensors (a rank reads only `phys_to_log[own slots]`, each logical expert once) and the dummy load format
+  gives memory to this rank's experts only. The EP method is bound before `process_weights`, so the
+  wrapped method processes (packs, re-encodes) this rank's slots alone.
 * MTP / drafter blocks keep the wrapped method and all their experts (local, no collective): only the
   main layers are expert-parallel so far.
 """
@@ -32,12 +37,13 @@ import copy
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ep_comm import combine, dispatch
+from .ep_comm import DispatchResult, combine, dispatch
 from .expert_map import ExpertPlacement, choose_physical
 
 _EXPERT_NAME = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.")    # a main layer's routed expert
@@ -77,6 +83,26 @@ def shard_experts(experts: Sequence[nn.Module], placement: ExpertPlacement, laye
     return nn.ModuleList(local)
 
 
+class EPExperts(Protocol):
+    """What an EP rank needs from the single-process MoE method it wraps (the method's `ep_experts()`,
+    else `PortableEPExperts`). Resolved once when the EP method is built; called per layer."""
+
+    sort_by_expert: bool    # combine adds a token's experts in ascending logical id (else in route order)
+
+    def route(self, moe: nn.Module, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights [T, K] fp32, logical expert ids [T, K] int) of this rank's tokens."""
+
+    def shared(self, moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output [T, D] in fp32: where each token's sum starts."""
+
+    def pairs(self, moe: nn.Module, res: DispatchResult) -> torch.Tensor:
+        """[P, D] the weighted output of each received (row, local slot) pair, in `res`'s order."""
+
+    def slot_modules(self, moe: nn.Module) -> Sequence[nn.Module]:
+        """One module per local slot whose tensors (parameters and buffers) are that slot's weights, in
+        place: EPLB rewrites them byte for byte (`expert_move`)."""
+
+
 @dataclass
 class EPMoEMethod:
     """MoE method of one EP rank; wraps the single-process method chosen by `deepinfer_moe_method`
@@ -92,8 +118,11 @@ class EPMoEMethod:
     group: dist.ProcessGroup | None = None
     # EPLB load recording (None = off): [L, S] int64, pairs received per local slot since the last take
     load_counts: torch.Tensor | None = field(default=None, repr=False)
+    ops: EPExperts = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        make = getattr(self.inner, "ep_experts", None)
+        self.ops = make() if make is not None else PortableEPExperts(self.inner)
         if self.placement.num_slots % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size}: must divide the placement's {self.placement.num_slots} "
                              "physical slots per layer")
@@ -140,27 +169,49 @@ class EPMoEMethod:
         moe.ep_sharded = True
 
     def apply(self, moe: nn.Module, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        inner = self.inner
-        num_tokens, topk = x.shape[0], moe.gate.topk
+        ops, num_tokens = self.ops, x.shape[0]
         if num_tokens:
-            weights, idx = inner.route(moe.gate, x, input_ids, inner.gate_logits(moe.gate, x), inner.softplus)
-            shared = moe.shared_experts(x, silu=inner.silu).float()
+            weights, idx = ops.route(moe, x, input_ids)
+            shared = ops.shared(moe, x)
         else:       # an idle rank: nothing to route, but it must still serve the others' rows
+            topk = moe.gate.topk
             weights = torch.empty(0, topk, dtype=torch.float32, device=x.device)
             idx = torch.empty(0, topk, dtype=torch.int64, device=x.device)
             shared = torch.empty(0, x.shape[1], dtype=torch.float32, device=x.device)
-        # ascending logical id per token: combine's k order is then the portable loop's expert order
-        idx, perm = torch.sort(idx, dim=1, stable=True)
-        weights = weights.gather(1, perm)
+        if ops.sort_by_expert:
+            # ascending logical id per token: combine's k order is then the portable loop's expert order
+            idx, perm = torch.sort(idx, dim=1, stable=True)
+            weights = weights.gather(1, perm)
         rows = torch.arange(num_tokens, device=x.device)
         phys = choose_physical(idx, rows, self.ep_rank, self.placement, moe.layer_id).to(x.device)
         res = dispatch(x, phys, weights, self.slots_per_rank, self.group)
         if self.load_counts is not None:
             self.load_counts[moe.layer_id] += res.slot_counts.to(self.load_counts.device)
-        out = self._run_experts(moe, res)
-        return combine(out, res.handle, init=shared).to(x.dtype)
+        return combine(ops.pairs(moe, res), res.handle, init=shared).to(x.dtype)
 
-    def _run_experts(self, moe: nn.Module, res) -> torch.Tensor:
+    def slot_modules(self, moe: nn.Module) -> Sequence[nn.Module]:
+        """What EPLB moves, one module per local slot (`expert_move.move_experts`)."""
+        return self.ops.slot_modules(moe)
+
+
+class PortableEPExperts:
+    """`EPExperts` of the core's PortableMoE (and of any method that keeps the experts a per-expert list
+    and routes like it): the wrapped method's gate and elementwise functions, each slot's `Expert.forward`
+    on the rows it received (SwiGLU clamp, routing weight before w2, the bound linear method)."""
+
+    sort_by_expert = True       # the portable loop adds the experts in ascending id order
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def route(self, moe: nn.Module, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inner = self.inner
+        return inner.route(moe.gate, x, input_ids, inner.gate_logits(moe.gate, x), inner.softplus)
+
+    def shared(self, moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return moe.shared_experts(x, silu=self.inner.silu).float()
+
+    def pairs(self, moe: nn.Module, res: DispatchResult) -> torch.Tensor:
         """One call per local slot with rows (its pairs are contiguous: dispatch orders them by slot)."""
         out = res.x.new_empty(res.row_index.shape[0], res.x.shape[1])
         start = 0
@@ -171,6 +222,9 @@ class EPMoEMethod:
             out[seg] = moe.experts[slot](res.x[res.row_index[seg]], res.weights[seg], silu=self.inner.silu)
             start += n
         return out
+
+    def slot_modules(self, moe: nn.Module) -> Sequence[nn.Module]:
+        return moe.experts
 
 
 def prune_remote_experts(model: nn.Module, shard: ExpertShard) -> Callable[[str], bool]:
@@ -199,9 +253,9 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 @torch.no_grad()
 def bind_expert_parallel(model: nn.Module, placement: ExpertPlacement, ep_rank: int, ep_size: int,
                          group: dist.ProcessGroup | None) -> EPMoEMethod:
-    """After `bind_ops` + `process_weights`: wrap every main MoE layer's method in one EPMoEMethod and
-    drop the experts of other ranks' slots (the wrapped method's processing is not repeated; it must
-    leave the experts a per-expert list, as PortableMoE does). Returns the method (shared by the layers)."""
+    """After `bind_ops`, before `process_weights`: wrap every main MoE layer's method in one EPMoEMethod
+    and keep only the experts of this rank's slots (in slot order), so that `process_weights` gives the
+    wrapped method this rank's slots. Returns the method (shared by the layers)."""
     layers = moe_layers(model)
     if placement.num_layers != len(layers):
         raise ValueError(f"placement has {placement.num_layers} layers; the model has {len(layers)} MoE layers")

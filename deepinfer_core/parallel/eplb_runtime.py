@@ -119,7 +119,7 @@ class RuntimeEPLB:
         load = slot_to_logical(counts, old)
         new = self.policy(load, old.num_slots, old.num_slots // ep_size)
         _check_same_plan(new, self.control)
-        moves = move_experts(self.layers, old, new, ep_rank, ep_size, self.group)
+        moves = move_experts(self.layers, old, new, ep_rank, ep_size, self.group, self.method.slot_modules)
         self.placement.copy_(new)  # in place: the MoE method routes with the new maps from now on
         self.load.set_placement(self.placement)
         done = Rearrangement(

@@ -109,6 +109,12 @@ class ExpertPlacement:
                              (self.log_count, other.log_count)):
             mine.copy_(theirs)
 
+    def to(self, device: torch.device | str) -> ExpertPlacement:
+        """A copy of the maps on `device` (an EP rank routes with maps on its experts' device; the EPLB
+        planner works on a CPU copy)."""
+        return ExpertPlacement(self.phys_to_log.to(device, copy=True), self.log_to_phys.to(device, copy=True),
+                               self.log_count.to(device, copy=True))
+
     def clone(self) -> ExpertPlacement:
         return ExpertPlacement(self.phys_to_log.clone(), self.log_to_phys.clone(), self.log_count.clone())
 

@@ -24,7 +24,7 @@ tensors stay valid.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,9 +138,11 @@ def move_experts(
     ep_rank: int,
     ep_size: int,
     group: dist.ProcessGroup | None,
+    slot_modules: Callable[[nn.Module], Sequence[nn.Module]] = lambda moe: moe.experts,
 ) -> MoveStats:
-    """Rewrites this rank's slots of every layer (`moe.experts`: its slots in order, index by
-    `moe.layer_id`) from `old` to `new`. Every rank of `group` must call it with the same maps."""
+    """Rewrites this rank's slots of every layer (`slot_modules(moe)`: one module per slot, in order,
+    holding that slot's tensors; `moe.experts` by default; index by `moe.layer_id`) from `old` to `new`.
+    Every rank of `group` must call it with the same maps."""
     world, rank = group_size_rank(group)
     if (world, rank) != (ep_size, ep_rank):
         raise ValueError(f"EP rank {ep_rank} of {ep_size}, but the group says rank {rank} of {world}")
@@ -154,7 +156,7 @@ def move_experts(
         if o == n:
             continue
         stats.layers_changed += 1
-        experts = moe.experts
+        experts = slot_modules(moe)
         if len(experts) != len(mine):
             raise ValueError(f"layer {layer} holds {len(experts)} experts; allowed: this rank's {len(mine)} slots")
         _, nbytes = _layout(experts, layer)

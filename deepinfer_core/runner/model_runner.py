@@ -154,26 +154,30 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, expert
     logits_processors = pm.logits_processors(ctx)
     proposer = resolve_proposer(pm, ctx)
     check_fp4_experts(ops, ctx)
+    skip = None
+    if config.model.load_format == "dummy" and expert_shard is None:
+        model = build_model(cfg, device=device)       # real buffers on the device, filled in place
+    else:
+        model = build_model(cfg, device="meta")
+        if expert_shard is not None:
+            from ..parallel.ep_moe import prune_remote_experts
+            skip = prune_remote_experts(model, expert_shard)
     if config.model.load_format == "dummy":
         from ..model.dummy_weights import fill_dummy_weights
-        model = build_model(cfg, device=device)       # real buffers on the device, filled in place
-        fill_dummy_weights(model, cfg, seed=config.model.seed)
+        if expert_shard is not None:      # only this rank's experts get memory (the full model may not fit)
+            model.to_empty(device=device)
+        fill_dummy_weights(model, cfg, seed=config.model.seed)    # seeded per tensor name: rank-independent
     else:
         from ..model.weights import (
             load_checkpoint,  # local: the loader pulls in safetensors
         )
-        model = build_model(cfg, device="meta")
-        skip = None
-        if expert_shard is not None:
-            from ..parallel.ep_moe import prune_remote_experts
-            skip = prune_remote_experts(model, expert_shard)
         load_checkpoint(model, model_dir, compute_dtype=ctx.torch_dtype, skip=skip)   # may drop model.mtp
     bind_ops(model, ops, Numerics(dtype=ctx.torch_dtype, simulate_qat=ctx.simulate_qat))
-    process_weights(model)
-    if expert_shard is not None:
+    if expert_shard is not None:      # before process_weights: the wrapped method packs this rank's slots
         from ..parallel.ep_moe import bind_expert_parallel
         bind_expert_parallel(model, expert_shard.placement, expert_shard.ep_rank, expert_shard.ep_size,
                              expert_shard.group)
+    process_weights(model)
     model.to(device)
     return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops,
                        logits_processors=logits_processors, proposer=proposer)
@@ -205,7 +209,11 @@ class ModelRunner:
         if config.speculative.enable_mtp_varlen and not self.num_drafts:
             raise ValueError("enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1) schedules the verification of "
                              "drafts, but the checkpoint has no drafter (mtp.* tensors); unset it")
-        self.enforce_eager = config.model.enforce_eager
+        # the portable expert-parallel dispatch exchanges sizes on the host, which a CUDA graph cannot hold
+        self.expert_parallel = expert_shard is not None and expert_shard.ep_size > 1
+        self.enforce_eager = config.model.enforce_eager or self.expert_parallel
+        if self.expert_parallel and not config.model.enforce_eager and torch.device(self.device).type == "cuda":
+            log.info("expert parallel over %d ranks: decode runs eagerly (no CUDA graphs)", expert_shard.ep_size)
         self.kv_fp8 = resolve_kv_fp8(config.cache.kv_cache_dtype, self.dtype, config.model.simulate_qat)
         self.graphs: DecodeGraphs | None = None
         self.cache: StateCache | None = None

@@ -62,8 +62,9 @@ def test_every_field_refuses_a_bad_value_naming_the_field(clean_env, name):
                                   "DEEPINFER_ZERO_OVERHEAD_SCHEDULING\\)"),
     ({"tensor_parallel_size": 8}, r"tensor_parallel_size=8; allowed: 1 \(multi-GPU is not implemented yet\)"),
     ({"data_parallel_size": 0}, "data_parallel_size=0; allowed: an int >= 1"),
-    ({"data_parallel_size": 2, "device": "cuda"},
-     "data_parallel_size=2 with device='cuda': GPU data-parallel ranks are not built yet"),
+    ({"data_parallel_size": 2, "device": "cuda:1"},
+     "data_parallel_size=2 with device='cuda:1': rank r runs on GPU r .* allowed with data_parallel_size > 1: "
+     "device='cpu', 'cuda' or None"),
     ({"data_parallel_size": 2, "num_speculative_tokens": 0, "enable_mtp_varlen": True},
      "enable_mtp_varlen=True .*num_speculative_tokens=0"),
     ({"enable_expert_parallel": True}, "enable_expert_parallel=True with data_parallel_size=1"),
