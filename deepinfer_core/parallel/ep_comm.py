@@ -21,7 +21,8 @@ Contract:
   An idle DP rank calls them with T = 0: it sends nothing but still receives and returns others' rows.
   A peer that died or skipped a call surfaces as `EPCommError` (closed connection, or the group's
   timeout) instead of a hang.
-* Sizes are exchanged first (a host sync), so this path is not CUDA-graph safe; a graph variant would
+* Sizes are exchanged first and read on the host (one device-to-host copy per dispatch, which also
+  carries the id check; combine has none), so this path is not CUDA-graph safe; a graph variant would
   pad every segment to max_tokens_per_rank (§3.3).
 
 Seam for faster transports (DeepEP V2/V1, a fused mega-MoE kernel, Ascend): `dispatch` and `combine`
@@ -114,6 +115,12 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> 
     return b.contiguous().view(dtype).view(b.shape[0], *shape)
 
 
+def _true_at(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat positions (row-major) of `mask`'s True entries, of which the caller knows there are `count`:
+    boolean indexing would read that number back from the device (a host sync)."""
+    return torch.nonzero_static(mask.flatten(), size=count).squeeze(1)
+
+
 def _check_dispatch_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          slots_per_rank: int) -> None:
     if x.dim() != 2:
@@ -143,34 +150,41 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ids = topk_ids.to(device=dev, dtype=torch.int64)
     weights = topk_weights.to(dev)
     num_slots = world * slots_per_rank
-    # one host sync validates the ids; later syncs (sizes) are needed by all_to_all_single anyway
-    if ids.numel() and bool(((ids < -1) | (ids >= num_slots)).any()):
-        bad = ids[(ids < -1) | (ids >= num_slots)][0].item()
-        raise ValueError(f"topk_ids contains {bad}: allowed values: -1 (none) or a physical slot in "
-                         f"[0, {num_slots}) = {world} ranks × slots_per_rank={slots_per_rank}")
-    dest = torch.where(ids >= 0, ids // slots_per_rank, -1)                         # [T, K]
+    bad = ((ids < -1) | (ids >= num_slots)).any().view(1)      # reported after the sizes' host copy
+    dest = torch.where((ids >= 0) & (ids < num_slots), ids // slots_per_rank, -1)    # [T, K]
 
-    # one row per (token, destination rank), listed rank-major then by token: that is the send layout
+    # Sizes first: rows (a token once per destination rank) and (token, slot) pairs to each rank, in
+    # one all-to-all; the receiver learns both from each rank. Everything the host needs (sizes both
+    # ways and the id check) then comes over in ONE device-to-host copy, the only host sync of a
+    # dispatch/combine pair; the index lists below are built with those sizes (`nonzero_static`).
     sends = torch.zeros(num_tokens, world + 1, dtype=torch.bool, device=dev)
     sends.scatter_(1, dest + 1, True)             # column 0 collects the −1 entries and is dropped
-    row_rank, row_token = sends[:, 1:].t().nonzero(as_tuple=True)
-    rows_to = torch.bincount(row_rank, minlength=world)
+    counts_to = torch.stack([sends[:, 1:].sum(0), torch.zeros(world + 1, dtype=torch.int64, device=dev).index_add_(
+        0, (dest + 1).flatten(), torch.ones(dest.numel(), dtype=torch.int64, device=dev))[1:]], dim=1)
+    counts_from = _all_to_all(counts_to, [1] * world, [1] * world, group, "dispatch sizes", rank, world)
+    host = torch.cat([counts_to.flatten(), counts_from.flatten(), bad.to(torch.int64)]).tolist()
+    if host[-1]:
+        bad_id = ids[(ids < -1) | (ids >= num_slots)][0].item()
+        raise ValueError(f"topk_ids contains {bad_id}: allowed values: -1 (none) or a physical slot in "
+                         f"[0, {num_slots}) = {world} ranks × slots_per_rank={slots_per_rank}")
+    send_sizes, pairs_to = host[0:2 * world:2], host[1:2 * world:2]
+    recv_sizes, pairs_from = host[2 * world:4 * world:2], host[2 * world + 1:4 * world:2]
+
+    # one row per (token, destination rank), listed rank-major then by token: that is the send layout
+    row_rank, row_token = torch.nonzero_static(sends[:, 1:].t(), size=sum(send_sizes)).unbind(1)
     here = dest[row_token] == row_rank[:, None]   # [N, K]: top-k positions this row carries
     row_slots = torch.where(here, ids[row_token] - row_rank[:, None] * slots_per_rank, -1).to(torch.int32)
     row_weights = torch.where(here, weights[row_token], torch.zeros((), dtype=weights.dtype, device=dev))
     payload = torch.cat([_as_bytes(x[row_token]), _as_bytes(row_slots), _as_bytes(row_weights)], dim=1)
 
     # combine receives this rank's pairs in (destination rank, token, k) order: rows are rank-major,
-    # and boolean indexing walks `here` row-major
-    pairs_to_t = torch.zeros(world, dtype=torch.int64, device=dev).index_add_(0, row_rank, here.sum(1))
-    pair_pos = (row_token[:, None] * topk + torch.arange(topk, device=dev))[here]
+    # and `here` is walked row-major
+    positions = (row_token[:, None] * topk + torch.arange(topk, device=dev)).flatten()
+    pair_pos = positions[_true_at(here, sum(pairs_to))]
     gather_index = torch.full((num_tokens * topk,), pair_pos.numel(), dtype=torch.int64, device=dev)
     gather_index[pair_pos] = torch.arange(pair_pos.numel(), device=dev)
 
-    send_sizes = rows_to.tolist()
-    recv_sizes = _all_to_all(rows_to, [1] * world, [1] * world, group, "dispatch sizes", rank, world).tolist()
     recv = _all_to_all(payload, recv_sizes, send_sizes, group, "dispatch rows", rank, world)
-
     row_bytes = payload.shape[1]
     x_bytes = hidden * x.element_size()
     rx = _from_bytes(recv[:, :x_bytes], x.dtype, (hidden,))
@@ -178,22 +192,20 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     rweights = _from_bytes(recv[:, x_bytes + 4 * topk:], weights.dtype, (topk,))
 
     # pairs in wire order (source rank, source token, k), then stably by local slot: expert-major
-    valid = rslots >= 0
-    wire_row = torch.arange(rx.shape[0], device=dev)[:, None].expand(-1, topk)[valid]
-    wire_slot = rslots[valid].to(torch.int64)
+    flat = _true_at(rslots >= 0, sum(pairs_from))
+    wire_row = flat // topk
+    wire_slot = rslots.flatten()[flat].to(torch.int64)
     order = torch.argsort(wire_slot, stable=True)
-    src_of_row = torch.repeat_interleave(torch.arange(world, device=dev),
-                                         torch.tensor(recv_sizes, dtype=torch.int64, device=dev))
-    pairs_from = torch.zeros(world, dtype=torch.int64, device=dev).index_add_(0, src_of_row, valid.sum(1))
+    slot_counts = torch.zeros(slots_per_rank, dtype=torch.int64, device=dev).index_add_(
+        0, wire_slot, torch.ones_like(wire_slot))
 
     sent = CommBytes(dispatch_remote=(row_rank.numel() - send_sizes[rank]) * row_bytes,
                      dispatch_local=send_sizes[rank] * row_bytes)
     handle = CombineHandle(group=group, rank=rank, world=world, num_tokens=num_tokens, topk=topk,
-                           expert_order=order, pairs_from=pairs_from.tolist(), pairs_to=pairs_to_t.tolist(),
+                           expert_order=order, pairs_from=pairs_from, pairs_to=pairs_to,
                            gather_index=gather_index.view(num_tokens, topk), comm_bytes=sent)
     return DispatchResult(x=rx, row_index=wire_row[order], local_slot=wire_slot[order],
-                          weights=rweights[valid][order],
-                          slot_counts=torch.bincount(wire_slot, minlength=slots_per_rank), handle=handle)
+                          weights=rweights.flatten()[flat][order], slot_counts=slot_counts, handle=handle)
 
 
 def combine(expert_out: torch.Tensor, handle: CombineHandle, init: torch.Tensor | None = None) -> torch.Tensor:

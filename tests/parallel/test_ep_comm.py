@@ -275,6 +275,29 @@ def test_local_path_handles_empty_batch_and_validates_arguments():
         combine(res.x, res.handle)
 
 
+def test_one_host_read_per_dispatch_combine_pair(monkeypatch):
+    """On a GPU every read of a device value on the host stalls the layer until the device catches up:
+    a dispatch + combine pair reads once (the sizes and the id check in one copy). Counted here at the
+    explicit reads (.tolist / .item / bool); the index lists use sizes the host already has
+    (`nonzero_static`, no boolean-mask indexing)."""
+    x, ids, weights = make_problem(9, torch.float32)
+    ids[0, 1] = -1                         # a masked slot too
+    reads = []
+    for name in ("tolist", "item", "__bool__"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=orig, _n=name: reads.append(_n) or _o(self, *a))
+    res = dispatch(x, ids, weights, NUM_SLOTS)
+    out = combine(res.x[res.row_index] * res.weights[:, None], res.handle)
+    monkeypatch.undo()
+    assert reads == ["tolist"], reads
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            if ids[t, k] >= 0:
+                want[t] += weights[t, k] * x[t]
+    assert torch.allclose(out, want)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(world_size=0, rank=0, data_parallel_size=1, expert_parallel=True), "world_size=0"),
     (dict(world_size=2, rank=2, data_parallel_size=2, expert_parallel=True), r"rank=2: must be in \[0, 2\)"),
