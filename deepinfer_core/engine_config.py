@@ -229,6 +229,10 @@ class ParallelOptions(_Section):
     num_redundant_experts: int = _opt(0, "extra physical expert slots holding replicas of hot experts, rounded "
                                       "up to a multiple of data_parallel_size (needs enable_expert_parallel)",
                                       Rule("an int >= 0", lambda v: _is_int(v) and v >= 0))
+    enable_ep_cuda_graphs: bool = _opt(False, "GPU ranks with expert parallelism: decode steps replay CUDA "
+                                       "graphs holding fixed-size expert exchanges (the ranks agree on one "
+                                       "batch bucket per step); False runs them eagerly. Not yet run on GPUs",
+                                       BOOL)
     eplb_window_size: int = _opt(1000, "EPLB: the load statistics cover this many recent steps", _positive())
     eplb_step_interval: int = _opt(3000, "EPLB: steps between two rearrangements", _positive())
     expert_parallel_size: int = _opt(1, "devices the routed experts are split over",
@@ -250,6 +254,9 @@ class ParallelOptions(_Section):
         if self.enable_eplb and not ep:
             raise ValueError("enable_eplb=True needs enable_expert_parallel=True (EPLB moves expert replicas "
                              "between the expert-parallel ranks)")
+        if self.enable_ep_cuda_graphs and not ep:
+            raise ValueError("enable_ep_cuda_graphs=True needs enable_expert_parallel=True (it captures the "
+                             "expert-parallel exchanges in the decode graphs)")
         if self.num_redundant_experts and not ep:
             raise ValueError(f"num_redundant_experts={self.num_redundant_experts} needs enable_expert_parallel=True "
                              "(replicas are extra slots of the sharded experts); allowed without it: 0")

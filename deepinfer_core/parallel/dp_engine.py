@@ -113,7 +113,19 @@ def _rank_config(config: EngineConfig) -> EngineConfig:
                              f"{device!r}), which has no data-parallel ranks yet; allowed: device='cuda' or 'cpu'")
     if device == "cuda":
         check_gpu_count(dp)
-    return config.replace(device=device, num_speculative_tokens=config.speculative.num_speculative_tokens or 0)
+    drafts = config.speculative.num_speculative_tokens or 0
+    if config.parallel.enable_ep_cuda_graphs:
+        if device != "cuda":
+            raise ValueError(f"enable_ep_cuda_graphs=True with device={device!r}: CUDA graphs need GPU ranks; "
+                             "allowed: device='cuda', or enable_ep_cuda_graphs=False")
+        if config.model.enforce_eager:
+            raise ValueError("enable_ep_cuda_graphs=True with enforce_eager=True: one asks for CUDA graphs, the "
+                             "other forbids them; set one of them False")
+        if drafts:
+            raise ValueError(f"enable_ep_cuda_graphs=True with num_speculative_tokens={drafts}: the graphs cover "
+                             "decode steps only (verify steps would run eagerly, and the ranks must agree on "
+                             "every step's kind); allowed: num_speculative_tokens=0")
+    return config.replace(device=device, num_speculative_tokens=drafts)
 
 
 def check_gpu_count(dp: int, available: int | None = None) -> None:

@@ -11,7 +11,7 @@ Lockstep, one iteration:
     any_work = all_reduce_max(engine has unfinished requests)      # on the gloo group
     if not any_work: the run ends (the same iteration everywhere)
     a rank with work runs one `engine.step()`; a rank whose step launched no forward (nothing of its
-    own, or a step that only post-processed the previous one) runs `idle_forward` once
+    own, or a step that only post-processed the previous one) joins the exchanges once (`idle_step`)
     with EPLB on: `eplb.end_step()` records the iteration's expert load and, every interval, moves
     expert weights between the ranks and switches the maps (eplb_runtime.py), in flight requests kept
 
@@ -20,6 +20,9 @@ Invariants this keeps:
   an engine step launches at most one model forward (one pass over the main layers), and a rank
   without one runs the MoE half of a placeholder forward (T = 0). Iteration k's forward on one rank
   therefore always pairs with iteration k's forward or placeholder on every other rank.
+* With decode graphs under EP (`enable_ep_cuda_graphs`) the ranks also agree, once per iteration, on how
+  (`step_vote.py`): all replay one bucket's graph (a rank without a forward replays it with padding
+  rows only), or all run eagerly (`ModelRunner.execute` / `idle_step`).
 * Speculative decoding with the MTP block keeps that count: a speculating step launches one forward
   (the verify forward, through the main layers: one dispatch/combine per main MoE layer); verifying
   and drafting (`Speculator.run`: the MTP block over the step's rows, then k - 1 more MTP steps) run
@@ -85,6 +88,7 @@ class RankStats:
     iterations: int = 0           # lockstep iterations (equal on every rank by construction)
     forwards: int = 0             # engine steps that launched a model forward
     idle_forwards: int = 0        # placeholder MoE passes (iterations without a forward of its own)
+    ep_graph_steps: int = 0       # iterations all ranks replayed one decode graph (enable_ep_cuda_graphs)
     num_preemptions: int = 0      # the scheduler's count over this rank's lifetime
     seconds: float = 0.0
     # speculative decoding (num_speculative_tokens > 0), during this call: the engine's SpecMetrics deltas
@@ -259,7 +263,6 @@ class RankLoop:
 
     def _run(self) -> None:
         """One run: iterations in lockstep with the other ranks until the vote finds no work anywhere."""
-        from .ep_moe import idle_forward
         engine, stats, eplb = self.engine, self.stats, self.eplb
         self.runs += 1
         t0 = time.perf_counter()
@@ -267,6 +270,8 @@ class RankLoop:
         pairs_before = eplb.pairs_per_layer.clone() if eplb is not None else None
         spec_before = _spec_counts(engine)
         chosen_before = list(engine.varlen.chosen) if engine.varlen is not None else []
+        vote = self.runner.step_vote
+        graph_steps_before = vote.graph_steps if vote is not None else 0
         while True:
             self._drain()                 # what arrived since the last iteration joins this one
             if self.stopping or not _any_rank(engine.has_unfinished_requests(), self.groups.cpu, self.spec.rank):
@@ -287,7 +292,7 @@ class RankLoop:
                                    "forwards; DP lockstep needs at most one")
             stats.forwards += engine.num_steps - launched
             if engine.num_steps == launched and idle_needed:
-                idle_forward(self.runner.model, self.runner.dtype)
+                self.runner.idle_step()       # joins the others' exchanges (the agreed way)
                 stats.idle_forwards += 1
             if eplb is not None:
                 done = eplb.end_step()
@@ -299,6 +304,8 @@ class RankLoop:
         if eplb is not None:
             stats.eplb_layer_pairs = (eplb.pairs_per_layer - pairs_before).tolist()
         stats.num_preemptions = engine.scheduler.num_preemptions
+        if vote is not None:
+            stats.ep_graph_steps = vote.graph_steps - graph_steps_before
         (stats.spec_verify_steps, stats.spec_drafted_tokens, stats.spec_verified_tokens,
          stats.spec_accepted_tokens) = (a - b for a, b in zip(_spec_counts(engine), spec_before))
         speculator = engine.executor.speculator
@@ -393,6 +400,9 @@ def worker_main(spec: WorkerSpec, commands, results) -> None:
         engine = llm.engine                    # sizes the state cache now: a bad budget fails at start-up
         if engine.varlen is not None:          # (profiled by llm.engine, every rank in step)
             engine.use_varlen(shared_varlen_policy(engine.varlen, groups.cpu))
+        if llm.runner.graphs is not None and llm.runner.expert_parallel:   # decode graphs hold EP exchanges
+            from .step_vote import StepVote
+            llm.runner.step_vote = StepVote(groups.cpu, spec.rank)
         eplb = None
         if spec.expert_parallel:
             from .eplb_runtime import runtime_eplb_from_config

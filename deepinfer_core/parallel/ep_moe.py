@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .ep_comm import DispatchResult, combine, dispatch
+from .ep_padded import PaddedDispatch, combine_padded, dispatch_padded
 from .expert_map import ExpertPlacement, choose_physical
 
 _EXPERT_NAME = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.")    # a main layer's routed expert
@@ -98,6 +100,10 @@ class EPExperts(Protocol):
     def pairs(self, moe: nn.Module, res: DispatchResult) -> torch.Tensor:
         """[P, D] the weighted output of each received (row, local slot) pair, in `res`'s order."""
 
+    def pairs_padded(self, moe: nn.Module, res: PaddedDispatch) -> torch.Tensor:
+        """[W*B, K, D]: for each (row, k) of `res.x` with `res.local_ids >= 0`, its weighted output;
+        the other entries are never read. No host synchronisation (it runs inside CUDA graphs)."""
+
     def slot_modules(self, moe: nn.Module) -> Sequence[nn.Module]:
         """One module per local slot whose tensors (parameters and buffers) are that slot's weights, in
         place: EPLB rewrites them byte for byte (`expert_move`)."""
@@ -118,6 +124,7 @@ class EPMoEMethod:
     group: dist.ProcessGroup | None = None
     # EPLB load recording (None = off): [L, S] int64, pairs received per local slot since the last take
     load_counts: torch.Tensor | None = field(default=None, repr=False)
+    padded: bool = False           # exchange with ep_padded (fixed sizes, CUDA-graph safe): `padded_exchange`
     ops: EPExperts = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -142,7 +149,11 @@ class EPMoEMethod:
     def start_load_recording(self, device: torch.device | str) -> None:
         """EPLB: from now on every layer call adds the (token, slot) pairs this rank received per local
         slot (dispatch's `slot_counts`, hash-routed layers included) to `load_counts`: one tensor add per
-        layer on the experts' device, no host sync and no per-token work."""
+        layer on the experts' device, no host sync and no per-token work. Started twice, it keeps its
+        tensor (zeroed): decode graphs captured after the first start add into that one."""
+        if self.load_counts is not None:
+            self.load_counts.zero_()
+            return
         self.load_counts = torch.zeros(self.placement.num_layers, self.slots_per_rank, dtype=torch.int64,
                                        device=device)
 
@@ -184,10 +195,25 @@ class EPMoEMethod:
             weights = weights.gather(1, perm)
         rows = torch.arange(num_tokens, device=x.device)
         phys = choose_physical(idx, rows, self.ep_rank, self.placement, moe.layer_id).to(x.device)
-        res = dispatch(x, phys, weights, self.slots_per_rank, self.group)
+        if self.padded:
+            res = dispatch_padded(x, phys, weights, self.slots_per_rank, self.group)
+            out = combine_padded(ops.pairs_padded(moe, res), res.handle, init=shared)
+        else:
+            res = dispatch(x, phys, weights, self.slots_per_rank, self.group)
+            out = combine(ops.pairs(moe, res), res.handle, init=shared)
         if self.load_counts is not None:
             self.load_counts[moe.layer_id] += res.slot_counts.to(self.load_counts.device)
-        return combine(ops.pairs(moe, res), res.handle, init=shared).to(x.dtype)
+        return out.to(x.dtype)
+
+    @contextmanager
+    def padded_exchange(self):
+        """Inside: every layer exchanges with `ep_padded` (fixed sizes, no host sync: what a CUDA graph
+        records). Every rank of the group must be inside for the same calls, with the same row count."""
+        self.padded = True
+        try:
+            yield
+        finally:
+            self.padded = False
 
     def slot_modules(self, moe: nn.Module) -> Sequence[nn.Module]:
         """What EPLB moves, one module per local slot (`expert_move.move_experts`)."""
@@ -221,6 +247,17 @@ class PortableEPExperts:
             seg = slice(start, start + n)
             out[seg] = moe.experts[slot](res.x[res.row_index[seg]], res.weights[seg], silu=self.inner.silu)
             start += n
+        return out
+
+    def pairs_padded(self, moe: nn.Module, res: PaddedDispatch) -> torch.Tensor:
+        """Per local slot, its (row, k) pairs in row-major order: the rows (source rank, token) and k
+        order `pairs` sees, so each expert call gets the same batch as on the variable path."""
+        x, local_ids = res.x, res.local_ids
+        out = x.new_zeros(*local_ids.shape, x.shape[1])
+        for slot in range(len(moe.experts)):
+            rows, ks = (local_ids == slot).nonzero(as_tuple=True)
+            if rows.numel():
+                out[rows, ks] = moe.experts[slot](x[rows], res.weights[rows, ks], silu=self.inner.silu)
         return out
 
     def slot_modules(self, moe: nn.Module) -> Sequence[nn.Module]:

@@ -51,7 +51,7 @@ def buckets_for(max_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model, cache, backend: GraphAttentionBackend, max_seqs: int, max_blocks: int, capture: bool = True,
                  max_query_len: int | None = None, tables: SlotTables | None = None,
-                 per_sequence_output: bool = False):
+                 per_sequence_output: bool = False, collective: bool = False):
         """`capture=False` runs the same padded, fixed-shape batches eagerly instead of replaying a
         graph: the padding and static-metadata logic, testable without a GPU. `max_query_len` bounds
         q; by default q = k+1 <= the cache's backtrack room (a verify step of k drafts may roll back
@@ -59,8 +59,12 @@ class DecodeGraphs:
         `tables`: the engine's per-slot device tables (block table rows, last tokens); by default
         a private set over the cache's slots. `model`: any callable of a ForwardBatch whose result has
         `.logits` and `.streams` (the MTP drafter's graphs pass bodies of their own); with
-        `per_sequence_output` those have one row per sequence instead of one per token."""
+        `per_sequence_output` those have one row per sequence instead of one per token.
+        `collective`: the graphs hold collectives (expert-parallel exchanges), which every rank must
+        record and replay together: every graph is captured at start-up (never on first use, which
+        only one rank would do) and a failed capture raises instead of turning graphs off."""
         self.model, self.backend, self.max_blocks, self.capture = model, backend, max_blocks, capture
+        self.collective = collective
         self.per_sequence_output = per_sequence_output
         self.buckets = buckets_for(max_seqs)
         self.device = cache.device
@@ -122,13 +126,20 @@ class DecodeGraphs:
         return self.run_step([t for toks in token_ids for t in toks],
                              [st.num_tokens + i for st in seqs for i in range(q)], [st.slot for st in seqs], q)
 
-    def run_step(self, ids: list[int], positions: list[int], slots: list[int], q: int = 1) -> torch.Tensor | None:
+    def bucket_for(self, num_seqs: int, q: int = 1) -> int | None:
+        """The captured bucket a step of `num_seqs` sequences would replay, or None."""
+        size = next((b for b in self.buckets if b >= num_seqs), None)
+        return size if self.failed is None and (size, q) in self.graphs else None
+
+    def run_step(self, ids: list[int], positions: list[int], slots: list[int], q: int = 1,
+                 size: int | None = None) -> torch.Tensor | None:
         """Logits of one step, [B, vocab] for q = 1 or [B*q, vocab] (sequence s owns rows s*q ..
         s*q+q-1) for q > 1: a view of the graph's output, valid until the next forward. `ids` may hold
         -1 - slot for a token still on the device (SlotTables.last_token). None when capturing
-        failed (the caller runs eagerly)."""
-        out = self.replay(ids, positions, slots, q)
-        return None if out is None else out[0]
+        failed (the caller runs eagerly). `size`: replay this bucket (>= the step's sequences; the
+        ranks of an expert-parallel group agree on one) instead of the smallest that fits."""
+        out = self.replay_output(ids, positions, slots, q, size=size)
+        return None if out is None else out.logits
 
     def replay(self, ids: list[int], positions: list[int], slots: list[int], q: int = 1,
                device_ids: torch.Tensor | None = None,
@@ -149,12 +160,17 @@ class DecodeGraphs:
 
     def replay_output(self, ids: list[int], positions: list[int], slots: list[int], q: int = 1,
                       device_ids: torch.Tensor | None = None,
-                      device_starts: torch.Tensor | None = None) -> ModelOutput | None:
+                      device_starts: torch.Tensor | None = None, size: int | None = None) -> ModelOutput | None:
         """As `replay`, with the target features (DSpark) when the model captured them at capture
         time (else features is None)."""
         n = len(slots)
-        size = next(b for b in self.buckets if b >= n)
-        cap = self.graphs.get((size, q)) or self._capture(size, q)
+        if size is None:
+            size = next(b for b in self.buckets if b >= n)
+        elif size < n or size not in self.buckets:
+            raise ValueError(f"bucket {size} for {n} sequences; allowed: a bucket >= {n} of {self.buckets}")
+        cap = self.graphs.get((size, q))
+        if cap is None and not self.collective:
+            cap = self._capture(size, q)
         if cap is None:
             return None
         if device_starts is None:
@@ -231,6 +247,9 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self._body(cap)
         except Exception as exc:                      # a host sync or an uncapturable op somewhere
+            if self.collective:      # this rank's peers captured (or wait in) the same collectives
+                raise RuntimeError(f"CUDA graph capture of batch {size} under expert parallelism failed: "
+                                   f"{type(exc).__name__}: {exc}; set enforce_eager=True") from exc
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graph capture failed, running eagerly from now on: %s", self.failed)
             return None

@@ -209,11 +209,19 @@ class ModelRunner:
         if config.speculative.enable_mtp_varlen and not self.num_drafts:
             raise ValueError("enable_mtp_varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1) schedules the verification of "
                              "drafts, but the checkpoint has no drafter (mtp.* tensors); unset it")
-        # the portable expert-parallel dispatch exchanges sizes on the host, which a CUDA graph cannot hold
+        # Expert parallelism: the variable exchange (ep_comm) reads sizes on the host, which a CUDA graph
+        # cannot hold; with enable_ep_cuda_graphs decode graphs hold the fixed-size one (ep_padded) and
+        # the ranks agree on each step's bucket (`step_vote`, installed by the DP rank after start-up).
         self.expert_parallel = expert_shard is not None and expert_shard.ep_size > 1
-        self.enforce_eager = config.model.enforce_eager or self.expert_parallel
+        ep_graphs = self.expert_parallel and config.parallel.enable_ep_cuda_graphs and not self.num_drafts
+        self.enforce_eager = config.model.enforce_eager or (self.expert_parallel and not ep_graphs)
+        self.step_vote = None     # StepVote of a DP rank whose decode graphs hold EP exchanges
+        if ep_graphs and config.parallel.enable_eplb:     # before capture: the graphs record the counting
+            from ..parallel.ep_moe import moe_layers
+            moe_layers(self.model)[0].method.start_load_recording(self.device)
         if self.expert_parallel and not config.model.enforce_eager and torch.device(self.device).type == "cuda":
-            log.info("expert parallel over %d ranks: decode runs eagerly (no CUDA graphs)", expert_shard.ep_size)
+            log.info("expert parallel over %d ranks: decode %s", expert_shard.ep_size,
+                     "replays CUDA graphs (fixed-size exchanges)" if ep_graphs else "runs eagerly (no CUDA graphs)")
         self.kv_fp8 = resolve_kv_fp8(config.cache.kv_cache_dtype, self.dtype, config.model.simulate_qat)
         self.graphs: DecodeGraphs | None = None
         self.cache: StateCache | None = None
@@ -250,7 +258,11 @@ class ModelRunner:
         self.slot_tables = SlotTables(self.cache.num_slots, max_blocks, self.device,
                                       max(self.num_drafts, self.backtrack - 1))
         self.slot_states = [None] * self.cache.num_slots
-        if use_graphs:
+        if use_graphs and self.expert_parallel:      # decode only, exchanges of fixed size, all at start-up
+            self.graphs = DecodeGraphs(self._padded_forward, self.cache, self.loaded.ops.attention,
+                                       request.num_slots, max_blocks, max_query_len=1, tables=self.slot_tables,
+                                       collective=True)
+        elif use_graphs:
             self.graphs = DecodeGraphs(self.model, self.cache, self.loaded.ops.attention, request.num_slots,
                                        max_blocks, tables=self.slot_tables)
             note += "; +1 slot and block for CUDA-graph padding"
@@ -384,15 +396,41 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """One engine step (engine/step_executor.py): fp32 logits of `batch.logit_rows`. A decode
-        batch replays a CUDA graph when there are graphs; everything else runs eagerly."""
+        batch replays a CUDA graph when there are graphs; everything else runs eagerly. Under a
+        `step_vote` the ranks first agree on the step's bucket (or on eager) and every rank follows it."""
         self._apply_updates(batch.updates)
         n = len(batch.slots)
-        if self.graphs is not None and self.graphs.fits_step(n, len(batch.ids), len(batch.logit_rows)):
+        fits = self.graphs is not None and self.graphs.fits_step(n, len(batch.ids), len(batch.logit_rows))
+        if self.step_vote is not None:
+            size = self.step_vote(self.graphs.bucket_for(n) if fits else None, True)
+            if size is not None:
+                return self.graphs.run_step(batch.ids, batch.starts, batch.slots, size=size)
+        elif fits:
             logits = self.graphs.run_step(batch.ids, batch.starts, batch.slots)
             if logits is not None:
                 return logits
         fb = self._forward_batch(batch)
         return self.model(fb).logits
+
+    @torch.no_grad()
+    def idle_step(self) -> bool:
+        """A DP rank's lockstep iteration without a forward of its own, under expert parallelism: join
+        the other ranks' MoE exchanges (eagerly with `idle_forward`, or by replaying the agreed decode
+        graph with padding rows only). False when no rank had a forward (nothing to join)."""
+        from ..parallel.ep_moe import idle_forward
+        size = self.step_vote(None, False) if self.step_vote is not None else None
+        if size is None:
+            idle_forward(self.model, self.dtype)
+        elif size:
+            self.graphs.run_step([], [], [], size=size)
+        return size != 0
+
+    def _padded_forward(self, batch: ForwardBatch) -> ModelOutput:
+        """The decode graphs' body under expert parallelism: every MoE layer exchanges with fixed sizes
+        (`ep_padded`), which the graph records."""
+        from ..parallel.ep_moe import moe_layers
+        with moe_layers(self.model)[0].method.padded_exchange():
+            return self.model(batch)
 
     @torch.no_grad()
     def execute_with_streams(self, batch: StepBatch) -> tuple[ModelOutput, ForwardBatch]:

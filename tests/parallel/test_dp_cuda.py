@@ -55,6 +55,19 @@ def test_dp_ep_on_gpus_matches_one_gpu(world, gpu_oracle, dp_workload, tiny_ckpt
         assert any(s.num_preemptions > 0 for s in stats)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_decode_graphs_match_one_gpu(world, gpu_oracle, dp_workload, tiny_ckpt_dir):
+    """enable_ep_cuda_graphs: decode steps replay graphs holding the fixed-size exchange, every rank the
+    bucket the vote agreed on; prefill iterations run eagerly on every rank."""
+    _need(world)
+    w = dp_workload
+    with DataParallelLLM(str(tiny_ckpt_dir), data_parallel_size=world, device="cuda", enable_ep_cuda_graphs=True,
+                         **COMMON) as llm:
+        assert _tokens(llm, w) == gpu_oracle
+        stats = llm.last_stats
+        assert len({s.ep_graph_steps for s in stats}) == 1 and stats[0].ep_graph_steps > w.max_tokens // 2, stats
+
+
 def test_eplb_moves_weights_between_gpus_without_changing_tokens(gpu_oracle, dp_workload, tiny_ckpt_dir):
     _need(2)
     w = dp_workload

@@ -82,3 +82,22 @@ def test_placement_to_device_is_a_copy():
     p = ExpertPlacement.initial(2, 4, 2, 0)
     q = p.to("cpu")
     assert q.equals(p) and q.phys_to_log.data_ptr() != p.phys_to_log.data_ptr()
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(device="cpu"), r"enable_ep_cuda_graphs=True with device='cpu': CUDA graphs need GPU ranks"),
+    (dict(device="cuda", enforce_eager=True), "enable_ep_cuda_graphs=True with enforce_eager=True"),
+    (dict(device="cuda", num_speculative_tokens=2),
+     r"enable_ep_cuda_graphs=True with num_speculative_tokens=2: .* allowed: num_speculative_tokens=0"),
+])
+def test_ep_cuda_graph_refusals(monkeypatch, options, match):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=match):
+        dp_engine._rank_config(_config(enable_ep_cuda_graphs=True, **options))
+    resolved = dp_engine._rank_config(_config(enable_ep_cuda_graphs=True, device="cuda"))
+    assert resolved.parallel.enable_ep_cuda_graphs
+
+
+def test_ep_cuda_graphs_need_expert_parallel():
+    with pytest.raises(ValueError, match="enable_ep_cuda_graphs=True needs enable_expert_parallel=True"):
+        EngineConfig.from_options(data_parallel_size=2, enable_ep_cuda_graphs=True)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from deepinfer_core.parallel.ep_comm import EPCommError, combine, dispatch
+from deepinfer_core.parallel.ep_padded import combine_padded, dispatch_padded
 from deepinfer_core.parallel.groups import (
     ParallelLayout,
     all_gather_rows,
@@ -95,6 +96,18 @@ def run_layer(x, ids, weights, slots_per_rank: int, rank: int, group):
                  "bytes": dataclasses.asdict(res.handle.comm_bytes)}
 
 
+def run_layer_padded(x, ids, weights, slots_per_rank: int, rank: int, group, rows: int):
+    """The same layer over `ep_padded`: this rank's tokens padded to `rows` (the bucket every rank
+    agreed on) with rows of no expert; returns (out of the real tokens, slot counts)."""
+    pad = rows - x.shape[0]
+    res = dispatch_padded(torch.cat([x, x.new_zeros(pad, HIDDEN)]), torch.cat([ids, ids.new_full((pad, TOPK), -1)]),
+                          torch.cat([weights, weights.new_zeros(pad, TOPK)]), slots_per_rank, group)
+    out = torch.full((*res.local_ids.shape, HIDDEN), float("nan"), dtype=x.dtype)   # unread entries
+    row, k = (res.local_ids >= 0).nonzero(as_tuple=True)
+    out[row, k] = expert(res.x[row], rank * slots_per_rank + res.local_ids[row, k], res.weights[row, k])
+    return combine_padded(out, res.handle)[:x.shape[0]], res.slot_counts.tolist()
+
+
 # ---- spawned ranks --------------------------------------------------------------------------------------
 def _case_rounds(groups, rank: int, world: int, out_dir: Path) -> dict:
     with warnings.catch_warnings(record=True) as caught:
@@ -108,7 +121,9 @@ def _case_rounds(groups, rank: int, world: int, out_dir: Path) -> dict:
         lo = sum(sizes[world][:rank])
         hi = lo + sizes[world][rank]
         out, checks = run_layer(x[lo:hi], ids[lo:hi], weights[lo:hi], NUM_SLOTS // world, rank, groups.ep)
-        result[name] = {"out": out, **checks}
+        padded, padded_counts = run_layer_padded(x[lo:hi], ids[lo:hi], weights[lo:hi], NUM_SLOTS // world, rank,
+                                                 groups.ep, max(1, *sizes[world]))
+        result[name] = {"out": out, **checks, "padded": padded, "padded_counts": padded_counts}
     return result
 
 
@@ -207,6 +222,10 @@ def _check_outputs(ranks: list[dict], world: int, name: str, seed: int, dtype: t
     assert torch.equal(_bits(local), _bits(oracle(x, ids, weights))), name
     # bitwise identical for world 1 and this world with the same routing
     assert torch.equal(_bits(dist_out), _bits(local)), name
+    # the fixed-size exchange (ep_padded, every rank padded to the largest share) adds the same bits
+    padded = torch.cat([ranks[r][name]["padded"] for r in range(world)])
+    assert torch.equal(_bits(padded), _bits(local)), name
+    assert all(ranks[r][name]["padded_counts"] == ranks[r][name]["slot_counts"] for r in range(world)), name
 
 
 def _check_layout_counts_bytes(ranks: list[dict], world: int, name: str, seed: int, dtype: torch.dtype,
@@ -273,6 +292,28 @@ def test_local_path_handles_empty_batch_and_validates_arguments():
     res = dispatch(x, ids, weights, NUM_SLOTS)
     with pytest.raises(ValueError, match="expert_out.shape"):
         combine(res.x, res.handle)
+
+
+def test_padded_exchange_world_of_one_and_no_host_reads(monkeypatch):
+    """ep_padded in a world of one equals the variable path bit for bit, reads nothing on the host (what
+    a CUDA graph needs), and refuses outputs of the wrong shape."""
+    x, ids, weights = make_problem(11, torch.float32)
+    want, checks = run_layer(x, ids, weights, NUM_SLOTS, 0, None)
+    reads = []
+    for name in ("tolist", "item", "__bool__"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=orig, _n=name: reads.append(_n) or _o(self, *a))
+    res = dispatch_padded(x, ids, weights, NUM_SLOTS)
+    got = res.x.new_zeros(*res.local_ids.shape, HIDDEN)
+    for k in range(TOPK):
+        got[:, k] = torch.where((res.local_ids[:, k] >= 0)[:, None],
+                                expert(res.x, res.local_ids[:, k], res.weights[:, k]), 0)
+    out = combine_padded(got, res.handle)
+    monkeypatch.undo()
+    assert reads == []
+    assert torch.equal(_bits(out), _bits(want)) and res.slot_counts.tolist() == checks["slot_counts"]
+    with pytest.raises(ValueError, match=r"expert_out.shape=\(29, 4\): must be \[W\*B, K, D\]"):
+        combine_padded(got[:, :, 0], res.handle)
 
 
 def test_one_host_read_per_dispatch_combine_pair(monkeypatch):

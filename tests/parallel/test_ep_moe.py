@@ -83,6 +83,17 @@ def _worker(rank: int, world: int, port: int, ckpt: str, batch_invariant: bool, 
         mine = prompts()[lo:lo + SPLITS[world][rank]]
         result = run_prompts(runner, mine, lambda: idle_forward(runner.model, runner.dtype))
         result["experts_per_layer"] = [len(moe.experts) for moe in (layer.ffn for layer in runner.model.layers)]
+        # the fixed-size exchange (decode graphs' ep_padded) on 5 rows per rank: the same bits as the
+        # variable exchange (each expert sees the same rows in the same order), hash and score layers
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(5, runner.model_config.hidden_size, generator=g)
+        tok = torch.randint(0, 1000, (5,), generator=g)
+        result["padded_moe"] = []
+        for layer in (runner.model.layers[0], runner.model.layers[-1]):
+            moe = layer.ffn
+            variable = moe.method.apply(moe, x, tok)
+            with moe.method.padded_exchange():
+                result["padded_moe"].append((variable, moe.method.apply(moe, x, tok)))
         result["slots_per_rank"] = method.slots_per_rank
     except BaseException as exc:      # report everything; the parent fails with the message
         result = {"error": type(exc).__name__, "message": str(exc)}
@@ -135,6 +146,9 @@ def test_dp_ep_matches_one_process(world, oracle, tiny_ckpt_dir, tmp_path, run_r
     for rank, res in enumerate(results):
         slots = (8 + world) // world                     # 8 experts + R = world redundant slots
         assert res["slots_per_rank"] == slots and res["experts_per_layer"] == [slots] * len(res["experts_per_layer"])
+        assert len(res["padded_moe"]) == 2
+        for variable, padded in res["padded_moe"]:
+            assert torch.equal(variable, padded), f"rank {rank}: padded exchange differs"
         lo, n = sum(SPLITS[world][:rank]), SPLITS[world][rank]
         if n == 0:
             assert res["prefill"] is None
