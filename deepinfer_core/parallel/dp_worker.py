@@ -364,14 +364,15 @@ def build_rank(spec: WorkerSpec):
     layout = ParallelLayout(world_size=spec.world_size, rank=spec.rank, data_parallel_size=spec.world_size,
                             expert_parallel=spec.expert_parallel)
     groups = init_process_groups(layout, backend="nccl" if device.type == "cuda" else "gloo",
-                                 init_method=spec.init_method, timeout_s=spec.timeout_s, device=device, env={})
+                                 init_method=spec.init_method, timeout_s=spec.timeout_s, device=device, env={},
+                                 graph_ep=spec.config.parallel.enable_ep_cuda_graphs)
     shard = None
     if spec.expert_parallel:
         cfg = ModelConfig.from_file(spec.model_dir)
         placement = ExpertPlacement.initial(cfg.num_hidden_layers, cfg.n_routed_experts, layout.ep_size,
                                             spec.num_redundant_experts)
         # the maps live where the router's expert ids do (no host round trip per layer)
-        shard = ExpertShard(placement.to(device), layout.ep_rank, layout.ep_size, groups.ep)
+        shard = ExpertShard(placement.to(device), layout.ep_rank, layout.ep_size, groups.ep, groups.ep_graph)
     runner = ModelRunner(spec.model_dir, spec.config, expert_shard=shard)
     tokenizer = load_tokenizer(spec.model_dir, spec.config.model.tokenizer)
     # as LLM.__init__ does after building its runner (from_runner wants a runner whose cache exists)

@@ -54,12 +54,14 @@ _EXPERT_NAME = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.")    # a main 
 @dataclass(frozen=True)
 class ExpertShard:
     """This rank's share of the routed experts: what the loader reads and the MoE method runs.
-    `group` None = a world of one (then `ep_size` is 1)."""
+    `group` None = a world of one (then `ep_size` is 1). `graph_group`: the same ranks on a
+    communicator of their own for the exchanges decode CUDA graphs hold (None: `group`)."""
 
     placement: ExpertPlacement
     ep_rank: int
     ep_size: int
     group: dist.ProcessGroup | None = None
+    graph_group: dist.ProcessGroup | None = None
 
 
 def local_slots_logical(placement: ExpertPlacement, layer: int, ep_rank: int, ep_size: int) -> list[int]:
@@ -122,6 +124,9 @@ class EPMoEMethod:
     ep_rank: int
     ep_size: int
     group: dist.ProcessGroup | None = None
+    # the padded exchanges' communicator (decode graphs): a PG whose host-side bookkeeping sees the
+    # capture only, never the replays, must not also carry eager collectives; None: `group`
+    graph_group: dist.ProcessGroup | None = None
     # EPLB load recording (None = off): [L, S] int64, pairs received per local slot since the last take
     load_counts: torch.Tensor | None = field(default=None, repr=False)
     padded: bool = False           # exchange with ep_padded (fixed sizes, CUDA-graph safe): `padded_exchange`
@@ -196,7 +201,7 @@ class EPMoEMethod:
         rows = torch.arange(num_tokens, device=x.device)
         phys = choose_physical(idx, rows, self.ep_rank, self.placement, moe.layer_id).to(x.device)
         if self.padded:
-            res = dispatch_padded(x, phys, weights, self.slots_per_rank, self.group)
+            res = dispatch_padded(x, phys, weights, self.slots_per_rank, self.graph_group or self.group)
             out = combine_padded(ops.pairs_padded(moe, res), res.handle, init=shared)
         else:
             res = dispatch(x, phys, weights, self.slots_per_rank, self.group)
@@ -289,7 +294,8 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 @torch.no_grad()
 def bind_expert_parallel(model: nn.Module, placement: ExpertPlacement, ep_rank: int, ep_size: int,
-                         group: dist.ProcessGroup | None) -> EPMoEMethod:
+                         group: dist.ProcessGroup | None,
+                         graph_group: dist.ProcessGroup | None = None) -> EPMoEMethod:
     """After `bind_ops`, before `process_weights`: wrap every main MoE layer's method in one EPMoEMethod
     and keep only the experts of this rank's slots (in slot order), so that `process_weights` gives the
     wrapped method this rank's slots. Returns the method (shared by the layers)."""
@@ -299,7 +305,7 @@ def bind_expert_parallel(model: nn.Module, placement: ExpertPlacement, ep_rank: 
     inners = {type(m.method) for m in layers}
     if len(inners) != 1:
         raise ValueError(f"MoE layers use different methods {sorted(t.__name__ for t in inners)}; one expected")
-    method = EPMoEMethod(layers[0].method, placement, ep_rank, ep_size, group)
+    method = EPMoEMethod(layers[0].method, placement, ep_rank, ep_size, group, graph_group)
     for moe in layers:
         moe.method = method
         method.shard(moe)

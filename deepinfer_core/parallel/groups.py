@@ -106,6 +106,7 @@ class ProcessGroups:
     `world`: all ranks on the device backend (DP votes, all-reduces of counts). `cpu`: gloo twin of
     `world` for CPU control traffic (the same group when the backend is gloo). `ep`: the EP group on the
     device backend, or None when experts are replicated (expert_parallel off) or the world is one rank.
+    `ep_graph`: the EP ranks again, on a communicator only decode CUDA graphs use (`graph_ep`), else None.
     """
 
     layout: ParallelLayout
@@ -113,6 +114,7 @@ class ProcessGroups:
     world: dist.ProcessGroup | None
     cpu: dist.ProcessGroup | None
     ep: dist.ProcessGroup | None
+    ep_graph: dist.ProcessGroup | None = None
 
 
 def rendezvous_address(env: Mapping[str, str] | None = None) -> str:
@@ -127,12 +129,15 @@ def rendezvous_address(env: Mapping[str, str] | None = None) -> str:
 
 def init_process_groups(layout: ParallelLayout, backend: str = "gloo", init_method: str | None = None,
                         timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | None = None,
-                        env: Mapping[str, str] | None = None) -> ProcessGroups:
+                        env: Mapping[str, str] | None = None, graph_ep: bool = False) -> ProcessGroups:
     """Join the world (once per process) and build the EP group; every rank must call this.
 
     `init_method`: a torch.distributed URL; None = tcp://MASTER_ADDR:MASTER_PORT from `env` (default
     os.environ). If RANK / WORLD_SIZE are set there (torchrun) they must agree with `layout`.
     `device`: where the warm-up tensors live (the rank's CUDA device for nccl; CPU for gloo).
+    `graph_ep`: also an EP group for the exchanges decode CUDA graphs hold. torch's NCCL process group
+    keeps per-collective host state that a graph's capture advances and its replays do not, so the
+    collectives replayed from graphs get a communicator that eager collectives never use.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: allowed values: {', '.join(BACKENDS)}")
@@ -156,16 +161,18 @@ def init_process_groups(layout: ParallelLayout, backend: str = "gloo", init_meth
     world = dist.group.WORLD
     # control traffic (votes, small CPU tensors) must not need a device: a gloo twin when world is nccl
     cpu = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    ep = None
+    ep = ep_graph = None
     if layout.expert_parallel:
         # its own communicator even though it spans the world: dispatch/combine never queue behind
         # (or interleave with) other collectives on `world`
         ep = dist.new_group(ranks=list(range(layout.world_size)), backend=backend, timeout=timeout)
+        if graph_ep:
+            ep_graph = dist.new_group(ranks=list(range(layout.world_size)), backend=backend, timeout=timeout)
     warm_device = device if device is not None else _default_device(backend)
-    for group in (world, ep):
+    for group in (world, ep, ep_graph):
         if group is not None:
             dist.all_reduce(torch.zeros(1, device=warm_device), group=group)
-    return ProcessGroups(layout, backend, world, cpu, ep)
+    return ProcessGroups(layout, backend, world, cpu, ep, ep_graph)
 
 
 def _default_device(backend: str) -> torch.device:

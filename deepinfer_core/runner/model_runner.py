@@ -176,7 +176,7 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, expert
     if expert_shard is not None:      # before process_weights: the wrapped method packs this rank's slots
         from ..parallel.ep_moe import bind_expert_parallel
         bind_expert_parallel(model, expert_shard.placement, expert_shard.ep_rank, expert_shard.ep_size,
-                             expert_shard.group)
+                             expert_shard.group, expert_shard.graph_group)
     process_weights(model)
     model.to(device)
     return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops,

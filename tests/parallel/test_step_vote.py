@@ -28,10 +28,14 @@ ROUNDS = [
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from deepinfer_core.parallel.groups import ParallelLayout, destroy_process_groups, init_process_groups
-    groups = init_process_groups(ParallelLayout.from_env(expert_parallel=True), backend="gloo", timeout_s=TIMEOUT_S)
+    groups = init_process_groups(ParallelLayout.from_env(expert_parallel=True), backend="gloo", timeout_s=TIMEOUT_S,
+                                 graph_ep=True)
     vote = StepVote(groups.cpu, rank)
     got = [vote(*votes[rank]) for votes, _ in ROUNDS]
-    torch.save({"got": got, "votes": vote.votes, "graph_steps": vote.graph_steps}, Path(out_dir) / f"rank{rank}.pt")
+    # the graphs' EP communicator: the same ranks, another group than the eager exchanges'
+    graph_group = (groups.ep_graph is not groups.ep, torch.distributed.get_world_size(groups.ep_graph))
+    torch.save({"got": got, "votes": vote.votes, "graph_steps": vote.graph_steps, "graph_group": graph_group},
+               Path(out_dir) / f"rank{rank}.pt")
     destroy_process_groups(groups)
 
 
@@ -42,6 +46,7 @@ def test_ranks_agree_over_gloo(tmp_path, run_ranks):
     for res in results:
         assert res["got"] == want
         assert res["votes"] == len(ROUNDS) and res["graph_steps"] == 2
+        assert res["graph_group"] == (True, 3)
 
 
 def test_world_of_one_and_bad_buckets():
