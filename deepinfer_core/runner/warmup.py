@@ -71,6 +71,7 @@ def _warm_up(runner, max_tokens: int) -> float:
     buckets = list(graphs.buckets) if graphs is not None else []
     bar = _progress(len(sizes) + len(buckets), "warm-up (kernels, CUDA graphs)")
     alloc, block_size = runner.cache.allocator, runner.cache.layout.block_size
+    room = _same_on_every_ep_rank(runner, min(alloc.num_free_blocks, runner.slot_tables.max_blocks))
     gen = torch.Generator().manual_seed(0)
     vocab = int(runner.model_config.vocab_size)
     slot = alloc.allocate_slot()
@@ -79,7 +80,7 @@ def _warm_up(runner, max_tokens: int) -> float:
             if bar is not None:
                 bar.update(1)
             need = -(-n // block_size)
-            if need > min(alloc.num_free_blocks, runner.slot_tables.max_blocks):
+            if need > room:
                 continue
             blocks = alloc.allocate_blocks(need)
             # random ids: MoE kernels are chosen by how the tokens spread over the experts, and one
@@ -102,3 +103,17 @@ def _warm_up(runner, max_tokens: int) -> float:
     seconds = time.perf_counter() - t0
     log.info("warm-up: %d eager sizes and %d decode CUDA graphs in %.1f s", len(sizes), len(buckets), seconds)
     return seconds
+
+
+def _same_on_every_ep_rank(runner, blocks: int) -> int:
+    """Under expert parallelism every rank must run the same warm-up forwards (each one joins the
+    others' exchanges), but each rank sized its cache from its own free memory: the smallest room."""
+    if not getattr(runner, "expert_parallel", False):
+        return blocks
+    import torch.distributed as dist
+
+    from ..parallel.ep_moe import moe_layers
+    group = moe_layers(runner.model)[0].method.group
+    t = torch.tensor([blocks], dtype=torch.int64, device=runner.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
