@@ -18,7 +18,7 @@ from .moe_combine import moe_combine
 from .moe_gemm import Experts, moe_w2, moe_w13
 from .moe_routing import expert_schedule, max_tiles, route_topk
 
-__all__ = ["fused_moe", "invariant_moe_config", "moe_tile_config", "route_topk"]
+__all__ = ["expert_outputs", "fused_moe", "invariant_moe_config", "moe_tile_config", "route_topk"]
 
 
 def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False) -> dict:
@@ -59,20 +59,34 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Ex
     + s2 [E1, D/128, I/128]; either weight may be `Fp4Experts` (its routed experts decoded from FP4 in
     registers: the same bits). Experts < `n_clamped` get the SwiGLU clamp at `swiglu_limit`.
     `quant_in` / `quant_mid`: FP8 act_quant of the w13 / w2 inputs (QAT simulation), else the
-    activations stay in `compute_dtype`. Returns [T, D] in x's dtype: the slots' outputs summed in
-    fp32 (the last slot first when `shared_last`)."""
+    activations stay in `compute_dtype`. Returns [T, D] in x's dtype: the slots' outputs
+    (`expert_outputs`) summed in fp32 (the last slot first when `shared_last`)."""
+    y = expert_outputs(x, ids, route_w, w13, s13, w2, s2, n_clamped=n_clamped, swiglu_limit=swiglu_limit,
+                       quant_in=quant_in, quant_mid=quant_mid, compute_dtype=compute_dtype, config=config)
+    return moe_combine(y, x.dtype, shared_last=shared_last)
+
+
+def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Experts, s13: torch.Tensor,
+                   w2: Experts, s2: torch.Tensor, *, n_clamped: int, swiglu_limit: float, quant_in: bool,
+                   quant_mid: bool, compute_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """`fused_moe` before its combine (arguments as there): y [T, K1, D] in `compute_dtype`, the
+    weighted output of each (token, slot)'s expert. An expert-parallel rank calls it on the (row, slot)
+    pairs it received (K1 = 1) and on the shared expert alone, and combines across ranks itself.
+    An id outside [0, E1) (-1: a pair another rank computes) sorts outside every expert's rows: no
+    tile computes it and its y entry is left unwritten. `config` None: the tile heuristic for T * K1
+    rows over E1 experts."""
     if x.dim() != 2:
-        raise ValueError(f"fused_moe: x must be [T, D], got {tuple(x.shape)}")
+        raise ValueError(f"expert_outputs: x must be [T, D], got {tuple(x.shape)}")
     T, D = x.shape
     if ids.dim() != 2 or ids.shape[0] != T or ids.dtype != torch.int32:
-        raise ValueError(f"fused_moe: ids must be int32 [T={T}, K1], got {tuple(ids.shape)} {ids.dtype}")
+        raise ValueError(f"expert_outputs: ids must be int32 [T={T}, K1], got {tuple(ids.shape)} {ids.dtype}")
     if route_w.shape != ids.shape or route_w.dtype != torch.float32:
-        raise ValueError(f"fused_moe: route_w must be float32 {tuple(ids.shape)}, got {tuple(route_w.shape)} "
+        raise ValueError(f"expert_outputs: route_w must be float32 {tuple(ids.shape)}, got {tuple(route_w.shape)} "
                          f"{route_w.dtype}")
     w13_shape, w2_shape = tuple(w13.shape), tuple(w2.shape)
     if len(w13_shape) != 4 or w13_shape[3] != D or len(w2_shape) != 3 or w2_shape[:2] != (w13_shape[0], D) \
             or w2_shape[2] != w13_shape[2]:
-        raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit D={D} "
+        raise ValueError(f"expert_outputs: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit D={D} "
                          f"(want [E1, 2, I, D] and [E1, D, I])")
     K1, E1 = ids.shape[1], w13.shape[0]
     n = T * K1
@@ -92,4 +106,4 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Ex
     y = moe_w2(a, a_s, w2, s2, order, sched, max_tiles(n, E1, bm2), out_dtype=compute_dtype, block_m=bm2,
                block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
                swap_ab=cfg.get("swap_ab2", False))
-    return moe_combine(y.view(T, K1, D), x.dtype, shared_last=shared_last)
+    return y.view(T, K1, D)

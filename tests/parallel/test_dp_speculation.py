@@ -82,8 +82,12 @@ def test_dp2_ep_mtp_varlen_is_lossless_and_shares_one_step_time_table(tmp_path_f
     assert _tokens(out) == reference
     assert len(stats) == 2 and all(s.num_requests > 0 for s in stats)
     assert stats[0].varlen_ms == stats[1].varlen_ms and len(stats[0].varlen_ms) > 0   # one table
+    # VARLEN drafts where the profiled table says drafting pays: on a loaded CPU a rank's profile may
+    # say it never does for its batches, so speculation is required of some rank, not of each
+    assert any(s.spec_verify_steps > 0 for s in stats), stats
     for s in stats:
-        assert s.spec_verify_steps > 0 and sum(s.varlen_chosen) > 0
+        assert sum(s.varlen_chosen) > 0, s                 # VARLEN chose a length (histogram of L)
+        assert (s.spec_verify_steps > 0) == (sum(s.varlen_chosen[1:]) > 0), s      # L > 0: verified
         assert s.spec_drafted_tokens >= s.spec_verified_tokens >= s.spec_accepted_tokens
         assert s.forwards + s.idle_forwards == s.iterations   # still one EP pass per iteration
 

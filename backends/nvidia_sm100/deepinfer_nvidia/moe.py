@@ -31,6 +31,7 @@ from deepinfer_kernels.fp4_experts import GROUP, Fp4Experts
 from deepinfer_core.ops.portable_moe import PortableMoE
 from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block
 
+from .ep_experts import NvidiaEPExperts
 from .linear import Fp8LinearMethod
 
 log = logging.getLogger("deepinfer.nvidia")
@@ -128,6 +129,11 @@ class NvidiaMoEMethod:
         """Fixed grouped-GEMM tiles for every batch and the router GEMM on fixed tiles (the
         batch_invariant feature's protocol); the combine already sums in slot order."""
         return type(self)(self.config, batch_invariant=True, fp4_experts=self.fp4_experts)
+
+    def ep_experts(self) -> NvidiaEPExperts:
+        """The expert-parallel seam (`deepinfer_core.parallel.ep_moe.EPExperts`): the grouped GEMMs over
+        an EP rank's received pairs instead of the portable per-expert loop."""
+        return NvidiaEPExperts(self)
 
     @staticmethod
     def fused(moe) -> bool:
