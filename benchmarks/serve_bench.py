@@ -4,7 +4,8 @@ It drives a running `python -m deepinfer_core.serve` over HTTP (`--base-url`), o
 (`--launch "SERVE ARGS"`: a subprocess on a free port, waited for on /health, stopped with SIGTERM at
 the end; its log goes to `--server-log`), so one command measures end to end. With `--dummy-layers N`
 the launched server gets a temporary config-only model directory of the real V4-Flash config cut to N
-layers (throughput.py's `--layers N` model: CSA/HCA alternating, FP8 experts, the V4 tokenizer) and
+layers (throughput.py's `--layers N` model: CSA/HCA alternating, or at 43 layers V4-Flash's own schedule;
+FP8 experts, or FP4 with `--expert-dtype fp4` as the checkpoints ship them; the V4 tokenizer) and
 `--load-format dummy`: random weights of V4-Flash width, no checkpoint needed.
 
 Every request is a streamed `/v1/completions` call (aiohttp, asyncio): a token-id prompt (random ids,
@@ -13,17 +14,20 @@ seeded, `--input-len` +- `--range-ratio`) or a `--dataset` line, `max_tokens` = 
 schedule (`--request-rate`, default inf = all at once; `--burstiness` as vLLM's) and at most
 `--max-concurrency` are in flight; `--concurrency 1,16,64` measures each value in turn
 (num_prompts = `--num-prompts`, or C x `--prompts-per-concurrency`, else max(4 x C, 16)). Before
-each measurement a warm-up sends min(C, num_prompts) other prompts of the same lengths with
-`--warmup-output-len` tokens (new batch shapes compile or capture there, not in the measured window).
+each measurement a warm-up sends min(C, num_prompts) other prompts of `--warmup-input-len` tokens (default
+the same length) with `--warmup-output-len` tokens (new batch shapes compile or capture there, not in the
+measured window).
 
 Figures per measurement (serve_bench_metrics.py says how tokens and chunks are counted): completed
 and failed requests (a failure is counted and its error kept), duration, request / output / total
 token throughput, mean / p50 / p90 / p99 of TTFT, TPOT = (e2e - TTFT) / (tokens - 1), ITL (gaps
 between content chunks) and e2e latency; the peak number in flight, the client's CPU use (near 100 %:
 the client, not the server, is the limit) and the server's own counters over the window (/metrics
-deltas, its mean TTFT / TPOT). A table row per measurement is printed; the JSON (settings, server and
-device, commit, rows, and per row the fields to set beside `benchmarks/throughput.py` at the same
-lengths and concurrency) goes to benchmarks/results/serve_bench_<label>.json, rewritten after every
+deltas, its mean TTFT / TPOT); output tok/s per GPU divides by the server's data-parallel ranks. Before
+the first measurement /metrics gives what each engine (each rank) holds: weight and state-cache bytes
+and its device. A table row per measurement is printed; the JSON (settings, server and its memory per
+rank, this host's devices, commit, rows, and per row the fields to set beside `benchmarks/throughput.py`
+at the same lengths and concurrency) goes to benchmarks/results/serve_bench_<label>.json, rewritten after every
 measurement so a run cut short keeps what it measured (SIGTERM / Ctrl-C also stop a launched server).
 Pieces: `serve_bench_http` (the launched server, the streaming client), `serve_bench_metrics`.
 
@@ -84,6 +88,14 @@ def parser() -> argparse.ArgumentParser:
         "the V4-Flash config (or --dummy-config) cut to N layers, as throughput.py --layers N",
     )
     s.add_argument("--dummy-config", default=None, help="config.json (or its directory) for --dummy-layers")
+    s.add_argument(
+        "--expert-dtype",
+        choices=("fp8", "fp4"),
+        default=None,
+        help="routed experts of the --dummy-layers model (default fp8, as throughput.py; fp4: as the V4 "
+        "checkpoints ship them). An NVIDIA server keeps them FP4 only with --fp4-experts in --launch, else it "
+        "re-encodes them to FP8 at load (twice the expert bytes); the run prints and records which",
+    )
     s.add_argument("--launch-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     s.add_argument(
         "--server-log",
@@ -123,6 +135,13 @@ def parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
     w.add_argument("--warmup-output-len", type=int, default=4, help="tokens of each warm-up request (0: none)")
+    w.add_argument(
+        "--warmup-input-len",
+        type=int,
+        default=None,
+        help="prompt tokens of each warm-up request (default --input-len; shorter ones warm the batch shapes "
+        "without paying the long prefill of every concurrency twice); random prompts only",
+    )
     w.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     r = ap.add_argument_group("arrivals")
     r.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at 0)")
@@ -150,6 +169,8 @@ class Bench:
         self.a, self.argv, self.srv, self.t0 = a, argv, srv, time.perf_counter()
         self.rows: list[dict[str, Any]] = []
         self.models: Any = None
+        self.memory: dict[str, Any] | None = None  # SM.server_memory before the first measurement
+        self.num_gpus = 1  # the server's data-parallel ranks (one GPU each): output tok/s per GPU
         self.model = a.model_name
         self.path = Path(a.out) if a.out else RESULTS / f"serve_bench_{a.label}.json"
 
@@ -161,18 +182,21 @@ class Bench:
             return [(c, a.prompts_per_concurrency * c) for c in concs]
         return [(c, a.num_prompts or (max(4 * c, 16) if c else 64)) for c in concs]
 
-    def requests(self, k: int, n: int, out_len: int | None = None, salt: int = 0) -> list[SM.BenchRequest]:
+    def requests(
+        self, k: int, n: int, out_len: int | None = None, salt: int = 0, in_len: int | None = None
+    ) -> list[SM.BenchRequest]:
         """Measurement k's prompts (seed (seed, k, salt): warm-ups (salt 1) never repeat a measured prompt)."""
         a = self.a
         if a.dataset:
             reqs = SM.dataset_requests(a.dataset, n)
         else:
-            reqs = SM.random_requests(n, a.input_len, a.output_len, a.range_ratio, a.vocab_size, [a.seed, k, salt])
+            seed = [a.seed, k, salt]
+            reqs = SM.random_requests(n, in_len or a.input_len, a.output_len, a.range_ratio, a.vocab_size, seed)
         return [SM.BenchRequest(r.prompt, out_len, r.prompt_len) for r in reqs] if out_len else reqs
 
     async def measure_all(self) -> None:
         a = self.a
-        headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+        headers = auth(a.api_key)
         async with SH.client_session(self.srv.url, headers, a.request_timeout) as cl:
             for k, (conc, n) in enumerate(self.plan()):
                 row: dict[str, Any] = {
@@ -192,7 +216,7 @@ class Bench:
                     self.add(row)
                     continue
                 if a.warmup_output_len > 0:
-                    wu = self.requests(k, min(conc or n, n), a.warmup_output_len, salt=1)
+                    wu = self.requests(k, min(conc or n, n), a.warmup_output_len, 1, a.warmup_input_len)
                     res, dur = await SH.run_requests(cl, self.model, wu, [0.0] * len(wu), conc)
                     row["warmup"] = {"requests": len(wu), "failed": sum(not x.ok for x in res), "duration_s": dur}
                 reqs = self.requests(k, n)
@@ -202,6 +226,8 @@ class Bench:
                 row["client_cpu_pct"] = 100.0 * (time.process_time() - cpu0) / duration
                 after = await SH.scrape(cl)
                 row.update(SM.summarize(results, duration))
+                if row["output_throughput"] is not None:
+                    row["output_throughput_per_gpu"] = row["output_throughput"] / self.num_gpus
                 row["server_counters"] = SM.counter_delta(before, after) if before and after else None
                 bad = [f"{row['failed']} failed"] * bool(row["failed"])
                 bad += [f"{row['short_outputs']} short outputs"] * bool(row["short_outputs"])
@@ -230,6 +256,7 @@ class Bench:
             )
             if a.dummy_layers:
                 cmd += f" --layers {a.dummy_layers}" + (f" --config {a.dummy_config}" if a.dummy_config else "")
+                cmd += f" --expert-dtype {a.expert_dtype}" if a.expert_dtype else ""
             elif self.srv.launched and SH.flag(self.srv.launched, "--model"):
                 cmd += f" --model {SH.flag(self.srv.launched, '--model')}"
             if self.srv.launched:  # the launched server's compute dtype (the engine's default is float32)
@@ -276,29 +303,21 @@ class Bench:
                 "dummy_model": None
                 if srv.dummy is None
                 else {"config_source": srv.dummy.source, "config": srv.dummy.config, "notes": srv.dummy.notes},
+                "data_parallel_size": self.num_gpus,
+                "memory": self.memory,
             },
             "device": SH.device_info(),
             "rows": self.rows,
+            "workload_notes": SM.workload_notes(
+                self.plan(), a.input_len, a.warmup_input_len, a.warmup_output_len, a.dataset
+            ),
             "throughput_comparison": self.comparison(),
-            "definitions": DEFINITIONS,
+            "definitions": SM.DEFINITIONS,
             "elapsed_s": time.perf_counter() - self.t0,
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(res, indent=1, default=str) + "\n")
         return res
-
-
-DEFINITIONS = {
-    "ttft_ms": "first content chunk (an SSE event with choices) - request sent",
-    "itl_ms": "every gap between a request's consecutive content chunks (a chunk may hold several tokens)",
-    "tpot_ms": "per request (e2e - ttft) / (output tokens - 1), tokens from usage.completion_tokens",
-    "e2e_ms": "[DONE] - request sent",
-    "duration_s": "first arrival to the last request's end",
-    "output_throughput": "output tokens of completed requests / duration (tok/s)",
-    "total_token_throughput": "(prompt + output tokens) of completed requests / duration",
-    "client_cpu_pct": "this process's CPU time / duration: near 100 the client limits the figures",
-    "server_counters": "/metrics counter deltas over the measured window, with the server's own mean latencies",
-}
 
 
 def resolve(argv: list[str] | None) -> argparse.Namespace:
@@ -316,13 +335,21 @@ def resolve(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit("serve_bench: --dummy-layers shapes the model of a launched server; add --launch")
     if a.dummy_layers and SH.flag(shlex.split(a.launch), "--model"):
         raise SystemExit("serve_bench: --dummy-layers gives the launched server its --model; drop one of them")
+    if a.expert_dtype and not a.dummy_layers:
+        raise SystemExit("serve_bench: --expert-dtype shapes the --dummy-layers model; add --dummy-layers")
+    if a.warmup_input_len is not None and a.warmup_input_len < 1:
+        raise SystemExit("serve_bench: --warmup-input-len must be >= 1")
     return a
+
+
+def auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def served_models(url: str, api_key: str | None) -> dict[str, Any]:
     """GET /v1/models: the model name to send and what the server says of itself (a clean exit when the
     server is not there or refuses the key)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth(api_key)
     try:
         r = httpx.get(f"{url}/v1/models", headers=headers, timeout=60)
     except httpx.HTTPError as e:
@@ -346,8 +373,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         cfg = None
         if a.dummy_layers:
-            srv.dummy = SH.dummy_model(a.dummy_layers, a.dummy_config)
+            srv.dummy = SH.dummy_model(a.dummy_layers, a.dummy_config, a.expert_dtype)
             cfg = srv.dummy.config
+            if a.expert_dtype == "fp4":
+                srv.dummy.notes.append(SH.fp4_note(shlex.split(a.launch)))
+                print(f"[serve_bench] {srv.dummy.notes[-1]}", flush=True)
         elif launch_model and (Path(launch_model) / "config.json").is_file():
             cfg = json.loads((Path(launch_model) / "config.json").read_text())
         a.vocab_size = a.vocab_size or int((cfg or {}).get("vocab_size", SM.V4_VOCAB))
@@ -356,11 +386,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             log = Path(a.server_log or Path(tempfile.gettempdir()) / f"serve_bench_{tag}.server.log")
             SH.launch(srv, shlex.split(a.launch), log, a.launch_timeout)
         models = served_models(srv.url, a.api_key)
+        memory = SM.server_memory(SH.metrics_text(srv.url, auth(a.api_key)) or "")
         model = a.model_name or models["data"][0]["id"]
         name = srv.dummy.label if srv.dummy is not None else Path(model).name
         a.label = a.label or name.replace(" ", "_").replace("/", "_")
         bench = Bench(a, argv, srv)
-        bench.models, bench.model = models, model
+        bench.models, bench.model, bench.memory = models, model, memory
+        dp = SH.flag(srv.launched or [], "--data-parallel-size")
+        bench.num_gpus = len(memory["ranks"]) or int(dp or 1)  # the ranks the server reports, else the flag
+        for line in SM.memory_lines(memory["ranks"]):
+            print(f"[serve_bench] {line}", flush=True)
         try:
             asyncio.run(bench.measure_all())
         finally:

@@ -56,9 +56,10 @@ class Server:
     dummy: Any = None  # throughput_run.ModelSpec of --dummy-layers
 
 
-def dummy_model(layers: int, config: str | None) -> Any:
+def dummy_model(layers: int, config: str | None, expert_dtype: str | None = None) -> Any:
     """A config-only directory (throughput_run.prepare_model: the config cut as throughput.py cuts it,
-    plus the V4 tokenizer the server needs) for `--load-format dummy`. Imports torch, hence only here."""
+    routed experts in `expert_dtype` (None: FP8), plus the V4 tokenizer the server needs) for
+    `--load-format dummy`. Imports torch, hence only here."""
     import throughput_run as TR
 
     return TR.prepare_model(
@@ -68,9 +69,20 @@ def dummy_model(layers: int, config: str | None) -> Any:
             tiny=False,
             config=config,
             layers=layers,
-            expert_dtype=None,
+            expert_dtype=expert_dtype,
             mtp=False,
         )
+    )
+
+
+def fp4_note(launch: list[str]) -> str:
+    """Whether the launched server keeps FP4 experts FP4 (the engine's fp4_experts option), said aloud."""
+    if "--fp4-experts" in launch:
+        return "FP4 routed experts, kept FP4 by the server (--fp4-experts in --launch)"
+    return (
+        "FP4 routed experts in the checkpoint format; --launch has no --fp4-experts, so an NVIDIA server "
+        "re-encodes them to FP8 at load (twice the expert bytes; the portable method dequantises every weight to "
+        "the compute dtype at load either way)"
     )
 
 
@@ -214,6 +226,15 @@ async def run_requests(
     return list(results), time.perf_counter() - t0
 
 
+def metrics_text(url: str, headers: dict[str, str]) -> str | None:
+    """The server's /metrics page (None when it has none or refuses)."""
+    try:
+        r = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
+    except httpx.HTTPError:
+        return None
+    return r.text if r.status_code == 200 else None
+
+
 async def scrape(client: aiohttp.ClientSession) -> dict[str, float] | None:
     try:
         async with client.get("/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
@@ -227,7 +248,7 @@ async def scrape(client: aiohttp.ClientSession) -> dict[str, float] | None:
 
 def device_info() -> dict[str, Any]:
     """This host's accelerators (nvidia-smi: no CUDA context in the client); the server's device when it
-    runs here (--launch or a localhost URL). The server reports none of its own."""
+    runs here (--launch or a localhost URL). The server's own (per rank) is in the JSON's server.memory."""
     info: dict[str, Any] = {"host": platform.node(), "cpu": platform.machine(), "cpu_count": os.cpu_count()}
     if shutil.which("nvidia-smi"):
         try:

@@ -188,6 +188,45 @@ def summarize(results: Sequence[RequestResult], duration_s: float, max_errors: i
     }
 
 
+def workload_notes(
+    plan: list[tuple[int | None, int]],
+    input_len: int,
+    warmup_input_len: int | None,
+    warmup_output_len: int,
+    dataset: str | None,
+) -> list[str]:
+    """What the JSON's reader must know of a workload that is not the default one."""
+    notes = []
+    short = [(c, n) for c, n in plan if c and n < 4 * c]
+    if short:
+        notes.append(
+            "fewer prompts than the default 4 x concurrency: "
+            + ", ".join(f"{n} at concurrency {c}" for c, n in short)
+            + "; with every prompt sent at once, one round of C prompts is prefilled while the first ones "
+            "already decode, and the output throughput over the measurement includes that ramp"
+        )
+    if warmup_input_len and warmup_output_len > 0 and not dataset and warmup_input_len != input_len:
+        notes.append(f"warm-up prompts of {warmup_input_len} tokens (measured ones: {input_len})")
+    return notes
+
+
+DEFINITIONS = {
+    "ttft_ms": "first content chunk (an SSE event with choices) - request sent",
+    "itl_ms": "every gap between a request's consecutive content chunks (a chunk may hold several tokens)",
+    "tpot_ms": "per request (e2e - ttft) / (output tokens - 1), tokens from usage.completion_tokens",
+    "e2e_ms": "[DONE] - request sent",
+    "duration_s": "first arrival to the last request's end",
+    "output_throughput": "output tokens of completed requests / duration (tok/s)",
+    "total_token_throughput": "(prompt + output tokens) of completed requests / duration",
+    "output_throughput_per_gpu": "output_throughput / server.data_parallel_size (one GPU per rank; on CPU ranks, "
+    "per rank)",
+    "client_cpu_pct": "this process's CPU time / duration: near 100 the client limits the figures",
+    "server_counters": "/metrics counter deltas over the measured window, with the server's own mean latencies",
+    "server.memory": "per engine (data-parallel rank): resident weight bytes (its model's parameters and buffers), "
+    "state-cache bytes (its pools) and device, from /metrics before the first measurement",
+}
+
+
 # ---- the server's own counters -------------------------------------------------------------------------
 
 
@@ -223,6 +262,81 @@ def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     return d
 
 
+def parse_labels(text: str) -> dict[str, str]:
+    """{label: value} of `a="x",b="y"`, the text format's escapes undone (a malformed one: ValueError or
+    IndexError)."""
+    out, i = {}, 0
+    while i < len(text):
+        eq = text.index("=", i)
+        key, j, val = text[i:eq].strip(" ,"), eq + 2, []  # past `="`
+        while text[j] != '"':
+            if text[j] == "\\":
+                j += 1
+                val.append("\n" if text[j] == "n" else text[j])
+            else:
+                val.append(text[j])
+            j += 1
+        out[key], i = "".join(val), j + 1
+    return out
+
+
+def parse_series(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample on a /metrics page."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name, _, labels = series.partition("{")
+        try:
+            out.append((name, parse_labels(labels.rstrip("}")), float(value)))
+        except (ValueError, IndexError):  # not a sample this parser knows: skipped, as parse_prometheus does
+            continue
+    return out
+
+
+def server_memory(text: str) -> dict[str, Any]:
+    """What the server holds, per engine: {"ranks": [{rank, weight_bytes, cache_bytes, device,
+    device_name}], "weight_bytes", "cache_bytes"} from its `deepinfer_weight_bytes`,
+    `deepinfer_cache_bytes` and `deepinfer_device_info` gauges. A data-parallel server labels each
+    rank's series `rank="r"`; a single engine's unlabelled series are its one entry (rank None). No
+    such gauges (an older server): no ranks, totals None."""
+    ranks: dict[str | None, dict[str, Any]] = {}
+    for name, labels, value in parse_series(text):
+        if name not in ("deepinfer_weight_bytes", "deepinfer_cache_bytes", "deepinfer_device_info"):
+            continue
+        if "rank" not in labels and name != "deepinfer_device_info":
+            totals = ranks.setdefault(None, {"rank": None})
+            totals[name.removeprefix("deepinfer_")] = int(value)
+            continue
+        entry = ranks.setdefault(labels.get("rank"), {"rank": labels.get("rank")})
+        if name == "deepinfer_device_info":
+            entry.update(device=labels.get("device"), device_name=labels.get("name"))
+        else:
+            entry[name.removeprefix("deepinfer_")] = int(value)
+    totals = ranks.pop(None, {})
+    per_rank = [dict(v, rank=int(k)) for k, v in sorted(ranks.items(), key=lambda kv: int(kv[0]))]
+    if not per_rank and totals:  # one engine: its unlabelled series (device info, if any, has no rank)
+        per_rank = [dict(totals, rank=None)]
+    for entry in per_rank:
+        for key in ("weight_bytes", "cache_bytes", "device", "device_name"):
+            entry.setdefault(key, None)
+    return {
+        "ranks": per_rank,
+        "weight_bytes": totals.get("weight_bytes"),
+        "cache_bytes": totals.get("cache_bytes"),
+    }
+
+
+def memory_lines(ranks: list[dict[str, Any]]) -> list[str]:
+    """One line per rank of `server_memory`: its device, weights and state cache in GiB."""
+    return [
+        f"rank {r['rank']}: {r['device_name']} ({r['device']}): weights {(r['weight_bytes'] or 0) / 2**30:.2f} GiB, "
+        f"state cache {(r['cache_bytes'] or 0) / 2**30:.2f} GiB"
+        for r in ranks
+    ]
+
+
 # ---- the table -----------------------------------------------------------------------------------------
 
 
@@ -234,7 +348,7 @@ def print_table(rows: list[dict]) -> None:
     """One line per measurement (concurrency): requests, throughput and the latency percentiles (ms)."""
     print(
         f"\n{'conc':>5} {'rate':>6} {'n':>5} {'ok':>5} {'fail':>4} {'dur s':>7} {'req/s':>7} {'out tok/s':>10} "
-        f"{'tot tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} "
+        f"{'/GPU':>8} {'tot tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} "
         f"{'ITL p99':>8} {'E2E p50':>9} {'E2E p99':>9}  status"
     )
     for r in rows:
@@ -247,6 +361,7 @@ def print_table(rows: list[dict]) -> None:
                 ("duration_s", "7.2f"),
                 ("request_throughput", "7.2f"),
                 ("output_throughput", "10.1f"),
+                ("output_throughput_per_gpu", "8.1f"),
                 ("total_token_throughput", "10.1f"),
             )
         )

@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import throughput_metrics as TM
-from sweep_model import bench_config, cache_layout, decode_states, load_base_config, random_ids
+import torch
+from sweep_model import bench_config, cache_layout, decode_states, full_config, load_base_config, random_ids
 from sweep_timing import Clock, cuda_graph_timing
 
 FORWARD_MAX_SECONDS = 30.0        # a slow forward shape stops repeating after this (the sweep's rule)
@@ -71,8 +70,9 @@ def dummy_config(a: argparse.Namespace) -> tuple[dict, str, str]:
     """(config dict, source, default label) of a random-weight model. `--tiny`: the tiny config (the
     bundled tiny model's shape), with `--layers` its own real-like schedule. Otherwise `--config` (the
     real V4-Flash config by default) cut to `--layers` (4) by the sweep's `bench_config` (CSA/HCA
-    alternating, FP8 experts), so the model is the sweep's. MTP blocks are dropped unless `--mtp`: the
-    engine never runs them without speculative decoding, they would only take memory."""
+    alternating, FP8 experts), so the model is the sweep's; at the config's own layer count it is the whole
+    model, with the config's own schedule (V4-Flash: two window-only layers first). MTP blocks are dropped
+    unless `--mtp`: the engine never runs them without speculative decoding, they would only take memory."""
     if a.tiny:
         from deepinfer_core.tools.tiny_config import tiny_config_dict
         cfg = tiny_config_dict(**({"num_hidden_layers": a.layers} if a.layers else {}))
@@ -84,6 +84,8 @@ def dummy_config(a: argparse.Namespace) -> tuple[dict, str, str]:
         base, source = load_base_config(a.config)
         layers = a.layers or 4
         cfg = bench_config(base, layers, a.expert_dtype or "fp8")
+        if layers == int(base["num_hidden_layers"]):
+            cfg = full_config(base, cfg, layers)
         label = f"{Path(source).parent.name}_{layers}L"
     if not a.mtp:
         cfg["compress_ratios"] = list(cfg["compress_ratios"][:int(cfg["num_hidden_layers"])])
@@ -113,6 +115,7 @@ def prepare_model(a: argparse.Namespace) -> ModelSpec:
     spec = ModelSpec(str(tmp), "dummy", source, cfg, label, tmp)
     try:
         from tokenizers import Tokenizer
+
         from deepinfer_core.tools.make_tiny_checkpoint import TOKENIZER_FILES, tokenizer_dir
         n = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json")).get_vocab_size()
         if n == int(cfg["vocab_size"]):

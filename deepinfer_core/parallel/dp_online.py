@@ -235,6 +235,10 @@ class OnlineFrontEnd:
             total[_RATIO[0]] = total[_RATIO[1]] / max(1, total[_RATIO[2]])
         return total
 
+    def rank_gauges(self) -> list[dict[str, float]]:
+        """Each rank's gauges as it last reported them (each dict is replaced whole, never mutated)."""
+        return list(self._rank_gauges)
+
     def health_error(self) -> str | None:
         """Why the engine cannot serve (a rank died or failed), or None; safe from any thread."""
         if self._failed is not None or not self._procs:

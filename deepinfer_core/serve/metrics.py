@@ -1,12 +1,18 @@
 """`GET /metrics` in the Prometheus text format: requests running and waiting, tokens in and out,
-TTFT / TPOT / end-to-end histograms, state-cache use, preemptions, speculative acceptance.
+TTFT / TPOT / end-to-end histograms, state-cache use, preemptions, speculative acceptance, and the
+engine's resident memory (weight and state-cache bytes, the device it runs on).
 
 The engine thread updates everything (`observe_step` after each step, `observe_finished` per finished
-request); the HTTP thread only renders a snapshot under the same lock.
+request); the HTTP thread only renders a snapshot under the same lock. Under data parallelism every
+gauge appears twice: unlabelled, summed over the ranks (the series single-engine clients read), and per
+rank with a `rank="r"` label (each rank's own engine: its load, its cache, its weights and device).
 """
 from __future__ import annotations
 
+import itertools
+import platform
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 from ..api.outputs import RequestOutput
@@ -38,8 +44,56 @@ class Histogram:
                       f"{name}_count {self.count}"]
 
 
+def resident_bytes(module) -> int:
+    """Bytes of the storages under the module's parameters and buffers, each storage once (runtime
+    weights may be views of one packed stack, or share a tensor between modules)."""
+    storages = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        s = t.untyped_storage()
+        storages[(t.device, s.data_ptr())] = s.nbytes()
+    return sum(storages.values())
+
+
+def _label(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+def device_series(device) -> str:
+    """`deepinfer_device_info{device=..., name=...}`: where the engine's weights live (a CUDA device
+    with its index, as the process sees it, and the GPU's name; else the host's processor)."""
+    import torch
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        dev, name = torch.device("cuda", index), torch.cuda.get_device_name(index)
+    else:
+        name = platform.processor() or platform.machine()
+    return f'deepinfer_device_info{{device="{_label(dev)}",name="{_label(name)}"}}'
+
+
+# Computed once per runner (weights: a pass over every tensor) and per state cache (its pools): these
+# gauges are read after every engine step, on the host path of the step loop.
+_STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHE_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def memory_gauges(runner) -> dict[str, float]:
+    """Resident weight bytes, state-cache bytes (0 before the cache exists) and the device of a runner."""
+    static = _STATIC.get(runner)
+    if static is None:
+        static = _STATIC[runner] = (resident_bytes(runner.model), device_series(runner.device))
+    cache = runner.cache
+    cache_bytes = 0
+    if cache is not None:
+        cache_bytes = _CACHE_BYTES.get(cache)
+        if cache_bytes is None:
+            cache_bytes = _CACHE_BYTES[cache] = cache.nbytes()
+    return {"deepinfer_weight_bytes": static[0], "deepinfer_cache_bytes": cache_bytes, static[1]: 1}
+
+
 def scheduler_gauges(engine) -> dict[str, float]:
-    """The gauges of one in-process engine: its scheduler's queues, its state cache, speculation."""
+    """The gauges of one in-process engine: its scheduler's queues, its state cache, speculation, the
+    memory its runner holds."""
     sched = engine.scheduler
     alloc = sched.blocks.allocator
     spec = engine.spec_metrics
@@ -56,12 +110,40 @@ def scheduler_gauges(engine) -> dict[str, float]:
         gauges["deepinfer_spec_decode_drafted_tokens_total"] = spec.num_drafted_tokens
         gauges["deepinfer_spec_decode_accepted_tokens_total"] = spec.num_accepted_tokens
         gauges["deepinfer_spec_decode_acceptance_rate"] = spec.num_accepted_tokens / max(1, spec.num_verified_tokens)
+    gauges.update(memory_gauges(engine.executor.runner))
     return gauges
+
+
+def _split(series: str) -> tuple[str, str]:
+    """('name', 'a="x",b="y"') of `name{a="x",b="y"}`; ('name', '') without labels."""
+    name, _, labels = series.partition("{")
+    return name, labels.rstrip("}")
+
+
+def gauge_lines(total: dict[str, float], ranks: list[dict[str, float]]) -> list[str]:
+    """Gauge families in the text format: the totals unlabelled, then each rank's series with its rank
+    label first. An info series (value 1, its labels the facts) is not summed over ranks: only the
+    per-rank ones are written when there are ranks."""
+    families: dict[str, list[str]] = {}
+    for series, value in total.items():
+        name = _split(series)[0]
+        if not (ranks and name.endswith("_info")):
+            families.setdefault(name, []).append(f"{series} {value}")
+    for rank, gauges in enumerate(ranks):
+        for series, value in gauges.items():
+            name, labels = _split(series)
+            both = f'rank="{rank}"' + (f",{labels}" if labels else "")
+            families.setdefault(name, []).append(f"{name}{{{both}}} {value}")
+    out = []
+    for name in sorted(families):
+        out += [f"# TYPE {name} gauge", *families[name]]
+    return out
 
 
 @dataclass
 class ServerMetrics:
     gauges: dict[str, float] = field(default_factory=dict)
+    rank_gauges: list[dict[str, float]] = field(default_factory=list)   # per data-parallel rank
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)     # finish reason -> requests
@@ -72,10 +154,12 @@ class ServerMetrics:
 
     def observe_step(self, engine) -> None:
         """Gauges from the engine's scheduler and cache (engine thread, between steps); an engine of
-        several ranks (parallel/dp_online.py) sums its ranks' own through its `gauges()`."""
+        several ranks (parallel/dp_online.py) sums its ranks' own through its `gauges()` and keeps each
+        rank's last report (replaced whole, never mutated: a shallow copy is a snapshot)."""
         gauges = engine.gauges() if hasattr(engine, "gauges") else scheduler_gauges(engine)
+        ranks = engine.rank_gauges() if hasattr(engine, "rank_gauges") else []   # DP: each rank's last report
         with self.lock:
-            self.gauges = gauges
+            self.gauges, self.rank_gauges = gauges, ranks
 
     def observe_output(self, out: RequestOutput) -> None:
         """Tokens of one output (a delta) and, when the request finished, its latencies."""
@@ -101,7 +185,7 @@ class ServerMetrics:
 
     def render(self, admitted: int) -> str:
         with self.lock:
-            lines = [f"# TYPE {name} gauge\n{name} {value}" for name, value in sorted(self.gauges.items())]
+            lines = gauge_lines(self.gauges, self.rank_gauges)
             lines += ["# TYPE deepinfer_server_admitted_requests gauge",
                       f"deepinfer_server_admitted_requests {admitted}",
                       "# TYPE deepinfer_prompt_tokens_total counter",

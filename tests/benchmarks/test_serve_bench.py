@@ -140,6 +140,8 @@ def test_prompts_per_concurrency_plans_whole_rounds_of_the_batch():
     for bad in (["--prompts-per-concurrency", "2"], ["--concurrency", "4", "--prompts-per-concurrency", "0"]):
         with pytest.raises(SystemExit, match="prompts-per-concurrency"):
             SB.resolve(bad)
+    with pytest.raises(SystemExit, match="--expert-dtype shapes the --dummy-layers model"):
+        SB.resolve(["--expert-dtype", "fp4"])
 
 
 def test_client_reports_every_failure():
@@ -244,6 +246,12 @@ def test_launch_end_to_end_on_the_tiny_model(tiny3_dir, tmp_path):
             assert 0 < r[k]["p50"] <= r[k]["p90"] <= r[k]["p99"], (k, r[k])
         assert r["output_throughput"] > 0 and r["peak_concurrency"] <= r["concurrency"]
         assert r["server_counters"]["deepinfer_generation_tokens_total"] == 30
+    # one in-process engine: its memory unlabelled on /metrics, one "rank"; per GPU = the total
+    mem = d["server"]["memory"]
+    assert d["server"]["data_parallel_size"] == 1 and [r["rank"] for r in mem["ranks"]] == [None]
+    assert mem["ranks"][0]["weight_bytes"] == mem["weight_bytes"] > 0 and mem["cache_bytes"] > 0
+    assert mem["ranks"][0]["device"] == "cpu"
+    assert all(r["output_throughput_per_gpu"] == r["output_throughput"] for r in d["rows"])
     assert [c["concurrency"] for c in d["throughput_comparison"]] == [1, 4]
     assert all(c["input_len"] == 8 and c["output_len"] == 5 for c in d["throughput_comparison"])
     # 6 requests are 6 rounds of throughput.py's batch at concurrency 1, not whole rounds at 4

@@ -381,6 +381,12 @@ TABLE: dict[str, Run | Skip] = {
         "a V4-Flash-width model on the H200; tests/serve/test_server_dp.py serves over --engine-process on the CPU"),
     "python benchmarks/serve_gap.py --layers 4 --concurrency 16,64,256 --rounds 2 --engine-process": Skip(
         "a V4-Flash-width model on the H200; tests/benchmarks/test_serve_gap.py runs it on the tiny config"),
+    "python -m pytest -q -m gpu tests/parallel/test_dp_cuda.py": Skip(
+        "needs 2-4 GPUs (NCCL); tests/parallel/test_dp_gpu_ranks.py and test_step_vote.py check the CPU side"),
+    "examples/multi_gpu/run_dp_bench.sh 2": Skip(
+        "the 43-layer V4-Flash-width model over 2 H200s; tests/benchmarks/test_dp_bench.py runs the script at "
+        "tiny scale on CPU ranks"),
+    "examples/multi_gpu/run_dp_bench.sh 4": Skip("as the line above, over 4 H200s"),
     "python -m pytest -q -m gpu tests/gpu/test_no_late_compiles.py": Skip(
         "needs a CUDA GPU (Triton compiles only there; run on the H200)"),
     "python benchmarks/serve_bench.py --dummy-layers 4 --launch \"--dtype bfloat16 --max-model-len 2048 "
