@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import throughput_metrics as TM
 import torch
+
+import throughput_metrics as TM
 from sweep_model import bench_config, cache_layout, decode_states, full_config, load_base_config, random_ids
 from sweep_timing import Clock, cuda_graph_timing
 
@@ -115,7 +116,6 @@ def prepare_model(a: argparse.Namespace) -> ModelSpec:
     spec = ModelSpec(str(tmp), "dummy", source, cfg, label, tmp)
     try:
         from tokenizers import Tokenizer
-
         from deepinfer_core.tools.make_tiny_checkpoint import TOKENIZER_FILES, tokenizer_dir
         n = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json")).get_vocab_size()
         if n == int(cfg["vocab_size"]):

@@ -39,11 +39,10 @@ checkpoint's drafter pairs the same way (its stages are the mtp.* blocks, with a
 
 GPU ranks (device 'cuda'): rank r runs on GPU r, the EP group is an NCCL group (NVLink multicast off:
 NCCL_NVLS_ENABLE=0 unless set), the vote and other control traffic stay on a gloo twin. Under expert
-parallelism the ranks run eagerly: the portable dispatch exchanges sizes on the host, which a CUDA graph
-cannot hold (a graph-safe dispatch pads every segment to a fixed size: not built yet).
-
-Not here yet: the step-type vote of §3.1(b) (each rank schedules prefill and decode freely; lockstep only
-pairs the forwards).
+parallelism the ranks run eagerly (the variable exchange reads sizes on the host, which a CUDA graph
+cannot hold), unless `enable_ep_cuda_graphs`: decode graphs then hold the fixed-size exchange
+(ep_padded.py) and the ranks agree on each step's bucket (step_vote.py). Prefill and decode are not
+voted on: this engine mixes them in one step, and eager forwards pair whatever their kind.
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ Contract:
   A peer that died or skipped a call surfaces as `EPCommError` (closed connection, or the group's
   timeout) instead of a hang.
 * Sizes are exchanged first and read on the host (one device-to-host copy per dispatch, which also
-  carries the id check; combine has none), so this path is not CUDA-graph safe; a graph variant would
-  pad every segment to max_tokens_per_rank (§3.3).
+  carries the id check; combine has none), so this path is not CUDA-graph safe; decode graphs use the
+  fixed-size exchange of ep_padded.py (§3.3).
 
 Seam for faster transports (DeepEP V2/V1, a fused mega-MoE kernel, Ascend): `dispatch` and `combine`
 are the whole interface. A plugin provides the same two functions with the same `DispatchResult`
