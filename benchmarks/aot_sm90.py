@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from deepinfer_kernels import fp8_gemm as F
 from deepinfer_kernels import moe_gemm as M
+from deepinfer_kernels import moe_gemv as G
 from deepinfer_kernels import sparse_attention as S
 from deepinfer_kernels.fp4_experts import fp4_tile
 from triton.backends.compiler import GPUTarget
@@ -77,6 +78,23 @@ def w2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, swap: bool =
     const = dict(EB=512, N_KG=16, NB_D=32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, QAT=True, CDT=tl.bfloat16,
                  IEEE=False, UPCAST=False, PRECISE_ACC=32, W4=w4, SUB=32, PRMT=prmt, SWAP=swap)
     return _compile(M._moe_w2_kernel, sig, const, warps, stages)
+
+
+def gemv13(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, block_n: int = 32):
+    """The CUDA-core w13 (`moe_gemv`), block_m = its rows per program."""
+    sig = dict(x_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", p_ptr="*u8", g_ptr="*u8",
+               order_ptr="*i64", rw_ptr="*fp32", sched_ptr="*i32", a_ptr="*bf16", I="i32", D="i32", E1="i32",
+               E4="i32", n_clamped="i32", limit="fp32", stride_x="i32", stride_a="i32")
+    const = dict(K1=7, EB=512, N_KG=32, NB_I=16, M=block_m, BLOCK_N=block_n, QAT_OUT=True,
+                 CDT=tl.bfloat16, XDT=tl.bfloat16, W4=w4, PRMT=prmt)
+    return _compile(G._gemv_w13_kernel, sig, const, warps, stages)
+
+
+def gemv2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, block_n: int = 32):
+    sig = dict(a_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", p_ptr="*u8", g_ptr="*u8", order_ptr="*i64",
+               sched_ptr="*i32", y_ptr="*bf16", D="i32", I="i32", E1="i32", E4="i32", stride_a="i32", stride_y="i32")
+    const = dict(EB=512, N_KG=16, NB_D=32, M=block_m, BLOCK_N=block_n, W4=w4, PRMT=prmt)
+    return _compile(G._gemv_w2_kernel, sig, const, warps, stages)
 
 
 def fp8_gemm(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
@@ -156,7 +174,7 @@ def describe(kernel) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="4x4,8x2", help="num_warps x num_stages, comma separated")
-    ap.add_argument("--kernels", default="w13,w2", help="w13, w2, swap_ab (a probe of the grouped GEMMs with the "
+    ap.add_argument("--kernels", default="w13,w2", help="w13, w2, gemv13, gemv2 (the CUDA-core kernels), swap_ab (a probe of the grouped GEMMs with the "
                     "operands swapped; FP4 variants only; see _swap_ab_probe), fp8_gemm (the dense FP8 GEMM; the "
                     "fp8 variant only; --block-m 128 is its prefill tile) and/or attention (see --kv)")
     ap.add_argument("--kv", default="bf16,fp8", help="--kernels attention: the pools' forms (bf16, fp8 packed)")
@@ -164,6 +182,7 @@ def main() -> None:
                     "specialisation, as do_not_specialize would (e.g. stride_cs)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}")
     ap.add_argument("--block-m", type=int, default=16)
+    ap.add_argument("--block-n", type=int, default=32, help="--kernels gemv13,gemv2: outputs per program")
     ap.add_argument("--swap", action="store_true", help="compile w13 / w2 with their operands swapped (swap_ab)")
     a = ap.parse_args()
     UNSPECIALISED.update(filter(None, a.unspecialise.split(",")))
@@ -179,7 +198,8 @@ def main() -> None:
                     print("    " + ", ".join(f"{k} {n}" for k, n in d["traffic"].items()))
             continue
         build = {"w13": partial(w13, swap=a.swap), "w2": partial(w2, swap=a.swap), "swap_ab": swap_ab,
-                 "fp8_gemm": fp8_gemm}[name]
+                 "fp8_gemm": fp8_gemm,
+                 "gemv13": partial(gemv13, block_n=a.block_n), "gemv2": partial(gemv2, block_n=a.block_n)}[name]
         for variant in a.variants.split(","):
             w4, prmt = VARIANTS[variant]
             if (name == "swap_ab" and not w4) or (name == "fp8_gemm" and w4):

@@ -129,6 +129,9 @@ def main() -> None:
     ap.add_argument("--swap-ab", action="store_true",
                     help="also time w13 and/or w2 with the operands swapped (swap_ab1/2), FP8 and FP4, each swapped "
                          "FP4 result checked bitwise against the FP8 one with the same tiles")
+    ap.add_argument("--gemv-rows", default="1,2,4", help="CUDA-core kernels: rows per program to time")
+    ap.add_argument("--gemv-tiles", default="32/32/4,32/32/2,64/64/4,64/64/2,128/128/4",
+                    help="CUDA-core kernels: block_n1/block_n2/num_warps settings to time")
     ap.add_argument("--no-graph", action="store_true",
                     help="time eager calls (host launch gaps included) instead of CUDA-graph replays")
     args = ap.parse_args()
@@ -136,20 +139,21 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     forms = random_experts(E, D, I, args.spread, gen, dev)
     rows = []
-    print(f"{'batch':>6} {'fp8 ms':>8} {'fp4 ms':>8} {'fp4/fp8':>8} {'active':>7} {'fp8 GB/s':>9} {'fp4 GB/s':>9} "
-          f"bitwise")
+    table = [f"{'batch':>6} {'fp8 tc':>9} {'best fp8':>9} {'best fp4':>9} {'fp4 floor':>9} {'4/8tc':>8} {'active':>7} "
+             f"{'fp8 GB/s':>9} {'fp4 GB/s':>9} {'bits':>6}  best fp8 | best fp4 kernels"]
     for T in [int(b) for b in args.batches.split(",")]:
         x = torch.randn(T, D, generator=gen).to(dev, torch.bfloat16)
         ids, rw = route_topk(torch.randn(T, E, generator=gen).to(dev), K, bias=torch.zeros(E, device=dev),
                              renormalize=True, routed_scale=2.5, shared_expert=True)
         active = int(torch.unique(ids).numel())          # experts whose weights a call reads
         out, ms = {}, {}
-        base = moe_tile_config(T, K + 1, E + 1)
-        variants = [("fp8", "fp8", base)] + [
-            (f"fp4 w{w1}/{w2} s{s1}", "fp4", {**base, "num_warps1": w1, "num_warps2": w2, "num_stages1": s1,
-                                            "num_stages2": s1})
-            for w1, w2, s1 in ((base["num_warps1"], base["num_warps2"], base["num_stages1"]), (8, 8, 2), (8, 8, 3),
-                               (4, 4, 2))]
+        base = moe_tile_config(T, K + 1, E + 1, cuda_cores=False)       # the tensor-core tiles
+        variants = [("fp8 tc", "fp8", base), ("fp4 tc", "fp4", base)]
+        for m in [int(r) for r in args.gemv_rows.split(",")]:
+            for tile in args.gemv_tiles.split(","):
+                bn1, bn2, w = (int(v) for v in tile.split("/"))
+                cfg = dict(gemv_rows=m, block_n1=bn1, block_n2=bn2, num_warps1=w, num_warps2=w)
+                variants += [(f"{form} cc m{m} {tile}", form, cfg) for form in ("fp8", "fp4")]
         if args.swap_ab:          # w13 and w2 with the weights as the dots' first operand, both forms
             for tag, s1, s2 in (("swap", True, True), ("swap1", True, False), ("swap2", False, True)):
                 swapped = {**base, "swap_ab1": s1, "swap_ab2": s2}
@@ -163,23 +167,30 @@ def main() -> None:
             out[label] = call()
             ms[label] = time_call(call, args.reps, graph=not args.no_graph)
         for label in ms:
-            ref = out["fp8" + label[3:]] if "swap" in label else out["fp8"]     # the same tiles' FP8 form
-            print(f"  b{T} {label}: {ms[label]:.3f} ms, bitwise {torch.equal(out[label], ref)}")
+            ref = out["fp8" + label[3:]]                    # the FP8 form with the same kernels and tiles
+            print(f"  b{T} {label}: {ms[label]:.3f} ms, fp4 = fp8 bits {torch.equal(out[label], ref)}")
         if args.diagnose:
             diagnose(T, x, ids, rw, forms, out, variants, E)
-        best = min((k for k in ms if k.startswith("fp4") and "swap" not in k), key=ms.get)
-        ms["fp4"], out["fp4"] = ms[best], out[best]
+        best8 = min((k for k in ms if k.startswith("fp8")), key=ms.get)
+        best4 = min((k for k in ms if k.startswith("fp4")), key=ms.get)
+        ms["fp8"], ms["fp4"] = ms["fp8 tc"], ms[best4]
+        out["fp8"], out["fp4"] = out["fp8 tc"], out[best4]
         per_expert = 3 * D * I
         fp8_bytes = active * per_expert
         fp4_bytes = (active - 1) * per_expert * (0.5 + 1 / 32) + per_expert      # shared expert stays FP8
-        same = torch.equal(out["fp8"].view(torch.int16), out["fp4"].view(torch.int16))
-        row = dict(batch=T, active_experts=active, fp4_config=best, fp8_ms=ms["fp8"], fp4_ms=ms["fp4"],
-                   fp4_over_fp8=ms["fp4"] / ms["fp8"], fp8_weight_gbps=fp8_bytes / ms["fp8"] / 1e6,
-                   fp4_weight_gbps=fp4_bytes / ms["fp4"] / 1e6, bitwise_equal=same,
-                   variants_ms={k: v for k, v in ms.items() if k != "fp4"})
+        same = torch.equal(out[best4].view(torch.int16), out["fp8" + best4[3:]].view(torch.int16))
+        row = dict(batch=T, active_experts=active, fp8_tc_ms=ms["fp8 tc"], fp4_tc_ms=ms["fp4 tc"],
+                   best_fp8=best8, best_fp8_ms=ms[best8], best_fp4=best4, fp4_ms=ms[best4],
+                   fp4_over_fp8_tc=ms[best4] / ms["fp8 tc"], fp4_over_best_fp8=ms[best4] / ms[best8],
+                   fp8_weight_gbps=fp8_bytes / ms[best8] / 1e6, fp4_weight_gbps=fp4_bytes / ms[best4] / 1e6,
+                   fp4_floor_ms=fp4_bytes / 4.8e9, fp4_equals_fp8_same_kernels=same,
+                   variants_ms={k: v for k, v in ms.items() if k not in ("fp4", "fp8")})
         rows.append(row)
-        print(f"{T:>6} {ms['fp8']:>8.3f} {ms['fp4']:>8.3f} {row['fp4_over_fp8']:>8.2f} {active:>7} "
-              f"{row['fp8_weight_gbps']:>9.0f} {row['fp4_weight_gbps']:>9.0f} {same}")
+        table.append(f"{T:>6} {ms['fp8 tc']:>9.3f} {ms[best8]:>9.3f} {ms[best4]:>9.3f} {row['fp4_floor_ms']:>9.3f} "
+                     f"{row['fp4_over_fp8_tc']:>8.2f} {active:>7} {row['fp8_weight_gbps']:>9.0f} "
+                     f"{row['fp4_weight_gbps']:>9.0f} {same!s:>6}  {best8[4:]} | {best4[4:]}")
+        print(table[-1])
+    print("\n".join(table))
     gpu = torch.cuda.get_device_name().replace(" ", "_")
     out_path = REPO / "benchmarks" / "results" / f"fp4_moe_{gpu}.json"
     out_path.write_text(json.dumps(dict(settings=vars(args), device=torch.cuda.get_device_name(),

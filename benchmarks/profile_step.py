@@ -31,7 +31,7 @@ FAMILIES = [   # (family, regex on the kernel name), first match wins
     ("indexer", r"_score|_select|indexer"),
     ("compressor + state writes", r"_pool|compress|_write_rows|_tails|_ring"),
     ("MoE routing/schedule", r"route|_schedule|sort|radix"),
-    ("MoE GEMMs + combine", r"_moe|_w13|_w2|combine"),
+    ("MoE GEMMs + combine", r"_moe|_w13|_w2|_gemv|combine"),
     ("FP8 linear GEMM", r"_fp8_gemm|_w8a16|_sum_splits|_act_quant"),
     ("mHC", r"_mhc|_mix|_coeff|_collapse|_post"),
     ("fused norm / RoPE / quant", r"_norm_rope|_rms_norm|_rope_inplace"),
@@ -77,7 +77,7 @@ def swap_decode_moe(which: str) -> None:
 
     def tiles(*args, **kw):
         cfg = plain(*args, **kw)
-        if cfg["block_m1"] == 16:
+        if cfg.get("block_m1") == 16:          # (the CUDA-core configs of smaller batches have no tiles to swap)
             cfg.update(swap_ab1=which in ("w13", "both"), swap_ab2=which in ("w2", "both"))
         return cfg
     km.moe_tile_config = tiles
@@ -93,17 +93,20 @@ def main(argv=None) -> dict:
                     help="decode-sized MoE tiles (16 rows) with the named grouped GEMMs' operands swapped")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8"),
                     help="storage of the window and compressed KV rows, as LLM(kv_cache_dtype=...)")
+    ap.add_argument("--fp4-experts", action="store_true",
+                    help="routed experts built FP4 (as the checkpoint ships them) and kept FP4 (LLM(fp4_experts=True))")
     ap.add_argument("--label", default="", help="suffix of the JSON's name")
     a = ap.parse_args(argv)
     if a.swap_ab:
         swap_decode_moe(a.swap_ab)
     base, source = load_base_config()
-    cfg = bench_config(base, a.layers)
-    built = build_random_model(cfg, "cuda")
+    cfg = bench_config(base, a.layers, "fp4" if a.fp4_experts else "fp8")
+    built = build_random_model(cfg, "cuda", options=dict(fp4_experts=a.fp4_experts))
     finish_model(built)
     model, layout, clock = built.model, cache_layout(built.cfg, built.ctx.torch_dtype, built.ctx.simulate_qat,
                                                  a.kv_cache_dtype), Clock("cuda")
-    result = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "config_source": source, "shapes": []}
+    result = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "config_source": source,
+              "fp4_experts": a.fp4_experts, "kv_cache_dtype": a.kv_cache_dtype, "shapes": []}
     with torch.no_grad():
         for spec in [s for s in a.decode.split(",") if s]:
             b, c = (sizes(x)[0] for x in spec.split("x"))

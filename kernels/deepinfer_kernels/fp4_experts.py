@@ -141,8 +141,16 @@ def _load_codes(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr,
 def fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              PRMT: tl.constexpr = False):
     """The [BLOCK_K, BLOCK_N] e4m3 tile (inputs k0..k0+BLOCK_K, outputs offs_n: the transposed weight
-    tile the FP8 loads give) of one expert whose codes start at p_ptr ([N, K/2] bytes) and scale bytes
-    at g_ptr ([N, K/32]); `scale` [BLOCK_N]: the outputs' float32 128x128 block scales 2^S.
+    tile the FP8 loads give) of one expert: `fp4_rows` transposed."""
+    return tl.trans(fp4_rows(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N, BLOCK_K, PRMT))
+
+
+@triton.jit
+def fp4_rows(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             PRMT: tl.constexpr = False):
+    """The [BLOCK_N, BLOCK_K] e4m3 weights (outputs offs_n, inputs k0..k0+BLOCK_K) of one expert whose
+    codes start at p_ptr ([N, K/2] bytes) and scale bytes at g_ptr ([N, K/32]); `scale` [BLOCK_N]: the
+    outputs' float32 128x128 block scales 2^S.
 
     PRMT (compiled kernels on sm_89+): a lookup table per group (`_LUT_ASM`) and byte permutes
     (`_DECODE_ASM`), ~1.6 integer instructions per weight. Otherwise (the interpreter) integer work
@@ -160,7 +168,7 @@ def fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BL
         even, odd = tl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,r,r,r,r,r,r,r,r,r", [b, lut_a, lut_b],
                                               dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
         bits = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
-        return tl.trans(bits.to(tl.float8e4nv, bitcast=True))
+        return bits.to(tl.float8e4nv, bitcast=True)
     b = b.to(tl.int16)
     codes = tl.reshape(tl.join(b & 0xF, b >> 4), (BLOCK_N, BLOCK_K))    # input 2j: low nibble of byte j
     t16 = shift.to(tl.int16)
@@ -170,4 +178,4 @@ def fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BL
     f = (u >> 3) + t
     bits = tl.where(f >= 1, u + t * 8, (8 + (u & 7)) >> tl.minimum(tl.maximum(1 - f, 0), 4).to(tl.int16))
     bits = tl.where(c7 == 0, 0, bits) | ((codes & 8) << 4)
-    return tl.trans(bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True))
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)

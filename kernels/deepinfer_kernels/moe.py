@@ -16,17 +16,27 @@ import torch
 from .fp8_quant import act_quant
 from .moe_combine import moe_combine
 from .moe_gemm import Experts, moe_w2, moe_w13
+from .moe_gemv import dequant_rows, gemv_fits, gemv_w2, gemv_w13
 from .moe_routing import expert_schedule, max_tiles, route_topk
+
+# mean rows per expert up to which the CUDA-core kernels run (moe_gemv; benchmarks/fp4_moe_bench.py)
+GEMV_MAX_ROWS = 2.0
 
 __all__ = ["expert_outputs", "fused_moe", "invariant_moe_config", "moe_tile_config", "route_topk"]
 
 
-def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False) -> dict:
-    """Tiles by the mean rows per routed expert: decode (few rows per expert) is weight-bandwidth
-    bound, so BLOCK_M 16 and narrow w2 tiles give many programs; prefill takes 64-row tiles.
-    `wide_fp32`: unquantised fp32 activations (test numerics) need smaller tiles in shared memory."""
+def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False,
+                    cuda_cores: bool = True) -> dict:
+    """Tiles by the mean rows per routed expert. With an expert getting about one row (decode at small
+    batches), the CUDA-core kernels (`moe_gemv`: `gemv_rows` rows per program, no padding to 16);
+    above that, decode is still weight-bandwidth bound, so BLOCK_M 16 and narrow w2 tiles give many
+    programs; prefill takes 64-row tiles. `wide_fp32`: unquantised fp32 activations (test numerics)
+    need smaller tensor-core tiles in shared memory. `cuda_cores=False`: tensor-core tiles only."""
     # (warps chosen so that ptxas reports no or only tiny spills for sm_90 at V4-Flash sizes)
     rows = tokens * topk / max(num_experts, 1)
+    if cuda_cores and rows <= GEMV_MAX_ROWS:
+        m = 1 if rows <= 0.1 else 2 if rows <= 0.5 else 4
+        return dict(gemv_rows=m, block_n1=32, block_n2=32, num_warps1=4, num_warps2=4)
     if rows <= 16:
         cfg = dict(block_m1=16, block_m2=16, block_n2=64, num_warps1=4, num_stages1=4, num_warps2=4, num_stages2=4)
     elif rows <= 48:
@@ -46,8 +56,8 @@ def invariant_moe_config(tokens: int, topk: int, num_experts: int, wide_fp32: bo
     benchmarks/tile_equivalence.py, checked by the GPU tests), so decode keeps its 16-row tiles there;
     the 64-row set (wgmma) rounds differently and is never used. Elsewhere: the 32-row set for all."""
     if mma_v2_family and not wide_fp32 and tokens * topk / max(num_experts, 1) <= 16:
-        return moe_tile_config(16, 1, 1)
-    return moe_tile_config(32, 1, 1, wide_fp32)
+        return moe_tile_config(16, 1, 1, cuda_cores=False)
+    return moe_tile_config(32, 1, 1, wide_fp32, cuda_cores=False)
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Experts, s13: torch.Tensor,
@@ -90,15 +100,30 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
                          f"(want [E1, 2, I, D] and [E1, D, I])")
     K1, E1 = ids.shape[1], w13.shape[0]
     n = T * K1
-    cfg = dict(config or moe_tile_config(T, K1, E1, wide_fp32=compute_dtype == torch.float32
-                                         and not (quant_in and quant_mid)))
-    bm1, bm2 = cfg["block_m1"], cfg["block_m2"]
+    wide = compute_dtype == torch.float32 and not (quant_in and quant_mid)
+    cfg = dict(config or moe_tile_config(T, K1, E1, wide_fp32=wide))
+    if "gemv_rows" in cfg and not gemv_fits(D, w13.shape[2], cfg["block_n1"], cfg["block_n2"]):
+        cfg = moe_tile_config(T, K1, E1, wide_fp32=wide, cuda_cores=False)
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)     # stable: deterministic rows
-    sched = expert_schedule(sorted_ids, E1, (bm1, bm2))
     if quant_in:
         xq, xs = act_quant(x)
     else:
         xq, xs = x.to(compute_dtype), None
+    if "gemv_rows" in cfg:
+        m = cfg["gemv_rows"]
+        sched = expert_schedule(sorted_ids, E1, (m, m))
+        xe = dequant_rows(xq, xs) if quant_in else xq
+        a = gemv_w13(xe, w13, s13, order, route_w, sched, max_tiles(n, E1, m), k1=K1,
+                     n_clamped=n_clamped if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype,
+                     x_dtype=x.dtype, quant_out=quant_mid, rows=m, block_n=cfg["block_n1"],
+                     num_warps=cfg["num_warps1"])
+        if quant_mid:
+            a = dequant_rows(*act_quant(a))
+        y = gemv_w2(a, w2, s2, order, sched, max_tiles(n, E1, m), out_dtype=compute_dtype, rows=m,
+                    block_n=cfg["block_n2"], num_warps=cfg["num_warps2"])
+        return y.view(T, K1, D)
+    bm1, bm2 = cfg["block_m1"], cfg["block_m2"]
+    sched = expert_schedule(sorted_ids, E1, (bm1, bm2))
     a, a_s = moe_w13(xq, xs, w13, s13, order, route_w, sched, max_tiles(n, E1, bm1), k1=K1, n_clamped=n_clamped
                      if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype,
                      x_dtype=x.dtype, quant_out=quant_mid, block_m=bm1, num_warps=cfg["num_warps1"],

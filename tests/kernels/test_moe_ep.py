@@ -75,6 +75,8 @@ def ep_pair(qat: bool, fp4: bool, hash_routed: bool = False, redundant: int = 0,
 
 def apply(moe: MoE, x: torch.Tensor, tok: torch.Tensor, kdev: str) -> torch.Tensor:
     moe.to(kdev)
+    if isinstance(moe.method, EPMoEMethod):       # a rank routes with maps on its device (as load_model puts them)
+        moe.method.placement = moe.method.placement.to(kdev)
     with torch.no_grad():
         return moe.method.apply(moe, x.to(kdev), tok.to(kdev)).cpu()
 
