@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep import sizes  # noqa: E402
 from sweep_model import (bench_config, build_random_model, cache_layout, decode_states, finish_model,  # noqa: E402
-                         load_base_config, prefill_cache, random_ids)
+                         load_base_config, prefill_cache, random_ids, use_cuda_core_moe)
 from sweep_timing import Clock, cuda_graph_timing  # noqa: E402
 
 from deepinfer_core.model import ForwardBatch  # noqa: E402
@@ -95,10 +95,14 @@ def main(argv=None) -> dict:
                     help="storage of the window and compressed KV rows, as LLM(kv_cache_dtype=...)")
     ap.add_argument("--fp4-experts", action="store_true",
                     help="routed experts built FP4 (as the checkpoint ships them) and kept FP4 (LLM(fp4_experts=True))")
+    ap.add_argument("--cuda-core-moe", type=float, default=0.0, metavar="ROWS",
+                    help="fused MoE on its CUDA-core kernels up to ROWS mean rows per expert (0: tensor cores)")
     ap.add_argument("--label", default="", help="suffix of the JSON's name")
     a = ap.parse_args(argv)
     if a.swap_ab:
         swap_decode_moe(a.swap_ab)
+    if a.cuda_core_moe:
+        use_cuda_core_moe(a.cuda_core_moe)
     base, source = load_base_config()
     cfg = bench_config(base, a.layers, "fp4" if a.fp4_experts else "fp8")
     built = build_random_model(cfg, "cuda", options=dict(fp4_experts=a.fp4_experts))
@@ -106,7 +110,8 @@ def main(argv=None) -> dict:
     model, layout, clock = built.model, cache_layout(built.cfg, built.ctx.torch_dtype, built.ctx.simulate_qat,
                                                  a.kv_cache_dtype), Clock("cuda")
     result = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "config_source": source,
-              "fp4_experts": a.fp4_experts, "kv_cache_dtype": a.kv_cache_dtype, "shapes": []}
+              "fp4_experts": a.fp4_experts, "kv_cache_dtype": a.kv_cache_dtype, "cuda_core_moe": a.cuda_core_moe,
+              "shapes": []}
     with torch.no_grad():
         for spec in [s for s in a.decode.split(",") if s]:
             b, c = (sizes(x)[0] for x in spec.split("x"))

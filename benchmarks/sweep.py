@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))     # the sibling modul
 
 import roofline as RL  # noqa: E402
 from sweep_model import (bench_config, build_random_model, cache_layout, decode_states, finish_model,  # noqa: E402
-                         full_config, load_base_config, prefill_cache, random_ids, weight_bytes)
+                         full_config, load_base_config, prefill_cache, random_ids, use_cuda_core_moe,
+                         weight_bytes)
 from sweep_report import extrapolate, fractions, print_tables, print_verdicts, verdicts  # noqa: E402
 from sweep_timing import Clock, cuda_graph_timing, layer_split  # noqa: E402
 
@@ -62,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--fp4-experts", action="store_true",
                    help="with --expert-dtype fp4: keep the experts FP4 in the fused MoE (LLM(fp4_experts=True)) "
                         "instead of re-encoding them to FP8 at load")
+    m.add_argument("--cuda-core-moe", type=float, default=0.0, metavar="ROWS",
+                   help="fused MoE on its CUDA-core kernels up to ROWS mean rows per expert (decode sizes; "
+                        "0: the default tensor-core tiles everywhere)")
     m.add_argument("--vocab", type=int, default=None, help="override vocab_size (CPU smoke runs)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels (DEEPINFER_BATCH_INVARIANT)")
@@ -292,6 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.vocab:
         base["vocab_size"] = a.vocab
     cfg_dict = bench_config(base, a.layers, a.expert_dtype)
+    if a.cuda_core_moe:
+        use_cuda_core_moe(a.cuda_core_moe)
     full_dict = full_config(base, cfg_dict, a.full_layers)
     built = build_random_model(cfg_dict, a.device, a.dtype, not a.no_qat, a.seed, batch_invariant=a.batch_invariant,
                                options=dict(fp4_experts=a.fp4_experts))
@@ -374,14 +380,14 @@ def main(argv: list[str] | None = None) -> dict:
             "measured model; decode step = min(eager, CUDA graph) median"],
         "settings": {k: getattr(a, k) for k in ("warmup", "reps", "max_shape_seconds", "time_budget", "prefill_chunk",
                                                 "cuda_graph", "seed", "dtype", "no_qat", "kv_cache_dtype", "batch_invariant", "expert_dtype",
-                                                "fp4_experts", "hf_max_prefill",
+                                                "fp4_experts", "cuda_core_moe", "hf_max_prefill",
                                                 "hf_max_batch", "hf_max_context", "hf_max_tokens", "hf_reps")},
         "hf": hf_info, "prefill": prefill_rows, "decode": decode_rows, "verdicts": vs,
     }
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "sweep_" + gpu.replace(" ", "_") + ("_tiny" if a.tiny else "") + ("_kvfp8" if layout.kv_fp8 else "") \
-        + ("_invariant" if a.batch_invariant else "") + ("_fp4experts" if a.fp4_experts else "")
+        + ("_invariant" if a.batch_invariant else "") + ("_fp4experts" if a.fp4_experts else "") + ("_ccmoe" if a.cuda_core_moe else "")
     png = out_dir / f"{stem}.png"
     if a.no_plot:
         result["plot"] = "not drawn: --no-plot"

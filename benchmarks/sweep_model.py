@@ -43,6 +43,15 @@ BENCH_PATTERN = (4, 128)           # the sweep model's layers: CSA, HCA, CSA, HC
 
 # ---- configs -----------------------------------------------------------------------------------
 
+def use_cuda_core_moe(max_rows: float) -> None:
+    """Let the fused MoE's tile heuristic pick its CUDA-core kernels (deepinfer_kernels.moe_gemv) up to
+    `max_rows` mean rows per expert (the engine's default: 0, never; see `moe.GEMV_MAX_ROWS`)."""
+    if max_rows < 0:
+        raise ValueError(f"--cuda-core-moe: {max_rows} rows; allowed: 0 (off) or more")
+    from deepinfer_kernels import moe
+    moe.GEMV_MAX_ROWS = float(max_rows)
+
+
 def load_base_config(path: str | None = None, tiny: bool = False) -> tuple[dict[str, Any], str]:
     """(config dict, where it came from): the tiny config, `path` (a config.json or a checkpoint
     directory), or the real V4-Flash config.json kept in the repository."""

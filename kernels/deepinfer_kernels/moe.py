@@ -19,22 +19,24 @@ from .moe_gemm import Experts, moe_w2, moe_w13
 from .moe_gemv import dequant_rows, gemv_fits, gemv_w2, gemv_w13
 from .moe_routing import expert_schedule, max_tiles, route_topk
 
-# mean rows per expert up to which the CUDA-core kernels run (moe_gemv; benchmarks/fp4_moe_bench.py)
-GEMV_MAX_ROWS = 2.0
+# Mean rows per expert up to which the tile heuristic picks the CUDA-core kernels (moe_gemv). 0: never,
+# until they are timed on a GPU against the tensor-core tiles (benchmarks/fp4_moe_bench.py passes its
+# configs explicitly; profile_step.py / sweep.py --cuda-core-moe ROWS set this for a whole step).
+GEMV_MAX_ROWS = 0.0
 
 __all__ = ["expert_outputs", "fused_moe", "invariant_moe_config", "moe_tile_config", "route_topk"]
 
 
 def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False,
                     cuda_cores: bool = True) -> dict:
-    """Tiles by the mean rows per routed expert. With an expert getting about one row (decode at small
-    batches), the CUDA-core kernels (`moe_gemv`: `gemv_rows` rows per program, no padding to 16);
-    above that, decode is still weight-bandwidth bound, so BLOCK_M 16 and narrow w2 tiles give many
+    """Tiles by the mean rows per routed expert. Up to `GEMV_MAX_ROWS` (an expert gets about one row:
+    decode at small batches), the CUDA-core kernels (`moe_gemv`: `gemv_rows` rows per program, no
+    padding to 16); above that, decode is still weight-bandwidth bound, so BLOCK_M 16 and narrow w2 tiles give many
     programs; prefill takes 64-row tiles. `wide_fp32`: unquantised fp32 activations (test numerics)
     need smaller tensor-core tiles in shared memory. `cuda_cores=False`: tensor-core tiles only."""
     # (warps chosen so that ptxas reports no or only tiny spills for sm_90 at V4-Flash sizes)
     rows = tokens * topk / max(num_experts, 1)
-    if cuda_cores and rows <= GEMV_MAX_ROWS:
+    if cuda_cores and rows <= GEMV_MAX_ROWS and GEMV_MAX_ROWS > 0:
         m = 1 if rows <= 0.1 else 2 if rows <= 0.5 else 4
         return dict(gemv_rows=m, block_n1=32, block_n2=32, num_warps1=4, num_warps2=4)
     if rows <= 16:

@@ -52,7 +52,11 @@ def test_a_row_does_not_depend_on_its_program_neighbours(kdev):
         assert torch.equal(run(x, fp8_form, True, torch.float32, kdev, cfg), want)
 
 
-def test_the_heuristic_takes_them_for_about_one_row_per_expert():
+def test_the_heuristic_takes_them_only_when_switched_on_and_for_about_one_row_per_expert(monkeypatch):
+    """Off by default until they are timed on a GPU (README); `GEMV_MAX_ROWS` > 0 switches them on."""
+    from deepinfer_kernels import moe
+    assert "gemv_rows" not in moe_tile_config(1, 7, 257)
+    monkeypatch.setattr(moe, "GEMV_MAX_ROWS", 2.0)
     assert moe_tile_config(1, 7, 257)["gemv_rows"] == 1
     assert moe_tile_config(8, 7, 257)["gemv_rows"] == 2
     assert "gemv_rows" not in moe_tile_config(256, 7, 257)
@@ -61,8 +65,11 @@ def test_the_heuristic_takes_them_for_about_one_row_per_expert():
         assert "gemv_rows" not in invariant_moe_config(tokens, 7, 257, mma_v2_family=True)
 
 
-def test_sizes_the_kernels_do_not_take_fall_back_to_the_tensor_cores(kdev):
+def test_sizes_the_kernels_do_not_take_fall_back_to_the_tensor_cores(kdev, monkeypatch):
     """D = 160 is no multiple of 128: the heuristic's CUDA-core choice gives way to tensor-core tiles."""
+    from deepinfer_kernels import moe
+    monkeypatch.setattr(moe, "GEMV_MAX_ROWS", 2.0)
+    assert "gemv_rows" in moe_tile_config(1, K + 1, E + 1)
     fp8_form, _ = stacked_experts(160, 96, seed=2)
     x = torch.randn(1, 160, generator=torch.Generator().manual_seed(2))
     got = run(x, fp8_form, False, torch.float32, kdev, None)
