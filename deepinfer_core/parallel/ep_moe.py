@@ -130,6 +130,9 @@ class EPMoEMethod:
     # EPLB load recording (None = off): [L, S] int64, pairs received per local slot since the last take
     load_counts: torch.Tensor | None = field(default=None, repr=False)
     padded: bool = False           # exchange with ep_padded (fixed sizes, CUDA-graph safe): `padded_exchange`
+    # with `padded`: a 0-d int64 device tensor, the batch's real rows; the rest (a decode graph's padding)
+    # route nowhere: no expert computes them and EPLB does not count them
+    live_rows: torch.Tensor | None = field(default=None, repr=False)
     ops: EPExperts = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -200,6 +203,8 @@ class EPMoEMethod:
             weights = weights.gather(1, perm)
         rows = torch.arange(num_tokens, device=x.device)
         phys = choose_physical(idx, rows, self.ep_rank, self.placement, moe.layer_id).to(x.device)
+        if self.padded and self.live_rows is not None:
+            phys = torch.where(rows[:, None] < self.live_rows, phys, -1)
         if self.padded:
             res = dispatch_padded(x, phys, weights, self.slots_per_rank, self.graph_group or self.group)
             out = combine_padded(ops.pairs_padded(moe, res), res.handle, init=shared)
@@ -211,14 +216,16 @@ class EPMoEMethod:
         return out.to(x.dtype)
 
     @contextmanager
-    def padded_exchange(self):
+    def padded_exchange(self, live_rows: torch.Tensor | None = None):
         """Inside: every layer exchanges with `ep_padded` (fixed sizes, no host sync: what a CUDA graph
-        records). Every rank of the group must be inside for the same calls, with the same row count."""
-        self.padded = True
+        records). Every rank of the group must be inside for the same calls, with the same row count.
+        `live_rows` (0-d int64 on the device, read when the graph replays): the first rows are real,
+        the others padding, routed nowhere."""
+        self.padded, self.live_rows = True, live_rows
         try:
             yield
         finally:
-            self.padded = False
+            self.padded, self.live_rows = False, None
 
     def slot_modules(self, moe: nn.Module) -> Sequence[nn.Module]:
         """What EPLB moves, one module per local slot (`expert_move.move_experts`)."""

@@ -3,7 +3,8 @@ forward, MoE exchanges included, can be captured in a CUDA graph (spec paralleli
 variant pads every segment to a fixed size).
 
 Every EP rank passes the same number of rows B (the decode graph's bucket, agreed by the ranks each
-step: `step_vote.py`; padding rows route like any other and their outputs are dropped by the caller):
+step: `step_vote.py`; the caller routes padding rows nowhere (ids -1: `EPMoEMethod.live_rows`) and drops
+their outputs):
 
     res = dispatch_padded(x, topk_ids, topk_weights, slots_per_rank, group)
         one all-gather of every rank's rows with their slot ids and weights: res.x [W*B, D];

@@ -216,6 +216,7 @@ class ModelRunner:
         ep_graphs = self.expert_parallel and config.parallel.enable_ep_cuda_graphs and not self.num_drafts
         self.enforce_eager = config.model.enforce_eager or (self.expert_parallel and not ep_graphs)
         self.step_vote = None     # StepVote of a DP rank whose decode graphs hold EP exchanges
+        self._live_rows: torch.Tensor | None = None     # real rows of a padded EP graph step (graphs read it)
         if ep_graphs and config.parallel.enable_eplb:     # before capture: the graphs record the counting
             from ..parallel.ep_moe import moe_layers
             moe_layers(self.model)[0].method.start_load_recording(self.device)
@@ -259,6 +260,7 @@ class ModelRunner:
                                       max(self.num_drafts, self.backtrack - 1))
         self.slot_states = [None] * self.cache.num_slots
         if use_graphs and self.expert_parallel:      # decode only, exchanges of fixed size, all at start-up
+            self._live_rows = torch.zeros((), dtype=torch.int64, device=self.device)
             self.graphs = DecodeGraphs(self._padded_forward, self.cache, self.loaded.ops.attention,
                                        request.num_slots, max_blocks, max_query_len=1, tables=self.slot_tables,
                                        collective=True)
@@ -404,6 +406,7 @@ class ModelRunner:
         if self.step_vote is not None:
             size = self.step_vote(self.graphs.bucket_for(n) if fits else None, True)
             if size is not None:
+                self._live_rows.fill_(n)          # the bucket's other rows are padding: routed nowhere
                 return self.graphs.run_step(batch.ids, batch.starts, batch.slots, size=size)
         elif fits:
             logits = self.graphs.run_step(batch.ids, batch.starts, batch.slots)
@@ -422,6 +425,7 @@ class ModelRunner:
         if size is None:
             idle_forward(self.model, self.dtype)
         elif size:
+            self._live_rows.fill_(0)
             self.graphs.run_step([], [], [], size=size)
         return size != 0
 
@@ -429,7 +433,7 @@ class ModelRunner:
         """The decode graphs' body under expert parallelism: every MoE layer exchanges with fixed sizes
         (`ep_padded`), which the graph records."""
         from ..parallel.ep_moe import moe_layers
-        with moe_layers(self.model)[0].method.padded_exchange():
+        with moe_layers(self.model)[0].method.padded_exchange(self._live_rows):
             return self.model(batch)
 
     @torch.no_grad()

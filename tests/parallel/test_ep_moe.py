@@ -94,6 +94,15 @@ def _worker(rank: int, world: int, port: int, ckpt: str, batch_invariant: bool, 
             variable = moe.method.apply(moe, x, tok)
             with moe.method.padded_exchange():
                 result["padded_moe"].append((variable, moe.method.apply(moe, x, tok)))
+        # a decode graph's padding: with 3 live rows of the 5, rows 3-4 route nowhere, so the live rows
+        # and the EPLB counts are those of a 3-row batch
+        method.start_load_recording("cpu")
+        moe = runner.model.layers[-1].ffn
+        three = moe.method.apply(moe, x[:3], tok[:3])
+        counts3 = method.take_load_counts()
+        with moe.method.padded_exchange(torch.tensor(3)):
+            masked = moe.method.apply(moe, x, tok)
+        result["masked_moe"] = (three, masked[:3], counts3, method.take_load_counts())
         result["slots_per_rank"] = method.slots_per_rank
     except BaseException as exc:      # report everything; the parent fails with the message
         result = {"error": type(exc).__name__, "message": str(exc)}
@@ -149,6 +158,9 @@ def test_dp_ep_matches_one_process(world, oracle, tiny_ckpt_dir, tmp_path, run_r
         assert len(res["padded_moe"]) == 2
         for variable, padded in res["padded_moe"]:
             assert torch.equal(variable, padded), f"rank {rank}: padded exchange differs"
+        three, masked, counts3, counts_masked = res["masked_moe"]
+        _assert_match(masked, three, batch_invariant, f"rank {rank}: live rows with padding rows masked")
+        assert counts3.sum() > 0 and torch.equal(counts3, counts_masked), f"rank {rank}: padding rows counted"
         lo, n = sum(SPLITS[world][:rank]), SPLITS[world][rank]
         if n == 0:
             assert res["prefill"] is None
