@@ -1,7 +1,7 @@
 """The sweep's model: a V4-Flash-width DeepSeek-V4 with few layers and random weights, built without a
 checkpoint on disk, plus fabricated decode state.
 
-The build mirrors `deepinfer_core.runner.model_runner.load_model` step for step (plugin manager ->
+The build mirrors `deepinfer_core.runner.model_loader.load_model` step for step (plugin manager ->
 BuildContext -> configure -> ModelOps -> graph -> weights -> bind_ops -> process_weights), except that
 the checkpoint-format buffers are filled in place on the target device by the engine's dummy-weights
 loader (`deepinfer_core.model.dummy_weights`: unit-variance outputs through every linear, O(1) mHC
@@ -32,7 +32,7 @@ from deepinfer_core.model.dummy_weights import fill_dummy_weights
 from deepinfer_core.ops.kv_fp8 import pack_kv_fp8
 from deepinfer_core.plugin_context import BuildContext, normalize_dtype
 from deepinfer_core.plugins import get_plugin_manager
-from deepinfer_core.runner.model_runner import check_batch_invariant, check_fp4_experts
+from deepinfer_core.runner.model_loader import check_batch_invariant, check_fp4_experts
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
 REPO = Path(__file__).resolve().parents[1]

@@ -81,7 +81,7 @@ def _runner(agreed):
         return agreed
 
     runner = SimpleNamespace(graphs=FakeGraphs(), step_vote=step_vote, model=None, dtype=torch.float32,
-                             _apply_updates=lambda updates: None)
+                             _apply_updates=lambda updates: None, _live_rows=torch.tensor(-1))
     runner._forward_batch = lambda batch: "fb"
     runner.model = lambda fb: (runner.graphs.calls.append(("eager", fb)), SimpleNamespace(logits=torch.ones(1)))[1]
     return runner, votes
@@ -96,6 +96,7 @@ def test_execute_follows_the_vote():
     runner, votes = _runner(8)                 # another rank's decode needs bucket 8
     ModelRunner.execute(runner, _batch(3))
     assert votes == [(4, True)] and runner.graphs.calls == [("graph", 3, 8)]
+    assert runner._live_rows.item() == 3          # the bucket's other 5 rows are padding, routed nowhere
     runner, votes = _runner(None)              # another rank prefills: eager here too
     ModelRunner.execute(runner, _batch(3))
     assert votes == [(4, True)] and runner.graphs.calls == [("eager", "fb")]
@@ -113,6 +114,7 @@ def test_idle_iteration_follows_the_vote(monkeypatch):
         runner, votes = _runner(agreed)
         assert ModelRunner.idle_step(runner) is ran
         assert votes == [(None, False)] and runner.graphs.calls == graph_calls and len(idle) == eager_idle
+        assert runner._live_rows.item() == (0 if graph_calls else -1)      # a replay of padding rows only
     runner, _ = _runner(None)
     runner.step_vote = None                    # EP without graphs: always the eager placeholder pass
     idle.clear()
