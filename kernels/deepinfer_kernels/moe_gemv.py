@@ -161,6 +161,16 @@ def _tile_row(order_ptr, first, row_end, m: tl.constexpr, M: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(order_ptr, first, row_end, M: tl.constexpr):
+    """Rows, in-tile flags and sources of the tile's rows 0..3 (`_tile_row`)."""
+    r0, ok0, s0 = _tile_row(order_ptr, first, row_end, 0, M)
+    r1, ok1, s1 = _tile_row(order_ptr, first, row_end, 1, M)
+    r2, ok2, s2 = _tile_row(order_ptr, first, row_end, 2, M)
+    r3, ok3, s3 = _tile_row(order_ptr, first, row_end, 3, M)
+    return r0, r1, r2, r3, ok0, ok1, ok2, ok3, s0, s1, s2, s3
+
+
+@triton.jit
 def _w13_out(g, u, e, r, ok, src, rw_ptr, a_ptr, stride_a, offs_n, n_clamped, limit, BLOCK_N: tl.constexpr,
              QAT_OUT: tl.constexpr, CDT: tl.constexpr, XDT: tl.constexpr):
     """One row's epilogue: the tensor-core kernel's steps (moe_gemm._moe_w13_kernel) up to its act_quant."""
@@ -184,17 +194,15 @@ def _w13_out(g, u, e, r, ok, src, rw_ptr, a_ptr, stride_a, offs_n, n_clamped, li
 def _gemv_w13_kernel(x_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_ptr, sched_ptr, a_ptr,
                      I, D, E1, E4, n_clamped, limit, stride_x, stride_a,
                      K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr,
-                     M: tl.constexpr, BLOCK_N: tl.constexpr, QAT_OUT: tl.constexpr, CDT: tl.constexpr, XDT: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr):
+                     M: tl.constexpr, BLOCK_N: tl.constexpr, QAT_OUT: tl.constexpr, CDT: tl.constexpr,
+                     XDT: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr):
     tl.static_assert(M == 1 or M == 2 or M == 4, "rows per program: 1, 2 or 4")
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE1, M)
     if e >= E1:
         return
-    r0, ok0, src0 = _tile_row(order_ptr, first, row_end, 0, M)
-    r1, ok1, src1 = _tile_row(order_ptr, first, row_end, 1, M)
-    r2, ok2, src2 = _tile_row(order_ptr, first, row_end, 2, M)
-    r3, ok3, src3 = _tile_row(order_ptr, first, row_end, 3, M)
+    r0, r1, r2, r3, ok0, ok1, ok2, ok3, src0, src1, src2, src3 = _tile_rows(order_ptr, first, row_end, M)
     tok0, tok1, tok2, tok3 = src0 // K1, src1 // K1, src2 // K1, src3 // K1
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     e64 = e.to(tl.int64)
@@ -245,10 +253,7 @@ def _gemv_w2_kernel(a_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_ptr, y_
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE2, M)
     if e >= E1:
         return
-    r0, ok0, dest0 = _tile_row(order_ptr, first, row_end, 0, M)
-    r1, ok1, dest1 = _tile_row(order_ptr, first, row_end, 1, M)
-    r2, ok2, dest2 = _tile_row(order_ptr, first, row_end, 2, M)
-    r3, ok3, dest3 = _tile_row(order_ptr, first, row_end, 3, M)
+    r0, r1, r2, r3, ok0, ok1, ok2, ok3, dest0, dest1, dest2, dest3 = _tile_rows(order_ptr, first, row_end, M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     e64 = e.to(tl.int64)
     we_ptr = w_ptr + (e64 - E4) * D * I                # w2 [E1, D, I]

@@ -76,3 +76,17 @@ def test_the_attention_kernel_compiles_for_sm90_over_bf16_and_packed_fp8_pools()
     assert r.returncode == 0, r.stderr[-3000:]
     narrow = [int(n) for n in re.findall(r"LDS/STS of 1-2 B (\d+)", r.stdout)]
     assert len(narrow) == 2 and narrow[0] == 0 and narrow[1] <= 16, r.stdout
+
+
+def test_the_cuda_core_moe_kernels_keep_the_fp4_decode_out_of_shared_memory():
+    """moe_gemv's w13 and w2 with FP4 experts, one row per program: no MMA, and no 1-2 byte shared
+    accesses (the layout conversions a 3-D broadcast over the rows had put in the K loop)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "gemv13,gemv2", "--configs", "4x1", "--block-m",
+                        "1", "--variants", "fp4 prmt"], cwd=BENCH, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    traffic = re.findall(r"STS (\d+), STSM \d+, BAR \d+, HMMA (\d+), STG \d+, LDS/STS of 1-2 B (\d+)", r.stdout)
+    assert len(traffic) == 2, r.stdout
+    for sts, hmma, narrow in traffic:
+        assert int(hmma) == 0 and int(narrow) == 0 and int(sts) <= 4, r.stdout
