@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "sweep_" + gpu.replace(" ", "_") + ("_tiny" if a.tiny else "") + ("_kvfp8" if layout.kv_fp8 else "") \
-        + ("_invariant" if a.batch_invariant else "") + ("_fp4experts" if a.fp4_experts else "") + ("_ccmoe" if a.cuda_core_moe else "")
+        + ("_invariant" if a.batch_invariant else "") + ("_fp4experts" if a.fp4_experts else "") \
+        + ("_ccmoe" if a.cuda_core_moe else "")
     png = out_dir / f"{stem}.png"
     if a.no_plot:
         result["plot"] = "not drawn: --no-plot"

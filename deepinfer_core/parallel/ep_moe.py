@@ -203,9 +203,9 @@ class EPMoEMethod:
             weights = weights.gather(1, perm)
         rows = torch.arange(num_tokens, device=x.device)
         phys = choose_physical(idx, rows, self.ep_rank, self.placement, moe.layer_id).to(x.device)
-        if self.padded and self.live_rows is not None:
-            phys = torch.where(rows[:, None] < self.live_rows, phys, -1)
         if self.padded:
+            if self.live_rows is not None:
+                phys = torch.where(rows[:, None] < self.live_rows, phys, -1)
             res = dispatch_padded(x, phys, weights, self.slots_per_rank, self.graph_group or self.group)
             out = combine_padded(ops.pairs_padded(moe, res), res.handle, init=shared)
         else:

@@ -31,12 +31,13 @@ def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = 
                     cuda_cores: bool = True) -> dict:
     """Tiles by the mean rows per routed expert. Up to `GEMV_MAX_ROWS` (an expert gets about one row:
     decode at small batches), the CUDA-core kernels (`moe_gemv`: `gemv_rows` rows per program, no
-    padding to 16); above that, decode is still weight-bandwidth bound, so BLOCK_M 16 and narrow w2 tiles give many
-    programs; prefill takes 64-row tiles. `wide_fp32`: unquantised fp32 activations (test numerics)
-    need smaller tensor-core tiles in shared memory. `cuda_cores=False`: tensor-core tiles only."""
+    padding to 16); above that, decode is still weight-bandwidth bound, so BLOCK_M 16 and narrow w2
+    tiles give many programs; prefill takes 64-row tiles. `wide_fp32`: unquantised fp32 activations
+    (test numerics) need smaller tensor-core tiles in shared memory. `cuda_cores=False`: tensor-core
+    tiles only."""
     # (warps chosen so that ptxas reports no or only tiny spills for sm_90 at V4-Flash sizes)
     rows = tokens * topk / max(num_experts, 1)
-    if cuda_cores and rows <= GEMV_MAX_ROWS and GEMV_MAX_ROWS > 0:
+    if cuda_cores and 0 < GEMV_MAX_ROWS and rows <= GEMV_MAX_ROWS:
         m = 1 if rows <= 0.1 else 2 if rows <= 0.5 else 4
         return dict(gemv_rows=m, block_n1=32, block_n2=32, num_warps1=4, num_warps2=4)
     if rows <= 16:

@@ -180,6 +180,22 @@ def _chain_dot(a, w, acc, QAT: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constex
 
 
 @triton.jit
+def swiglu(g, u, clamp, limit, rw, CDT: tl.constexpr, XDT: tl.constexpr):
+    """w13's epilogue before act_quant, from the gate and up sums: both rounded to the compute dtype (the
+    reference's w1/w3 return it), then in fp32 the routed experts' clamp (`clamp`: u to +-limit, g to
+    <= limit; the shared expert has none) and rw * silu(g) * u, rounded to x's dtype (a.to(x.dtype))."""
+    if CDT != tl.float32:
+        g = _round(g, CDT)
+        u = _round(u, CDT)
+    u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
+    g = tl.where(clamp, tl.minimum(g, limit), g)
+    act = rw * (g * tl.sigmoid(g) * u)
+    if XDT != tl.float32:
+        act = _round(act, XDT)
+    return act
+
+
+@triton.jit
 def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_ptr, sched_ptr, a_ptr, as_ptr,
                     I, D, E1, E4, n_clamped, limit, stride_x, stride_a,
                     K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr,
@@ -236,18 +252,8 @@ def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
         acc_g, acc_u = _w13_loop(x_rows, xs_ptr, tok, r_ok, offs_k, offs_n, n_ok, wg_ptrs, pg_ptr, gg_ptr, sg_ptrs,
                                  I, D, N_KG, NB_I, BLOCK_M, BLOCK_N, BLOCK_K, QAT_IN, CDT, IEEE, UPCAST, PRECISE_ACC,
                                  False, SUB, PRMT)
-    # the reference's w1/w3 return the compute dtype, then SwiGLU runs in fp32
-    g, u = acc_g, acc_u
-    if CDT != tl.float32:
-        g = _round(g, CDT)
-        u = _round(u, CDT)
-    clamp = e < n_clamped                  # routed experts only (the shared expert is E1 - 1)
-    u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
-    g = tl.where(clamp, tl.minimum(g, limit), g)
     rw = tl.load(rw_ptr + src, mask=r_ok, other=0.0)
-    act = rw[:, None] * (g * tl.sigmoid(g) * u)
-    if XDT != tl.float32:                  # a.to(x.dtype) before w2
-        act = _round(act, XDT)
+    act = swiglu(acc_g, acc_u, e < n_clamped, limit, rw[:, None], CDT, XDT)
     ok = r_ok[:, None] & n_ok[None, :]
     a_ptrs = a_ptr + offs_r[:, None] * stride_a + offs_n[None, :]
     if QAT_OUT:           # act_quant of w2's input: this N tile is exactly one 128-channel group

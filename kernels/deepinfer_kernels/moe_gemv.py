@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .fp4_experts import fp4_rows
-from .moe_gemm import TL_DTYPES, Experts, _check_experts, _find_tile, _interpreted, _round
+from .moe_gemm import TL_DTYPES, Experts, _check_experts, _find_tile, _interpreted, _round, swiglu
 from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
 
 BLOCK_K = 128           # the quantisation block
@@ -90,7 +90,7 @@ def _w13_loop(x_ptr, tok0, tok1, tok2, tok3, ok0, ok1, ok2, ok3, stride_x, we_pt
         sg = tl.load(s_ptr + kb)
         su = tl.load(s_ptr + NB_I * N_KG + kb)
         pg0, pg1, pg2, pg3, pu0, pu1, pu2, pu3 = zero, zero, zero, zero, zero, zero, zero, zero
-        for j in tl.static_range(_BK // _SUB):       # (adding to the zeros of j = 0 is exact, and folded away)
+        for j in tl.static_range(_BK // _SUB):
             k0 = kb * _BK + j * _SUB
             wg = _weights(we_ptr, pe_ptr, ge_ptr, offs_n, k0, D, sg, BLOCK_N, FP4, PRMT)
             wu = _weights(we_ptr + I * D, pe_ptr + I * (D // 2), ge_ptr + I * (D // 32), offs_n, k0, D, su, BLOCK_N,
@@ -173,18 +173,9 @@ def _tile_rows(order_ptr, first, row_end, M: tl.constexpr):
 @triton.jit
 def _w13_out(g, u, e, r, ok, src, rw_ptr, a_ptr, stride_a, offs_n, n_clamped, limit, BLOCK_N: tl.constexpr,
              QAT_OUT: tl.constexpr, CDT: tl.constexpr, XDT: tl.constexpr):
-    """One row's epilogue: the tensor-core kernel's steps (moe_gemm._moe_w13_kernel) up to its act_quant."""
-    g = _tree_sum(g, BLOCK_N)
-    u = _tree_sum(u, BLOCK_N)
-    if CDT != tl.float32:
-        g = _round(g, CDT)
-        u = _round(u, CDT)
-    clamp = e < n_clamped
-    u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
-    g = tl.where(clamp, tl.minimum(g, limit), g)
-    act = tl.load(rw_ptr + src, mask=ok, other=0.0) * (g * tl.sigmoid(g) * u)
-    if XDT != tl.float32:                  # a.to(x.dtype) before w2
-        act = _round(act, XDT)
+    """One row's epilogue: the tensor-core kernel's (moe_gemm.swiglu) up to its act_quant."""
+    rw = tl.load(rw_ptr + src, mask=ok, other=0.0)
+    act = swiglu(_tree_sum(g, BLOCK_N), _tree_sum(u, BLOCK_N), e < n_clamped, limit, rw, CDT, XDT)
     if not QAT_OUT and CDT != XDT:
         act = _round(act, CDT)
     tl.store(a_ptr + r * stride_a + offs_n, act.to(a_ptr.dtype.element_ty), mask=offs_n < tl.where(ok, 1 << 30, 0))
