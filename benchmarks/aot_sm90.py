@@ -86,14 +86,14 @@ def gemv13(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, block_n:
                order_ptr="*i64", rw_ptr="*fp32", sched_ptr="*i32", a_ptr="*bf16", I="i32", D="i32", E1="i32",
                E4="i32", n_clamped="i32", limit="fp32", stride_x="i32", stride_a="i32")
     const = dict(K1=7, EB=512, N_KG=32, NB_I=16, M=block_m, BLOCK_N=block_n, QAT_OUT=True,
-                 CDT=tl.bfloat16, XDT=tl.bfloat16, W4=w4, PRMT=prmt)
+                 CDT=tl.bfloat16, XDT=tl.bfloat16, W4=w4, PRMT=prmt, STAGES=stages)
     return _compile(G._gemv_w13_kernel, sig, const, warps, stages)
 
 
 def gemv2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, block_n: int = 32):
     sig = dict(a_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", p_ptr="*u8", g_ptr="*u8", order_ptr="*i64",
                sched_ptr="*i32", y_ptr="*bf16", D="i32", I="i32", E1="i32", E4="i32", stride_a="i32", stride_y="i32")
-    const = dict(EB=512, N_KG=16, NB_D=32, M=block_m, BLOCK_N=block_n, W4=w4, PRMT=prmt)
+    const = dict(EB=512, N_KG=16, NB_D=32, M=block_m, BLOCK_N=block_n, W4=w4, PRMT=prmt, STAGES=stages)
     return _compile(G._gemv_w2_kernel, sig, const, warps, stages)
 
 

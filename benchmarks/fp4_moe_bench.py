@@ -131,7 +131,8 @@ def main() -> None:
                          "FP4 result checked bitwise against the FP8 one with the same tiles")
     ap.add_argument("--gemv-rows", default="1,2,4", help="CUDA-core kernels: rows per program to time")
     ap.add_argument("--gemv-tiles", default="32/32/4,32/32/2,64/64/4,64/64/2,128/128/4",
-                    help="CUDA-core kernels: block_n1/block_n2/num_warps settings to time")
+                    help="CUDA-core kernels: block_n1/block_n2/num_warps[/stages] settings to time (stages: the K "
+                         "loop's software pipeline depth, 1 = none)")
     ap.add_argument("--no-graph", action="store_true",
                     help="time eager calls (host launch gaps included) instead of CUDA-graph replays")
     args = ap.parse_args()
@@ -151,8 +152,8 @@ def main() -> None:
         variants = [("fp8 tc", "fp8", base), ("fp4 tc", "fp4", base)]
         for m in [int(r) for r in args.gemv_rows.split(",")]:
             for tile in args.gemv_tiles.split(","):
-                bn1, bn2, w = (int(v) for v in tile.split("/"))
-                cfg = dict(gemv_rows=m, block_n1=bn1, block_n2=bn2, num_warps1=w, num_warps2=w)
+                bn1, bn2, w, stages = ([int(v) for v in tile.split("/")] + [1])[:4]
+                cfg = dict(gemv_rows=m, block_n1=bn1, block_n2=bn2, num_warps1=w, num_warps2=w, gemv_stages=stages)
                 variants += [(f"{form} cc m{m} {tile}", form, cfg) for form in ("fp8", "fp4")]
         if args.swap_ab:          # w13 and w2 with the weights as the dots' first operand, both forms
             for tag, s1, s2 in (("swap", True, True), ("swap1", True, False), ("swap2", False, True)):

@@ -95,13 +95,14 @@ def main(argv=None) -> dict:
                     help="storage of the window and compressed KV rows, as LLM(kv_cache_dtype=...)")
     ap.add_argument("--fp4-experts", action="store_true",
                     help="routed experts built FP4 (as the checkpoint ships them) and kept FP4 (LLM(fp4_experts=True))")
-    ap.add_argument("--cuda-core-moe", type=float, default=0.0, metavar="ROWS",
-                    help="fused MoE on its CUDA-core kernels up to ROWS mean rows per expert (0: tensor cores)")
+    ap.add_argument("--cuda-core-moe", type=float, default=None, metavar="ROWS",
+                    help="fused MoE on its CUDA-core kernels up to ROWS mean rows per expert, either weight form "
+                         "(0: tensor cores only; unset: the engine's choice, moe.GEMV_TILES)")
     ap.add_argument("--label", default="", help="suffix of the JSON's name")
     a = ap.parse_args(argv)
     if a.swap_ab:
         swap_decode_moe(a.swap_ab)
-    if a.cuda_core_moe:
+    if a.cuda_core_moe is not None:
         use_cuda_core_moe(a.cuda_core_moe)
     base, source = load_base_config()
     cfg = bench_config(base, a.layers, "fp4" if a.fp4_experts else "fp8")

@@ -63,9 +63,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--fp4-experts", action="store_true",
                    help="with --expert-dtype fp4: keep the experts FP4 in the fused MoE (LLM(fp4_experts=True)) "
                         "instead of re-encoding them to FP8 at load")
-    m.add_argument("--cuda-core-moe", type=float, default=0.0, metavar="ROWS",
-                   help="fused MoE on its CUDA-core kernels up to ROWS mean rows per expert (decode sizes; "
-                        "0: the default tensor-core tiles everywhere)")
+    m.add_argument("--cuda-core-moe", type=float, default=None, metavar="ROWS",
+                   help="fused MoE on its CUDA-core kernels up to ROWS mean rows per expert, either weight form "
+                        "(0: tensor cores only; unset: the engine's choice, moe.GEMV_TILES)")
     m.add_argument("--vocab", type=int, default=None, help="override vocab_size (CPU smoke runs)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels (DEEPINFER_BATCH_INVARIANT)")
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.vocab:
         base["vocab_size"] = a.vocab
     cfg_dict = bench_config(base, a.layers, a.expert_dtype)
-    if a.cuda_core_moe:
+    if a.cuda_core_moe is not None:
         use_cuda_core_moe(a.cuda_core_moe)
     full_dict = full_config(base, cfg_dict, a.full_layers)
     built = build_random_model(cfg_dict, a.device, a.dtype, not a.no_qat, a.seed, batch_invariant=a.batch_invariant,
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "sweep_" + gpu.replace(" ", "_") + ("_tiny" if a.tiny else "") + ("_kvfp8" if layout.kv_fp8 else "") \
         + ("_invariant" if a.batch_invariant else "") + ("_fp4experts" if a.fp4_experts else "") \
-        + ("_ccmoe" if a.cuda_core_moe else "")
+        + ("" if a.cuda_core_moe is None else f"_ccmoe{a.cuda_core_moe:g}")
     png = out_dir / f"{stem}.png"
     if a.no_plot:
         result["plot"] = "not drawn: --no-plot"

@@ -45,7 +45,8 @@ BENCH_PATTERN = (4, 128)           # the sweep model's layers: CSA, HCA, CSA, HC
 
 def use_cuda_core_moe(max_rows: float) -> None:
     """Let the fused MoE's tile heuristic pick its CUDA-core kernels (deepinfer_kernels.moe_gemv) up to
-    `max_rows` mean rows per expert (the engine's default: 0, never; see `moe.GEMV_MAX_ROWS`)."""
+    `max_rows` mean rows per expert for either weight form, 0: never (the engine's default: by weight form,
+    `moe.GEMV_TILES`)."""
     if max_rows < 0:
         raise ValueError(f"--cuda-core-moe: {max_rows} rows; allowed: 0 (off) or more")
     from deepinfer_kernels import moe

@@ -13,33 +13,43 @@ from __future__ import annotations
 
 import torch
 
+from .fp4_experts import Fp4Experts
 from .fp8_quant import act_quant
 from .moe_combine import moe_combine
 from .moe_gemm import Experts, moe_w2, moe_w13
 from .moe_gemv import dequant_rows, gemv_fits, gemv_w2, gemv_w13
 from .moe_routing import expert_schedule, max_tiles, route_topk
 
-# Mean rows per expert up to which the tile heuristic picks the CUDA-core kernels (moe_gemv). 0: never,
-# until they are timed on a GPU against the tensor-core tiles (benchmarks/fp4_moe_bench.py passes its
-# configs explicitly; profile_step.py / sweep.py --cuda-core-moe ROWS set this for a whole step).
-GEMV_MAX_ROWS = 0.0
+# The CUDA-core kernels (moe_gemv) by weight form: (mean rows per expert up to which, tile config), the
+# first that fits. Measured with benchmarks/fp4_moe_bench.py on an H100 (README, "Decode sizes on the
+# CUDA cores"): with FP4 experts they beat the tensor-core tiles up to batch 64 of V4-Flash (about 1.7 rows
+# per expert); with FP8 experts the tensor-core tiles stay ahead at every size.
+GEMV_TILES: dict[str, tuple[tuple[float, dict], ...]] = {
+    "fp4": ((0.5, dict(gemv_rows=1, block_n1=32, block_n2=32, num_warps1=2, num_warps2=2, gemv_stages=1)),
+            (3.0, dict(gemv_rows=2, block_n1=32, block_n2=32, num_warps1=4, num_warps2=4, gemv_stages=1))),
+    "fp8": (),
+}
+# An override for both forms (benchmarks' --cuda-core-moe ROWS): None = GEMV_TILES; 0 = never; > 0 = up to
+# that many mean rows per expert, 1 row per program to 0.5 rows, then 2 to 3.0, then 4.
+GEMV_MAX_ROWS: float | None = None
 
 __all__ = ["expert_outputs", "fused_moe", "invariant_moe_config", "moe_tile_config", "route_topk"]
 
 
 def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False,
-                    cuda_cores: bool = True) -> dict:
-    """Tiles by the mean rows per routed expert. Up to `GEMV_MAX_ROWS` (an expert gets about one row:
-    decode at small batches), the CUDA-core kernels (`moe_gemv`: `gemv_rows` rows per program, no
-    padding to 16); above that, decode is still weight-bandwidth bound, so BLOCK_M 16 and narrow w2
-    tiles give many programs; prefill takes 64-row tiles. `wide_fp32`: unquantised fp32 activations
-    (test numerics) need smaller tensor-core tiles in shared memory. `cuda_cores=False`: tensor-core
-    tiles only."""
+                    cuda_cores: bool = True, fp4: bool = False) -> dict:
+    """Tiles by the mean rows per routed expert. At the sizes `GEMV_TILES` gives for the weight form
+    (`fp4`: routed experts kept FP4; an expert gets a row or two: decode at small batches), the CUDA-core
+    kernels (`moe_gemv`: `gemv_rows` rows per program, no padding to 16); above that, decode is still
+    weight-bandwidth bound, so BLOCK_M 16 and narrow w2 tiles give many programs; prefill takes 64-row
+    tiles. `wide_fp32`: unquantised fp32 activations (test numerics) need smaller tensor-core tiles in
+    shared memory. `cuda_cores=False`: tensor-core tiles only."""
     # (warps chosen so that ptxas reports no or only tiny spills for sm_90 at V4-Flash sizes)
     rows = tokens * topk / max(num_experts, 1)
-    if cuda_cores and 0 < GEMV_MAX_ROWS and rows <= GEMV_MAX_ROWS:
-        m = 1 if rows <= 0.1 else 2 if rows <= 0.5 else 4
-        return dict(gemv_rows=m, block_n1=32, block_n2=32, num_warps1=4, num_warps2=4)
+    if cuda_cores:
+        gemv = _gemv_config(rows, fp4)
+        if gemv is not None:
+            return gemv
     if rows <= 16:
         cfg = dict(block_m1=16, block_m2=16, block_n2=64, num_warps1=4, num_stages1=4, num_warps2=4, num_stages2=4)
     elif rows <= 48:
@@ -50,6 +60,16 @@ def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = 
         cfg.update(block_m1=min(cfg["block_m1"], 32), block_m2=min(cfg["block_m2"], 32), num_stages1=2,
                    num_stages2=2)
     return cfg
+
+
+def _gemv_config(rows: float, fp4: bool) -> dict | None:
+    if GEMV_MAX_ROWS is None:
+        return next((dict(cfg) for limit, cfg in GEMV_TILES["fp4" if fp4 else "fp8"] if rows <= limit), None)
+    if not 0 < rows <= GEMV_MAX_ROWS:
+        return None
+    m = 1 if rows <= 0.5 else 2 if rows <= 3.0 else 4
+    return dict(gemv_rows=m, block_n1=32, block_n2=32, num_warps1=2 if m == 1 else 4, num_warps2=2 if m == 1 else 4,
+                gemv_stages=1)
 
 
 def invariant_moe_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False,
@@ -104,7 +124,8 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
     K1, E1 = ids.shape[1], w13.shape[0]
     n = T * K1
     wide = compute_dtype == torch.float32 and not (quant_in and quant_mid)
-    cfg = dict(config or moe_tile_config(T, K1, E1, wide_fp32=wide))
+    fp4 = isinstance(w13, Fp4Experts)
+    cfg = dict(config or moe_tile_config(T, K1, E1, wide_fp32=wide, fp4=fp4))
     if "gemv_rows" in cfg and not gemv_fits(D, w13.shape[2], cfg["block_n1"], cfg["block_n2"]):
         cfg = moe_tile_config(T, K1, E1, wide_fp32=wide, cuda_cores=False)
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)     # stable: deterministic rows
@@ -119,11 +140,11 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
         a = gemv_w13(xe, w13, s13, order, route_w, sched, max_tiles(n, E1, m), k1=K1,
                      n_clamped=n_clamped if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype,
                      x_dtype=x.dtype, quant_out=quant_mid, rows=m, block_n=cfg["block_n1"],
-                     num_warps=cfg["num_warps1"])
+                     num_warps=cfg["num_warps1"], stages=cfg.get("gemv_stages", 1))
         if quant_mid:
             a = dequant_rows(*act_quant(a))
         y = gemv_w2(a, w2, s2, order, sched, max_tiles(n, E1, m), out_dtype=compute_dtype, rows=m,
-                    block_n=cfg["block_n2"], num_warps=cfg["num_warps2"])
+                    block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], stages=cfg.get("gemv_stages", 1))
         return y.view(T, K1, D)
     bm1, bm2 = cfg["block_m1"], cfg["block_m2"]
     sched = expert_schedule(sorted_ids, E1, (bm1, bm2))

@@ -80,13 +80,13 @@ def _row(x_ptr, r, ok, stride, k0):
 @triton.jit
 def _w13_loop(x_ptr, tok0, tok1, tok2, tok3, ok0, ok1, ok2, ok3, stride_x, we_ptr, pe_ptr, ge_ptr, s_ptr, offs_n, I,
               D, N_KG: tl.constexpr, NB_I: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr,
-              PRMT: tl.constexpr):
+              PRMT: tl.constexpr, STAGES: tl.constexpr):
     """Per row of the tile (up to 4; rows past M stay zero and are compiled out), the gate and up
     products [BLOCK_N, 32] accumulated lane by lane over all of D, each 128-deep block's partials
     times its weight scale."""
     zero = tl.zeros((BLOCK_N, _SUB), dtype=tl.float32)
     g0, g1, g2, g3, u0, u1, u2, u3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for kb in range(0, N_KG):
+    for kb in tl.range(0, N_KG, num_stages=STAGES):
         sg = tl.load(s_ptr + kb)
         su = tl.load(s_ptr + NB_I * N_KG + kb)
         pg0, pg1, pg2, pg3, pu0, pu1, pu2, pu3 = zero, zero, zero, zero, zero, zero, zero, zero
@@ -124,11 +124,12 @@ def _w13_loop(x_ptr, tok0, tok1, tok2, tok3, ok0, ok1, ok2, ok3, stride_x, we_pt
 
 @triton.jit
 def _w2_loop(a_ptr, r0, r1, r2, r3, ok0, ok1, ok2, ok3, stride_a, we_ptr, pe_ptr, ge_ptr, s_ptr, offs_n, I,
-             N_KG: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr, PRMT: tl.constexpr):
+             N_KG: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr, PRMT: tl.constexpr,
+             STAGES: tl.constexpr):
     """As `_w13_loop`, for one w2 tile over all of I."""
     zero = tl.zeros((BLOCK_N, _SUB), dtype=tl.float32)
     y0, y1, y2, y3 = zero, zero, zero, zero
-    for kb in range(0, N_KG):
+    for kb in tl.range(0, N_KG, num_stages=STAGES):
         sw = tl.load(s_ptr + kb)
         p0, p1, p2, p3 = zero, zero, zero, zero
         for j in tl.static_range(_BK // _SUB):
@@ -186,7 +187,7 @@ def _gemv_w13_kernel(x_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_ptr, sche
                      I, D, E1, E4, n_clamped, limit, stride_x, stride_a,
                      K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr,
                      M: tl.constexpr, BLOCK_N: tl.constexpr, QAT_OUT: tl.constexpr, CDT: tl.constexpr,
-                     XDT: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr):
+                     XDT: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr, STAGES: tl.constexpr):
     tl.static_assert(M == 1 or M == 2 or M == 4, "rows per program: 1, 2 or 4")
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -206,15 +207,15 @@ def _gemv_w13_kernel(x_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_ptr, sche
         if e < E4:
             g0, g1, g2, g3, u0, u1, u2, u3 = _w13_loop(
                 x_ptr, tok0, tok1, tok2, tok3, ok0, ok1, ok2, ok3, stride_x, we_ptr, pe_ptr, ge_ptr, s_ptr, offs_n,
-                I, D, N_KG, NB_I, M, BLOCK_N, True, PRMT)
+                I, D, N_KG, NB_I, M, BLOCK_N, True, PRMT, STAGES)
         else:
             g0, g1, g2, g3, u0, u1, u2, u3 = _w13_loop(
                 x_ptr, tok0, tok1, tok2, tok3, ok0, ok1, ok2, ok3, stride_x, we_ptr, pe_ptr, ge_ptr, s_ptr, offs_n,
-                I, D, N_KG, NB_I, M, BLOCK_N, False, PRMT)
+                I, D, N_KG, NB_I, M, BLOCK_N, False, PRMT, STAGES)
     else:
         g0, g1, g2, g3, u0, u1, u2, u3 = _w13_loop(
             x_ptr, tok0, tok1, tok2, tok3, ok0, ok1, ok2, ok3, stride_x, we_ptr, pe_ptr, ge_ptr, s_ptr, offs_n, I,
-            D, N_KG, NB_I, M, BLOCK_N, False, PRMT)
+            D, N_KG, NB_I, M, BLOCK_N, False, PRMT, STAGES)
     _w13_out(g0, u0, e, r0, ok0, src0, rw_ptr, a_ptr, stride_a, offs_n, n_clamped, limit, BLOCK_N, QAT_OUT, CDT, XDT)
     if M > 1:
         _w13_out(g1, u1, e, r1, ok1, src1, rw_ptr, a_ptr, stride_a, offs_n, n_clamped, limit, BLOCK_N, QAT_OUT, CDT,
@@ -237,7 +238,7 @@ def _y_out(y, ok, dest, y_ptr, stride_y, offs_n, BLOCK_N: tl.constexpr):
 @triton.jit
 def _gemv_w2_kernel(a_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_ptr, y_ptr, D, I, E1, E4, stride_a,
                     stride_y, EB: tl.constexpr, N_KG: tl.constexpr, NB_D: tl.constexpr, M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr):
+                    BLOCK_N: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr, STAGES: tl.constexpr):
     tl.static_assert(M == 1 or M == 2 or M == 4, "rows per program: 1, 2 or 4")
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -254,13 +255,13 @@ def _gemv_w2_kernel(a_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_ptr, y_
     if W4:
         if e < E4:
             y0, y1, y2, y3 = _w2_loop(a_ptr, r0, r1, r2, r3, ok0, ok1, ok2, ok3, stride_a, we_ptr, pe_ptr, ge_ptr,
-                                      s_ptr, offs_n, I, N_KG, M, BLOCK_N, True, PRMT)
+                                      s_ptr, offs_n, I, N_KG, M, BLOCK_N, True, PRMT, STAGES)
         else:
             y0, y1, y2, y3 = _w2_loop(a_ptr, r0, r1, r2, r3, ok0, ok1, ok2, ok3, stride_a, we_ptr, pe_ptr, ge_ptr,
-                                      s_ptr, offs_n, I, N_KG, M, BLOCK_N, False, PRMT)
+                                      s_ptr, offs_n, I, N_KG, M, BLOCK_N, False, PRMT, STAGES)
     else:
         y0, y1, y2, y3 = _w2_loop(a_ptr, r0, r1, r2, r3, ok0, ok1, ok2, ok3, stride_a, we_ptr, pe_ptr, ge_ptr,
-                                  s_ptr, offs_n, I, N_KG, M, BLOCK_N, False, PRMT)
+                                  s_ptr, offs_n, I, N_KG, M, BLOCK_N, False, PRMT, STAGES)
     _y_out(y0, ok0, dest0, y_ptr, stride_y, offs_n, BLOCK_N)
     if M > 1:
         _y_out(y1, ok1, dest1, y_ptr, stride_y, offs_n, BLOCK_N)
@@ -276,6 +277,12 @@ def gemv_fits(D: int, I: int, block_n1: int, block_n2: int) -> bool:
             and I % block_n1 == 0 and D % block_n2 == 0)
 
 
+def _check_shape(name: str, rows: int, stages: int, D: int, I: int, block_n: int) -> None:
+    if rows not in (1, 2, 4) or stages not in (1, 2, 3, 4) or not gemv_fits(D, I, block_n, block_n):
+        raise ValueError(f"{name}: rows={rows} must be 1, 2 or 4; stages={stages} must be 1, 2, 3 or 4; D={D}, "
+                         f"I={I} multiples of {BLOCK_K} and of block_n={block_n}, which must divide {BLOCK_K}")
+
+
 def dequant_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 [n, K] values of act_quant's (e4m3 [n, K], float32 [n, K/128]) output: exact, since the
     scales are powers of two."""
@@ -285,7 +292,8 @@ def dequant_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def gemv_w13(x: torch.Tensor, w13: Experts, s13: torch.Tensor, order: torch.Tensor, route_w: torch.Tensor,
              sched: torch.Tensor, n_tiles: int, *, k1: int, n_clamped: int, limit: float, compute_dtype: torch.dtype,
-             x_dtype: torch.dtype, quant_out: bool, rows: int, block_n: int, num_warps: int = 4) -> torch.Tensor:
+             x_dtype: torch.dtype, quant_out: bool, rows: int, block_n: int, num_warps: int = 4,
+             stages: int = 1) -> torch.Tensor:
     """`moe_w13` on the CUDA cores (arguments as there; `rows`: the tile's M, the schedule's block_m;
     x [T, D] float32 with its QAT scale applied (`dequant_rows`), or unquantised): w2's input [n, I],
     unquantised: in x_dtype with `quant_out` (the caller act_quant-s it), else in the compute dtype."""
@@ -293,9 +301,7 @@ def gemv_w13(x: torch.Tensor, w13: Experts, s13: torch.Tensor, order: torch.Tens
     E1, _, I, _ = w13.shape
     n = order.numel()
     weights = _check_experts(w13, s13, (E1, 2, I, D), "gemv_w13: w13")
-    if rows not in (1, 2, 4) or not gemv_fits(D, I, block_n, block_n):
-        raise ValueError(f"gemv_w13: rows={rows} must be 1, 2 or 4; D={D}, I={I} multiples of {BLOCK_K} and of "
-                         f"block_n={block_n}, which must divide {BLOCK_K}")
+    _check_shape("gemv_w13", rows, stages, D, I, block_n)
     if compute_dtype not in TL_DTYPES or x_dtype not in TL_DTYPES or x.dtype not in TL_DTYPES:
         raise ValueError(f"gemv_w13: x {x.dtype}, compute_dtype {compute_dtype}, x_dtype {x_dtype}: each must be one "
                          f"of {list(TL_DTYPES)}")
@@ -307,25 +313,24 @@ def gemv_w13(x: torch.Tensor, w13: Experts, s13: torch.Tensor, order: torch.Tens
         x_ptr=x, ws_ptr=s13, order_ptr=order, rw_ptr=route_w.reshape(-1), sched_ptr=sched, a_ptr=a, I=I, D=D, E1=E1,
         n_clamped=n_clamped, limit=float(limit), stride_x=x.stride(0), stride_a=a.stride(0), **weights, K1=k1,
         EB=sched.shape[1], N_KG=D // BLOCK_K, NB_I=I // BLOCK_K, M=rows, BLOCK_N=block_n, QAT_OUT=quant_out,
-        CDT=TL_DTYPES[compute_dtype], XDT=TL_DTYPES[x_dtype], PRMT=not _interpreted(), num_warps=num_warps)
+        CDT=TL_DTYPES[compute_dtype], XDT=TL_DTYPES[x_dtype], PRMT=not _interpreted(), STAGES=stages,
+        num_warps=num_warps)
     return a
 
 
 def gemv_w2(a: torch.Tensor, w2: Experts, s2: torch.Tensor, order: torch.Tensor, sched: torch.Tensor, n_tiles: int, *,
-            out_dtype: torch.dtype, rows: int, block_n: int, num_warps: int = 4) -> torch.Tensor:
+            out_dtype: torch.dtype, rows: int, block_n: int, num_warps: int = 4, stages: int = 1) -> torch.Tensor:
     """`moe_w2` on the CUDA cores: a [n, I] float32 with its QAT scale applied, or unquantised.
     Returns y [n, D] out_dtype in (token, slot) order."""
     n, I = a.shape
     E1, D, _ = w2.shape
     weights = _check_experts(w2, s2, (E1, D, I), "gemv_w2: w2")
-    if rows not in (1, 2, 4) or not gemv_fits(D, I, block_n, block_n):
-        raise ValueError(f"gemv_w2: rows={rows} must be 1, 2 or 4; D={D}, I={I} multiples of {BLOCK_K} and of "
-                         f"block_n={block_n}, which must divide {BLOCK_K}")
+    _check_shape("gemv_w2", rows, stages, D, I, block_n)
     y = torch.empty((n, D), dtype=out_dtype, device=a.device)
     if n == 0:
         return y
     _gemv_w2_kernel[(n_tiles, D // block_n)](
         a_ptr=a, ws_ptr=s2, order_ptr=order, sched_ptr=sched, y_ptr=y, D=D, I=I, E1=E1, stride_a=a.stride(0),
         stride_y=y.stride(0), **weights, EB=sched.shape[1], N_KG=I // BLOCK_K, NB_D=D // BLOCK_K, M=rows,
-        BLOCK_N=block_n, PRMT=not _interpreted(), num_warps=num_warps)
+        BLOCK_N=block_n, PRMT=not _interpreted(), STAGES=stages, num_warps=num_warps)
     return y

@@ -203,11 +203,14 @@ def test_sweep_with_fp4_experts_counts_the_checkpoints_expert_bytes(tmp_path):
 
 
 def test_cuda_core_moe_flag_switches_the_tile_heuristic(monkeypatch):
-    """--cuda-core-moe ROWS lets the fused MoE's heuristic pick its CUDA-core kernels (off by default)."""
+    """--cuda-core-moe ROWS overrides the fused MoE's choice of its CUDA-core kernels for either weight form
+    (unset: the engine's per-form table; 0: tensor cores only)."""
     from deepinfer_kernels import moe
     monkeypatch.setattr(moe, "GEMV_MAX_ROWS", moe.GEMV_MAX_ROWS)        # restored after the test
     assert "gemv_rows" not in moe.moe_tile_config(1, 7, 257)
     SM.use_cuda_core_moe(2)
     assert moe.moe_tile_config(1, 7, 257)["gemv_rows"] == 1 and "gemv_rows" not in moe.moe_tile_config(256, 7, 257)
+    SM.use_cuda_core_moe(0)
+    assert "gemv_rows" not in moe.moe_tile_config(1, 7, 257, fp4=True)
     with pytest.raises(ValueError, match="allowed: 0"):
         SM.use_cuda_core_moe(-1)

@@ -24,18 +24,19 @@ def run(x, weights, qat: bool, dtype, kdev, config: dict, seed: int = 7):
                           quant_mid=qat, compute_dtype=dtype, config=config).cpu()
 
 
-def gemv(rows: int, block_n: int = 32, warps: int = 4) -> dict:
-    return dict(gemv_rows=rows, block_n1=block_n, block_n2=block_n, num_warps1=warps, num_warps2=warps)
+def gemv(rows: int, block_n: int = 32, warps: int = 4, stages: int = 1) -> dict:
+    return dict(gemv_rows=rows, block_n1=block_n, block_n2=block_n, num_warps1=warps, num_warps2=warps,
+                gemv_stages=stages)
 
 
-@pytest.mark.parametrize("rows,qat,dtype,D,I", [(1, True, torch.bfloat16, 256, 128),
-                                                (2, False, torch.float32, 128, 256),
-                                                (4, True, torch.float32, 128, 128)])
-def test_fp4_experts_give_the_re_encoded_bits_and_the_tensor_core_result(kdev, rows, qat, dtype, D, I):
+@pytest.mark.parametrize("rows,qat,dtype,D,I,stages", [(1, True, torch.bfloat16, 256, 128, 3),
+                                                       (2, False, torch.float32, 128, 256, 1),
+                                                       (4, True, torch.float32, 128, 128, 2)])
+def test_fp4_experts_give_the_re_encoded_bits_and_the_tensor_core_result(kdev, rows, qat, dtype, D, I, stages):
     fp8_form, fp4_form = stacked_experts(D, I, seed=D + I + rows)
     x = torch.randn(5, D, generator=torch.Generator().manual_seed(rows))
-    want = run(x, fp8_form, qat, dtype, kdev, gemv(rows))
-    got = run(x, fp4_form, qat, dtype, kdev, gemv(rows))
+    want = run(x, fp8_form, qat, dtype, kdev, gemv(rows, stages=stages))
+    got = run(x, fp4_form, qat, dtype, kdev, gemv(rows, stages=stages))
     assert torch.isfinite(want).all() and want.abs().max() > 0
     assert torch.equal(got, want)
     tensor_cores = run(x, fp8_form, qat, dtype, kdev, moe_tile_config(16, 1, 1, cuda_cores=False))
@@ -44,23 +45,30 @@ def test_fp4_experts_give_the_re_encoded_bits_and_the_tensor_core_result(kdev, r
 
 
 def test_a_row_does_not_depend_on_its_program_neighbours(kdev):
-    """Row results with 1, 2 and 4 rows per program and 32- or 64-wide programs: the same bits."""
-    fp8_form, _ = stacked_experts(128, 128, seed=3)
-    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(4))
+    """Row results with 1, 2 and 4 rows per program, 32- or 64-wide programs, and a software-pipelined K
+    loop (the loads move, the sums' order does not): the same bits."""
+    fp8_form, _ = stacked_experts(256, 128, seed=3)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
     want = run(x, fp8_form, True, torch.float32, kdev, gemv(1))
-    for cfg in (gemv(2), gemv(4, block_n=64, warps=2)):
+    for cfg in (gemv(2), gemv(4, block_n=64, warps=2), gemv(1, stages=3), gemv(2, warps=2, stages=2)):
         assert torch.equal(run(x, fp8_form, True, torch.float32, kdev, cfg), want)
 
 
-def test_the_heuristic_takes_them_only_when_switched_on_and_for_about_one_row_per_expert(monkeypatch):
-    """Off by default until they are timed on a GPU (README); `GEMV_MAX_ROWS` > 0 switches them on."""
+def test_the_heuristic_takes_them_by_weight_form_and_for_about_one_row_per_expert(monkeypatch):
+    """By `GEMV_TILES` (measured: FP4 experts up to batch 64 of V4-Flash, FP8 never); `GEMV_MAX_ROWS`
+    overrides it for both forms (0: never); batch-invariant mode keeps its tensor-core tiles."""
     from deepinfer_kernels import moe
     assert "gemv_rows" not in moe_tile_config(1, 7, 257)
+    assert moe_tile_config(1, 7, 257, fp4=True)["gemv_rows"] == 1
+    assert moe_tile_config(64, 7, 257, fp4=True)["gemv_rows"] == 2
+    assert "gemv_rows" not in moe_tile_config(256, 7, 257, fp4=True)
+    assert "gemv_rows" not in moe_tile_config(1, 7, 257, cuda_cores=False, fp4=True)
     monkeypatch.setattr(moe, "GEMV_MAX_ROWS", 2.0)
     assert moe_tile_config(1, 7, 257)["gemv_rows"] == 1
-    assert moe_tile_config(8, 7, 257)["gemv_rows"] == 2
-    assert "gemv_rows" not in moe_tile_config(256, 7, 257)
-    assert "gemv_rows" not in moe_tile_config(1, 7, 257, cuda_cores=False)
+    assert moe_tile_config(64, 7, 257)["gemv_rows"] == 2
+    assert "gemv_rows" not in moe_tile_config(256, 7, 257, fp4=True)
+    monkeypatch.setattr(moe, "GEMV_MAX_ROWS", 0.0)
+    assert "gemv_rows" not in moe_tile_config(1, 7, 257, fp4=True)
     for tokens in (1, 8, 256):      # batch-invariant mode keeps its tensor-core tiles at every size
         assert "gemv_rows" not in invariant_moe_config(tokens, 7, 257, mma_v2_family=True)
 
@@ -82,6 +90,8 @@ def test_bad_arguments_are_refused(kdev):
     x = torch.randn(2, 128)
     with pytest.raises(ValueError, match="rows=3 must be 1, 2 or 4"):
         run(x, fp8_form, True, torch.float32, kdev, gemv(3))
+    with pytest.raises(ValueError, match="stages=0 must be 1, 2, 3 or 4"):
+        run(x, fp8_form, True, torch.float32, kdev, gemv(1, stages=0))
     w2, s2 = _to(fp8_form[2], kdev), _to(fp8_form[3], kdev)
     order = torch.zeros(2, dtype=torch.int64, device=kdev)
     with pytest.raises(ValueError, match="block_n=48, which must divide 128"):
