@@ -167,9 +167,12 @@ def main() -> None:
                                  quant_mid=True, compute_dtype=torch.bfloat16, shared_last=True, config=cfg)
             out[label] = call()
             ms[label] = time_call(call, args.reps, graph=not args.no_graph)
+        tc = out["fp8 tc"].float()
+        rel_tc = {k: ((v.float() - tc).norm() / tc.norm()).item() for k, v in out.items()}
         for label in ms:
             ref = out["fp8" + label[3:]]                    # the FP8 form with the same kernels and tiles
-            print(f"  b{T} {label}: {ms[label]:.3f} ms, fp4 = fp8 bits {torch.equal(out[label], ref)}")
+            print(f"  b{T} {label}: {ms[label]:.3f} ms, fp4 = fp8 bits {torch.equal(out[label], ref)}, "
+                  f"relative to fp8 tc {rel_tc[label]:.1e}")
         if args.diagnose:
             diagnose(T, x, ids, rw, forms, out, variants, E)
         best8 = min((k for k in ms if k.startswith("fp8")), key=ms.get)
@@ -185,7 +188,8 @@ def main() -> None:
                    fp4_over_fp8_tc=ms[best4] / ms["fp8 tc"], fp4_over_best_fp8=ms[best4] / ms[best8],
                    fp8_weight_gbps=fp8_bytes / ms[best8] / 1e6, fp4_weight_gbps=fp4_bytes / ms[best4] / 1e6,
                    fp4_floor_ms=fp4_bytes / 4.8e9, fp4_equals_fp8_same_kernels=same,
-                   variants_ms={k: v for k, v in ms.items() if k not in ("fp4", "fp8")})
+                   variants_ms={k: v for k, v in ms.items() if k not in ("fp4", "fp8")},
+                   variants_rel_to_fp8_tc={k: rel_tc[k] for k in ms if k not in ("fp4", "fp8")})
         rows.append(row)
         table.append(f"{T:>6} {ms['fp8 tc']:>9.3f} {ms[best8]:>9.3f} {ms[best4]:>9.3f} {row['fp4_floor_ms']:>9.3f} "
                      f"{row['fp4_over_fp8_tc']:>8.2f} {active:>7} {row['fp8_weight_gbps']:>9.0f} "
