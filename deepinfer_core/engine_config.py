@@ -28,6 +28,7 @@ README_BEGIN = "<!-- options:begin -->"
 README_END = "<!-- options:end -->"
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 LOAD_FORMATS = ("auto", "dummy")
+LAUNCHERS = ("spawn", "torchrun")
 _TABLE_DEFAULTS = Settings()        # the env table's defaults (no environment read)
 DEFAULT_NUM_DRAFTS = _TABLE_DEFAULTS.use_nextn_decode    # DS-DeepInfer's gamma, for checkpoints that draft
 
@@ -204,16 +205,17 @@ class SchedulerOptions(_Section):
 
 @dataclass(frozen=True)
 class ParallelOptions(_Section):
-    """Data parallelism (engine processes on one host: one GPU each over NCCL, or CPU ranks over gloo)
-    with the routed experts optionally sharded over them (expert parallelism) and rebalanced (EPLB);
-    every other size is 1."""
+    """Data parallelism (engine processes: one GPU each over NCCL, or CPU ranks over gloo; on one host, or
+    over several under torchrun) with the routed experts optionally sharded over them (expert parallelism)
+    and rebalanced (EPLB); every other size is 1."""
 
     tensor_parallel_size: int = _opt(1, "devices the weights are split over", _only(1, SINGLE_GPU))
     pipeline_parallel_size: int = _opt(1, "pipeline stages", _only(1, SINGLE_GPU))
-    data_parallel_size: int = _opt(1, "engine processes on this host (attention data parallel), stepping in "
-                                   "lockstep; > 1: rank r on GPU r (NCCL; CUDA graphs off under expert "
-                                   "parallelism) or CPU ranks over gloo; MTP speculation only when "
-                                   "num_speculative_tokens is set (unset = 0)", _positive())
+    data_parallel_size: int = _opt(1, "engine processes (attention data parallel; on this host, or over nodes: "
+                                   "launcher), stepping in lockstep; > 1: rank r on GPU r (under torchrun: GPU "
+                                   "LOCAL_RANK; NCCL, CUDA graphs off under expert parallelism) or CPU ranks over "
+                                   "gloo; MTP speculation only when num_speculative_tokens is set (unset = 0)",
+                                   _positive())
     engine_process: bool | None = _opt(None, "run the engine (scheduler, model, sampler) in a child process "
                                        "while this process keeps the tokenizer and the request front end, so "
                                        "Python work here (an HTTP server's) never holds the GIL the engine's "
@@ -222,6 +224,12 @@ class ParallelOptions(_Section):
                                        "H200, README Serve), elsewhere only when data_parallel_size > 1 (its "
                                        "ranks are always processes)", Rule("True, False or None",
                                                                      lambda v: v is None or isinstance(v, bool)))
+    launcher: str = _opt("spawn", "how the data_parallel_size ranks start: 'spawn' = this process starts them on "
+                         "this host; 'torchrun' = one torchrun process per rank (any number of nodes, the same "
+                         "command on every one, WORLD_SIZE = data_parallel_size): global rank 0 is the front end "
+                         "(its engine in a child process), every other rank runs its engine inside LLM(...), "
+                         "which then exits that process (code after LLM(...) runs on rank 0 only)",
+                         _choice(*LAUNCHERS))
     enable_expert_parallel: bool = _opt(False, "shard the routed experts over the data_parallel_size ranks "
                                         "(each loads only its own); False replicates them on every rank", BOOL)
     enable_eplb: bool = _opt(False, "expert-parallel load balancing: count each expert's routed tokens and "
@@ -248,6 +256,10 @@ class ParallelOptions(_Section):
         if self.engine_process is False and dp > 1:
             raise ValueError(f"engine_process=False with data_parallel_size={dp}: data-parallel ranks always run "
                              "in processes of their own; allowed: engine_process=True or None")
+        if self.launcher == "torchrun" and dp == 1:
+            raise ValueError("launcher='torchrun' with data_parallel_size=1: torchrun starts the data-parallel "
+                             "ranks, and one rank has none to start; allowed: data_parallel_size >= 2 (= torchrun's "
+                             "WORLD_SIZE), or launcher='spawn'")
         if ep and dp == 1:
             raise ValueError("enable_expert_parallel=True with data_parallel_size=1: one rank holds every expert, "
                              "there is nothing to shard; set data_parallel_size >= 2")

@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ PREFIX = "DEEPINFER_"
 _TRUE = ("1", "true", "yes")
 _FALSE = ("0", "false", "no")
 _PLUGIN_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+SECRET_MIN_CHARS = 16
 
 README_BEGIN = "<!-- envs:begin -->"
 README_END = "<!-- envs:end -->"
@@ -37,7 +38,8 @@ class EnvError(ValueError):
 
 @dataclass(frozen=True)
 class EnvVar:
-    """One declared variable. `kind` is bool | int | choice | path | list | floats."""
+    """One declared variable. `kind` is bool | int | choice | path | list | floats | secret (a string
+    never printed: neither in errors nor by `python -m deepinfer_core.envs`)."""
 
     name: str
     kind: str
@@ -60,6 +62,8 @@ class EnvVar:
             return "comma-separated plugin names (letters, digits, _ . -)"
         if self.kind == "floats":
             return "a number > 0, or a comma-separated list of them"
+        if self.kind == "secret":
+            return f"a string of {SECRET_MIN_CHARS} or more characters"
         raise AssertionError(self.kind)
 
     def default_text(self) -> str:
@@ -106,6 +110,10 @@ class EnvVar:
                 numbers = ()
             if numbers and all(x > 0 for x in numbers):
                 return numbers
+        elif self.kind == "secret":
+            if len(value) >= SECRET_MIN_CHARS:
+                return value
+            raise EnvError(f"{self.name} (set, {len(value)} characters) is invalid; allowed: {self.allowed()}")
         raise EnvError(f"{self.name}={raw!r} is invalid; allowed: {self.allowed()}")
 
 
@@ -170,6 +178,11 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "Deny-list of entry-point plugin names never to load."),
     EnvVar("DEEPINFER_TRACE_PLUGINS", "bool", False,
            "Log every plugin hook call with its arguments and result."),
+    EnvVar("DEEPINFER_DP_AUTHKEY", "secret", None,
+           "launcher='torchrun': the key the data-parallel ranks authenticate their connections to the "
+           "front end with (HMAC challenge); the same on every node. Unset: derived from torchrun's "
+           "TORCHELASTIC_RUN_ID, MASTER_ADDR and MASTER_PORT, which anyone on the cluster network can "
+           "know."),
 )}
 
 
@@ -202,6 +215,7 @@ class Settings:
     plugins: tuple[str, ...] | None = None
     disable_plugins: tuple[str, ...] = ()
     trace_plugins: bool = False
+    dp_authkey: str | None = field(default=None, repr=False)
 
     @property
     def effective_max_backtracking_tokens(self) -> int:
@@ -296,7 +310,10 @@ def _print_settings() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for var in ENV_VARS.values():
-        print(f"{var.name}={getattr(settings, field_name(var.name))!r}")
+        value = getattr(settings, field_name(var.name))
+        if var.kind == "secret" and value is not None:
+            value = "<set>"
+        print(f"{var.name}={value!r}")
     return 0
 
 

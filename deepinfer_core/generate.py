@@ -8,6 +8,8 @@ Every `SamplingParams` field and every `EngineConfig` option is a flag generated
 themselves (`--top-p`, `--ignore-eos`, `--max-num-seqs`, ...; help from the fields' docs), so the CLI
 cannot drift from the API; a flag left out keeps the dataclass default.
 Errors in the input (flags, prompts, sampling values, model) print one line and exit with status 2.
+Under torchrun (`--launcher torchrun`, the same command on every rank) only global rank 0 generates and
+prints; the others run their engines and exit 0 (prompts files are still read on every rank first).
 """
 from __future__ import annotations
 

@@ -100,7 +100,9 @@ class LLM:
     DEEPINFER_HF_MODEL_DIR, and without it runs the bundled tiny model (deepinfer_core/tools/bundled_model.py).
     `seed` seeds requests that set no seed of their own (derived from it and a
     request counter, so a run is reproducible). `data_parallel_size > 1`: `generate` / `chat` run on that
-    many engine processes (parallel/dp_engine.py; `close()` or `with LLM(...)` stops them);
+    many engine processes (parallel/dp_engine.py; `close()` or `with LLM(...)` stops them); with
+    `launcher='torchrun'` one per torchrun process, and `LLM(...)` returns on global rank 0 only (every
+    other rank runs its engine inside it, then exits: parallel/torchrun.py);
     `engine_process=True`: on one engine process (the same machinery with one rank).
     """
 

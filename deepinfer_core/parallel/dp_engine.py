@@ -24,6 +24,10 @@ The front end polls the processes while it waits, and the ranks' collectives tim
 `LLM(model, data_parallel_size=N, enable_expert_parallel=True, ...)`, the CLI's `--data-parallel-size`
 and `DataParallelLLM(...)` directly all run this engine (the options: engine_config.py ParallelOptions).
 
+Launch: this process spawns the N ranks on its host (launcher='spawn'), or, with launcher='torchrun',
+each rank is a torchrun process (any number of nodes): global rank 0's is this front end (it spawns rank
+0's engine only), every other rank's runs its engine inside the constructor and exits (torchrun.py).
+
 One rank (`engine_process=True`, e.g. `deepinfer serve --engine-process`): the engine moved out of the caller's
 process onto whatever device it would have used, every option as in process; the vote and the
 collectives vanish (a world of one has no process group), what remains is the command queue and the
@@ -52,6 +56,7 @@ import queue
 import socket
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -63,15 +68,15 @@ from ..api.tokenizer import load_tokenizer
 from ..config import ModelConfig
 from ..engine_config import EngineConfig
 from ..ops.sampler import mix_seed
+from .dp_config import DEFAULT_TIMEOUT_S, GPU_TIMEOUT_S, collective_timeout, detect_platform, rank_config
+from .dp_messages import EXIT_TEST_HOOK, RankRequest, WorkerSpec
 from .dp_online import OnlineFrontEnd
-from .dp_worker import EXIT_TEST_HOOK, RankRequest, WorkerSpec, worker_main
+from .dp_worker import worker_main
 from .reports import ReportReceiver
+from .torchrun import CONNECTION_LOST, ConnSender, FrontEnd, host_cores, run_rank, torchrun_env
 
 log = logging.getLogger("deepinfer.dp")
 
-DEFAULT_TIMEOUT_S = 60.0       # collective timeout of CPU ranks (a hung peer fails after this)
-GPU_TIMEOUT_S = 900.0          # of GPU ranks: a rank may compile kernels for minutes while its peers wait
-                               # (a rank that dies is seen at once by the front end's polling either way)
 POLL_S = 0.1                   # how often the front end checks that the ranks are alive
 GRACE_S = 5.0                  # after a failure: how long the peers get to report theirs
 STOP_S = 10.0                  # close(): how long the ranks get to leave before they are killed
@@ -94,59 +99,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_config(config: EngineConfig) -> EngineConfig:
-    """The ranks' device and drafts resolved. One engine process (engine_process=True, data_parallel_size
-    1) keeps the options as they are: it is the in-process engine moved to a child. Several ranks run
-    where the options say (unset: the detected platform's device): 'cuda' puts rank r on GPU r of this
-    host, which must have that many; 'cpu' runs them all on the host's cores. Unset drafts are 0
-    (speculation under DP is asked for by number)."""
-    dp = config.parallel.data_parallel_size
-    if dp == 1:
-        return config
-    device = config.model.device
-    if device is None:
-        platform = _platform()
-        device = platform.device_type
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"data_parallel_size={dp}: the detected platform is {platform.name!r} (device "
-                             f"{device!r}), which has no data-parallel ranks yet; allowed: device='cuda' or 'cpu'")
-    if device == "cuda":
-        check_gpu_count(dp)
-    drafts = config.speculative.num_speculative_tokens or 0
-    if config.parallel.enable_ep_cuda_graphs:
-        if device != "cuda":
-            raise ValueError(f"enable_ep_cuda_graphs=True with device={device!r}: CUDA graphs need GPU ranks; "
-                             "allowed: device='cuda', or enable_ep_cuda_graphs=False")
-        if config.model.enforce_eager:
-            raise ValueError("enable_ep_cuda_graphs=True with enforce_eager=True: one asks for CUDA graphs, the "
-                             "other forbids them; set one of them False")
-        if drafts:
-            raise ValueError(f"enable_ep_cuda_graphs=True with num_speculative_tokens={drafts}: the graphs cover "
-                             "decode steps only (verify steps would run eagerly, and the ranks must agree on "
-                             "every step's kind); allowed: num_speculative_tokens=0")
-    return config.replace(device=device, num_speculative_tokens=drafts)
-
-
-def check_gpu_count(dp: int, available: int | None = None) -> None:
-    """Rank r runs on GPU r: a host with fewer GPUs (as CUDA_VISIBLE_DEVICES shows them) is refused at
-    once, before any rank starts."""
-    if available is None:
-        import torch
-        available = torch.cuda.device_count()
-    if available < dp:
-        raise ValueError(f"data_parallel_size={dp} with device='cuda' needs {dp} GPUs (rank r on GPU r); "
-                         f"this process sees {available} (CUDA_VISIBLE_DEVICES); allowed: data_parallel_size <= "
-                         f"{available}, or device='cpu'")
-
-
-def _platform():
-    from ..plugins import get_plugin_manager
-    return get_plugin_manager().detect_platform()
-
-
 def _exit_text(code: int | None) -> str:
     if code is None:
         return "still running"
+    if code == CONNECTION_LOST:            # a rank in another torchrun process
+        return "connection lost"
     if code < 0:
         import signal
         try:
@@ -166,7 +123,10 @@ class DataParallelLLM(OnlineFrontEnd):
     lockstep vote). `num_redundant_experts`: extra physical slots (replicas), rounded up so every rank gets
     as many; `enable_eplb` and its window/interval go to the ranks in `config.parallel`. Every option
     applies to every rank (each rank has its own state cache of that size).
-    Use as a context manager or call `close()`: the ranks are processes."""
+    Use as a context manager or call `close()`: the ranks are processes. With `launcher='torchrun'` each
+    torchrun process constructs it: on global rank 0 it is the front end, on every other rank the
+    constructor runs that rank's engine until the front end stops it, then raises SystemExit(0) (the
+    code after it runs on rank 0 only; torchrun.py)."""
 
     def __init__(self, model: str | None = None, data_parallel_size: int = 2,
                  enable_expert_parallel: bool | None = None, timeout_s: float | None = None, **options: Any):
@@ -189,9 +149,14 @@ class DataParallelLLM(OnlineFrontEnd):
                                       or not timeout_s > 0):
             raise ValueError(f"timeout_s={timeout_s!r}; allowed: a number of seconds > 0, or None (= "
                              f"{DEFAULT_TIMEOUT_S:g} on CPU ranks, {GPU_TIMEOUT_S:g} on GPU ranks)")
-        config = _rank_config(config)
-        if timeout_s is None:
-            timeout_s = GPU_TIMEOUT_S if config.model.device == "cuda" else DEFAULT_TIMEOUT_S
+        torchrun = self._torchrun = None
+        if config.parallel.launcher == "torchrun":
+            torchrun = self._torchrun = torchrun_env(os.environ, config.parallel.data_parallel_size)
+            if torchrun.rank != 0:       # this process runs one rank's engine (the front end's spec), then exits
+                device = config.model.device or detect_platform().device_type
+                run_rank(torchrun, timeout_s or collective_timeout(device))
+        config = rank_config(config, torchrun.local_world_size if torchrun else None)
+        timeout_s = timeout_s or collective_timeout(config.model.device)
         if config.model.model is None:
             from ..tools.bundled_model import bundled_tiny_model_dir
             config = config.replace(model=str(bundled_tiny_model_dir()))
@@ -200,7 +165,7 @@ class DataParallelLLM(OnlineFrontEnd):
         # max_model_len resolved as LLM resolves it (the ranks' LLMs resolve it again, to the same value)
         self.config = config.with_model_limit(self.model_config.max_position_embeddings)
         self.world = config.parallel.data_parallel_size
-        self.device = config.model.device or _platform().device_type   # where the ranks' engines run
+        self.device = config.model.device or detect_platform().device_type   # where the ranks' engines run
         self.tokenizer = load_tokenizer(self.model_dir, config.model.tokenizer)
         self._request_counter = 0
         self._exit_at: tuple[int, int] | None = None      # test hook: (rank, lockstep iteration)
@@ -211,26 +176,43 @@ class DataParallelLLM(OnlineFrontEnd):
 
     # ---- processes -----------------------------------------------------------------------------
     def _start(self, timeout_s: float) -> None:
+        """Spawn this host's ranks (all, or under torchrun rank 0 only: the others connect, torchrun.py)."""
         ctx = mp.get_context("spawn")
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores // self.world)          # the ranks share this host's cores
-        self._results = ReportReceiver(ctx, self.world)
-        self._commands = [ctx.Queue() for _ in range(self.world)]
+        torchrun = self._torchrun
+        front = None if torchrun is None else FrontEnd(torchrun, timeout_s)     # listening before rank 0 starts
+        spawned = self.world if torchrun is None else 1
+        init = f"tcp://127.0.0.1:{_free_port()}" if torchrun is None else "env://"
+        threads = max(1, host_cores() // (torchrun.local_world_size if torchrun else self.world))   # shared cores
+        self._results = ReportReceiver(ctx, spawned)
+        self._commands = [ctx.Queue() for _ in range(spawned)]
         self._procs = []
-        for rank in range(self.world):
-            par = self.config.parallel
-            spec = WorkerSpec(rank, self.world, init, str(self.model_dir), self.config, par.enable_expert_parallel,
-                              par.num_redundant_experts, timeout_s, threads)
+        for rank in range(spawned):
+            spec = self._spec(rank, torchrun.local_rank if torchrun else rank, threads, init, timeout_s)
             args = (spec, self._commands[rank], self._results.senders[rank])
             proc = ctx.Process(target=worker_main, args=args, name=f"deepinfer-dp{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
         self._results.started()
+        if front is not None:
+            try:
+                make_spec = partial(self._spec, init=init, timeout_s=timeout_s)
+                remotes = front.connect(make_spec, self._check_alive, timeout_s)
+            except BaseException:
+                self._kill()
+                raise
+            for remote in remotes:
+                self._commands.append(ConnSender(remote.conn))
+                self._procs.append(remote)
+                self._results.add(remote.conn, remote.lost)
         for rank, msg in self._wait("ready").items():
             self._rank_gauges[rank] = msg[2]
         log.info("data parallel: %d ranks ready (enable_expert_parallel=%s, enable_eplb=%s)", self.world,
                  self.config.parallel.enable_expert_parallel, self.config.parallel.enable_eplb)
+
+    def _spec(self, rank: int, local_rank: int, threads: int, init: str, timeout_s: float) -> WorkerSpec:
+        par = self.config.parallel
+        return WorkerSpec(rank, self.world, init, str(self.model_dir), self.config, par.enable_expert_parallel,
+                          par.num_redundant_experts, timeout_s, threads, local_rank)
 
     def _wait(self, kind: str) -> dict[int, tuple]:
         """One `kind` message from every rank; a rank's error or death raises (see `_fail`)."""

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..api.sampling_params import SamplingParams
 from ..ops.sampler import mix_seed
-from .dp_worker import IdleReport, RankRequest, RankStats, StepReport
+from .dp_messages import IdleReport, RankRequest, RankStats, StepReport
 
 POLL_S = 0.1  # longest wait of one `step` (then the caller drains its own commands) and liveness poll
 

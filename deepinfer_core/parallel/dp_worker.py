@@ -37,122 +37,21 @@ Invariants this keeps:
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import signal
+import sys
+import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
 
-from ..api.sampling_params import SamplingParams
-from ..engine_config import EngineConfig
+from .dp_messages import EXIT_TEST_HOOK, IdleReport, RankStats, StepReport, WorkerSpec
 from .ep_comm import EPCommError
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a spawned rank needs (pickled to the child)."""
-
-    rank: int
-    world_size: int
-    init_method: str              # tcp://host:port of the rendezvous
-    model_dir: str
-    config: EngineConfig          # resolved once by the front end (device cpu or cuda, drafts unset = 0)
-    expert_parallel: bool
-    num_redundant_experts: int
-    timeout_s: float              # collective timeout: a hung peer becomes an error after this
-    num_threads: int              # torch intra-op threads of this rank (ranks share the host's cores)
-
-
-@dataclass(frozen=True)
-class RankRequest:
-    """One request as the front end resolved it (ids tokenized, seed derived), for one rank's engine."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int
-    stream: bool = True           # per-step deltas (the server); False: only the finished output (generate)
-
-
-@dataclass
-class RankStats:
-    """What one rank did in the last generate call (tests, logs)."""
-
-    rank: int
-    num_requests: int = 0
-    iterations: int = 0           # lockstep iterations (equal on every rank by construction)
-    forwards: int = 0             # engine steps that launched a model forward
-    idle_forwards: int = 0        # placeholder MoE passes (iterations without a forward of its own)
-    ep_graph_steps: int = 0       # iterations all ranks replayed one decode graph (enable_ep_cuda_graphs)
-    num_preemptions: int = 0      # the scheduler's count over this rank's lifetime
-    seconds: float = 0.0
-    # speculative decoding (num_speculative_tokens > 0), during this call: the engine's SpecMetrics deltas
-    spec_verify_steps: int = 0            # verifications (one per verify chunk)
-    spec_drafted_tokens: int = 0
-    spec_verified_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_proposer: str = ""               # the drafter's class (MTP: "" = the speculator's own MTP drafting)
-    # VARLEN (enable_mtp_varlen): the step-time table every rank schedules with, the lengths chosen this call
-    varlen_ms: list[list[float]] = field(default_factory=list)
-    varlen_chosen: list[int] = field(default_factory=list)
-    # EPLB (enable_eplb), during this call: rearrangements and what they moved on this rank
-    eplb_rearrangements: int = 0
-    eplb_layers_changed: int = 0          # summed over rearrangements
-    eplb_experts_received: int = 0        # expert copies received from other ranks
-    eplb_experts_sent: int = 0
-    eplb_bytes_received: int = 0
-    eplb_bytes_sent: int = 0
-    eplb_local_copies: int = 0            # slots filled from another slot of this rank
-    eplb_seconds: float = 0.0             # time spent in rearrangements (plan + moves)
-    eplb_placements: list[list[list[int]]] = field(default_factory=list)   # phys_to_log after each one
-    eplb_layer_pairs: list[int] = field(default_factory=list)  # (token, expert) pairs received per layer
-
-    def add_rearrangement(self, r) -> None:
-        """Counts one `eplb_runtime.Rearrangement` of this rank."""
-        m = r.moves
-        self.eplb_rearrangements += 1
-        self.eplb_layers_changed += m.layers_changed
-        self.eplb_experts_received += m.experts_received
-        self.eplb_experts_sent += m.experts_sent
-        self.eplb_bytes_received += m.bytes_received
-        self.eplb_bytes_sent += m.bytes_sent
-        self.eplb_local_copies += m.local_copies
-        self.eplb_seconds += r.seconds
-
-
-@dataclass
-class StepReport:
-    """What a rank sends after a lockstep iteration with news: its finished step's outputs and its state."""
-
-    rank: int
-    outputs: list[Any]                # RequestOutputs of the step (deltas of streamed requests)
-    refused: dict[str, str]           # request id -> why its constraint never became ready (finished, "abort")
-    invalid: dict[str, str]           # request id -> why add_request refused it (nothing runs)
-    load: int                         # waiting + running tokens of its unfinished sequences
-    gauges: dict[str, float]          # serve/metrics.py scheduler_gauges of its engine
-    consumed: int                     # counted commands it has applied so far
-
-
-@dataclass
-class IdleReport:
-    """Sent by every rank when the lockstep vote found no work anywhere: the run (wake .. idle) ended."""
-
-    rank: int
-    run: int                          # runs so far (the same on every rank: they leave at the same vote)
-    consumed: int
-    load: int
-    gauges: dict[str, float]
-    stats: RankStats
-
-
-EXIT_TEST_HOOK = 17
-# Commands that never start a run (nor count as consumed): the front end's wake bookkeeping ignores them.
-UNCOUNTED = ("stop", "exit_at")
 
 
 def _any_rank(flag: bool, group: dist.ProcessGroup | None, rank: int) -> bool:
@@ -342,9 +241,10 @@ class RankLoop:
 
 
 def rank_device(spec: WorkerSpec) -> torch.device:
-    """Where rank r runs: GPU r for device 'cuda' (one GPU per rank), else the CPU."""
+    """Where rank r runs: GPU `local_rank` of its node for device 'cuda' (one GPU per rank; the spawned
+    ranks' local rank is their rank), else the CPU."""
     if spec.config.model.device == "cuda":
-        return torch.device("cuda", spec.rank)
+        return torch.device("cuda", spec.local_rank)
     return torch.device("cpu")
 
 
@@ -363,8 +263,10 @@ def build_rank(spec: WorkerSpec):
     device = rank_device(spec)
     layout = ParallelLayout(world_size=spec.world_size, rank=spec.rank, data_parallel_size=spec.world_size,
                             expert_parallel=spec.expert_parallel)
+    # under torchrun (init_method env://) torch joins the agent's store; RANK / WORLD_SIZE must agree
+    env = os.environ if spec.init_method == "env://" else {}
     groups = init_process_groups(layout, backend="nccl" if device.type == "cuda" else "gloo",
-                                 init_method=spec.init_method, timeout_s=spec.timeout_s, device=device, env={},
+                                 init_method=spec.init_method, timeout_s=spec.timeout_s, device=device, env=env,
                                  graph_ep=spec.config.parallel.enable_ep_cuda_graphs)
     shard = None
     if spec.expert_parallel:
@@ -382,12 +284,32 @@ def build_rank(spec: WorkerSpec):
     return groups, llm
 
 
+def _exit_with_parent(rank: int) -> None:
+    """A spawned rank leaves at once when the front end's process dies without stopping it (SIGKILL, a
+    crash): blocked on its command queue it would otherwise outlive it (under torchrun the agent reaps
+    only the process it started). A torchrun rank has no multiprocessing parent: its connection's end
+    tells it the same (torchrun.py)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        print(f"deepinfer: data-parallel rank {rank}: the front end's process (pid {parent.pid}) died; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="deepinfer-dp-parent", daemon=True).start()
+
+
 def worker_main(spec: WorkerSpec, commands, results) -> None:
-    """Entry point of a spawned rank: build, say ready, then serve commands (`RankLoop`) until ("stop",).
+    """Entry point of a rank (a spawned process, or a torchrun process: torchrun.py): build, say ready, then
+    serve commands (`RankLoop`) until ("stop",). `commands`: get() / get_nowait(); `results`: put() / close().
     Messages to the front end: ("ready", rank, gauges), ("step", StepReport), ("idle", IdleReport),
     ("error", rank, text)."""
     # Ctrl-C reaches the whole process group: the front end decides when the ranks stop (close()).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent(spec.rank)
     torch.set_num_threads(spec.num_threads)
     groups = None
     try:
@@ -396,7 +318,7 @@ def worker_main(spec: WorkerSpec, commands, results) -> None:
             # from it, and a program using it can put a shared host's GPUs out of service
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-            torch.cuda.set_device(spec.rank)      # "cuda" (the config's device) is now this rank's GPU
+            torch.cuda.set_device(spec.local_rank)    # "cuda" (the config's device) is now this rank's GPU
         groups, llm = build_rank(spec)
         engine = llm.engine                    # sizes the state cache now: a bad budget fails at start-up
         if engine.varlen is not None:          # (profiled by llm.engine, every rank in step)

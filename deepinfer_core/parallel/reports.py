@@ -8,11 +8,16 @@ writes in the calling thread; the front end waits on all the ranks' pipes at onc
 
 Commands (front end -> rank) stay on queues: a large add (a whole `generate` batch) must never block the
 front end while its rank is blocked writing a report the front end is not reading yet.
+
+Ranks in other torchrun processes (launcher='torchrun', torchrun.py) report over their socket
+connection instead, added with `add`; their commands go the other way on the same connection, read on
+the rank by a thread of their own, so neither side's send waits on the other side's engine loop.
 """
 from __future__ import annotations
 
 import queue
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -40,6 +45,12 @@ class ReportReceiver:
         self._readers: list[Connection] = [r for r, _ in pairs]
         self.senders = [ReportSender(w) for _, w in pairs]
         self._ready: deque = deque()
+        self._on_end: dict[Connection, Callable[[], None]] = {}
+
+    def add(self, conn: Connection, on_end: Callable[[], None]) -> None:
+        """Read a remote rank's reports from `conn` too; `on_end()` runs when the connection ends."""
+        self._readers.append(conn)
+        self._on_end[conn] = on_end
 
     def started(self) -> None:
         """The ranks have their copies of the write ends: close ours (a dead rank's pipe then ends)."""
@@ -62,9 +73,13 @@ class ReportReceiver:
         return self.get(0.0)
 
     def _read(self, timeout: float) -> None:
+        self._readers = [c for c in self._readers if not c.closed]     # a remote rank's, closed by kill()
         for conn in wait(self._readers, timeout):
             try:
                 while conn.poll():
                     self._ready.append(conn.recv())
             except (EOFError, OSError):        # the rank is gone; its last messages are already read
                 self._readers.remove(conn)
+                on_end = self._on_end.pop(conn, None)
+                if on_end is not None:
+                    on_end()

@@ -4,7 +4,9 @@ Serves `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`, `/d
 and `/metrics` over the engine,
 which steps in a thread of its own (engine_loop.py). Without --model: DEEPINFER_HF_MODEL_DIR, else the
 bundled tiny model, as `LLM()`. `--data-parallel-size N [--enable-expert-parallel]`: N engine processes
-(CPU ranks over gloo, parallel/dp_engine.py), requests placed on the least-loaded rank.
+(CPU ranks over gloo, parallel/dp_engine.py), requests placed on the least-loaded rank; with
+`--launcher torchrun` one per torchrun process (the same command on every rank): global rank 0 serves,
+the others run their engines and exit 0 once it stops them.
 The engine runs in one child process on a CUDA device (`--no-engine-process`: a thread here instead):
 there the engine's host path is the bottleneck, and HTTP work in the same process would share its GIL
 (README Serve: 0.91 against 0.80 of offline throughput at concurrency 256 on the H200). On a CPU the

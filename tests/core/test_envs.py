@@ -35,6 +35,7 @@ INVALID = {
     "DEEPINFER_PLUGINS": "nvidia;ascend",
     "DEEPINFER_DISABLE_PLUGINS": "a b",
     "DEEPINFER_TRACE_PLUGINS": "10",
+    "DEEPINFER_DP_AUTHKEY": "too-short",
 }
 
 
@@ -48,10 +49,20 @@ def test_invalid_value_names_variable_value_and_allowed(name, tmp_path):
     with pytest.raises(envs.EnvError) as err:
         envs.read_settings({name: bad})
     msg = str(err.value)
-    assert name in msg and repr(bad) in msg
+    secret = envs.ENV_VARS[name].kind == "secret"
+    assert name in msg and (bad not in msg if secret else repr(bad) in msg)     # a secret is never printed
     assert "allowed: " + envs.ENV_VARS[name].allowed() in msg
     with pytest.raises(ValueError):  # EnvError is a ValueError; get() validates the same way
         envs.get(name, {name: bad})
+
+
+def test_a_secret_is_never_printed(monkeypatch, capsys):
+    secret = "a-secret-of-24-chars-xyz"
+    monkeypatch.setenv("DEEPINFER_DP_AUTHKEY", secret)
+    assert envs.get("DEEPINFER_DP_AUTHKEY") == secret and secret not in repr(envs.read_settings())
+    assert envs.main([]) == 0
+    out = capsys.readouterr().out
+    assert "DEEPINFER_DP_AUTHKEY='<set>'" in out and secret not in out
 
 
 def test_error_message_format():

@@ -419,6 +419,16 @@ TABLE: dict[str, Run | Skip] = {
     # Multi-GPU: data and expert parallelism
     'python -m deepinfer_core.generate --model /tmp/tiny-v4 --prompt "Hello" --max-tokens 8 --temperature 0 '
     "--data-parallel-size 2 --enable-expert-parallel --num-redundant-experts 2": Run(check_cli_data_parallel),
+    "python -m torch.distributed.run --standalone --nproc-per-node 2 -m deepinfer_core.generate --model /tmp/tiny-v4 "
+    '--prompt "Hello" --max-tokens 8 --temperature 0 --device cpu --data-parallel-size 2 --enable-expert-parallel '
+    "--launcher torchrun": Run(check_cli_data_parallel),  # rank 0 alone prints: one [request 0] block
+    "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 --master-port 29500 -m "
+    'deepinfer_core.generate --model /data/DeepSeek-V4-Flash --prompt "Hello" --data-parallel-size 16 '
+    "--enable-expert-parallel --launcher torchrun": Skip("needs two 8-GPU nodes; tests/parallel/test_torchrun.py "
+                                                         "simulates two nodes on one host on CPU"),
+    "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 --master-port 29500 -m "
+    "deepinfer_core.serve --model /data/DeepSeek-V4-Flash --data-parallel-size 16 --enable-expert-parallel "
+    "--launcher torchrun": Skip("needs two 8-GPU nodes, and a server runs until it is stopped"),
     "python -m deepinfer_core.serve --model /tmp/tiny-v4 --port 8000 --data-parallel-size 2 "
     "--enable-expert-parallel": Skip("a server runs until it is stopped; tests/serve/test_server_dp.py starts "
                                      "this one (deepinfer serve) and tests it"),

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from deepinfer_core.engine_config import EngineConfig
-from deepinfer_core.parallel import dp_engine
-from deepinfer_core.parallel.dp_engine import DataParallelLLM, check_gpu_count
+from deepinfer_core.parallel import dp_config
+from deepinfer_core.parallel.dp_config import check_gpu_count
+from deepinfer_core.parallel.dp_engine import DataParallelLLM
 from deepinfer_core.parallel.dp_worker import WorkerSpec, rank_device
 from deepinfer_core.parallel.expert_map import ExpertPlacement
 
@@ -33,14 +34,14 @@ def _spec(config: EngineConfig, rank: int) -> WorkerSpec:
 
 
 def test_unset_device_follows_the_detected_platform(monkeypatch):
-    monkeypatch.setattr(dp_engine, "_platform", lambda: FakePlatform("nvidia", "cuda"))
+    monkeypatch.setattr(dp_config, "detect_platform", lambda: FakePlatform("nvidia", "cuda"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    resolved = dp_engine._rank_config(_config())
+    resolved = dp_config.rank_config(_config())
     assert resolved.model.device == "cuda"
     assert resolved.speculative.num_speculative_tokens == 0      # unset drafts: none under DP
     # rank r on GPU r; the CPU ranks stay on the CPU
     assert [rank_device(_spec(resolved, r)) for r in range(2)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
-    cpu = dp_engine._rank_config(_config(device="cpu"))
+    cpu = dp_config.rank_config(_config(device="cpu"))
     assert cpu.model.device == "cpu" and rank_device(_spec(cpu, 1)) == torch.device("cpu")
 
 
@@ -48,7 +49,7 @@ def test_too_few_gpus_is_refused_before_any_rank_starts(monkeypatch, tiny_ckpt_d
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"data_parallel_size=2 with device='cuda' needs 2 GPUs .* sees 1 .*"
                                          r"allowed: data_parallel_size <= 1, or device='cpu'"):
-        dp_engine._rank_config(_config(device="cuda"))
+        dp_config.rank_config(_config(device="cuda"))
     check_gpu_count(4, available=4)          # enough: no error
     started = []
     monkeypatch.setattr(DataParallelLLM, "_start", lambda self, timeout_s: started.append(1))
@@ -58,10 +59,10 @@ def test_too_few_gpus_is_refused_before_any_rank_starts(monkeypatch, tiny_ckpt_d
 
 
 def test_a_platform_without_ranks_is_refused(monkeypatch):
-    monkeypatch.setattr(dp_engine, "_platform", lambda: FakePlatform("ascend", "npu"))
+    monkeypatch.setattr(dp_config, "detect_platform", lambda: FakePlatform("ascend", "npu"))
     with pytest.raises(ValueError, match=r"detected platform is 'ascend' \(device 'npu'\), which has no "
                                          r"data-parallel ranks yet; allowed: device='cuda' or 'cpu'"):
-        dp_engine._rank_config(_config())
+        dp_config.rank_config(_config())
 
 
 def test_gpu_ranks_get_the_gpu_timeout(monkeypatch, tiny_ckpt_dir):
@@ -73,7 +74,7 @@ def test_gpu_ranks_get_the_gpu_timeout(monkeypatch, tiny_ckpt_dir):
     DataParallelLLM(model, device="cuda", data_parallel_size=2)
     DataParallelLLM(model, device="cpu", data_parallel_size=2)
     DataParallelLLM(model, device="cpu", data_parallel_size=2, timeout_s=7.5)
-    assert got == [dp_engine.GPU_TIMEOUT_S, dp_engine.DEFAULT_TIMEOUT_S, 7.5]
+    assert got == [dp_config.GPU_TIMEOUT_S, dp_config.DEFAULT_TIMEOUT_S, 7.5]
     with pytest.raises(ValueError, match=r"timeout_s=0; allowed: a number of seconds > 0, or None"):
         DataParallelLLM(model, device="cpu", data_parallel_size=2, timeout_s=0)
 
@@ -93,8 +94,8 @@ def test_placement_to_device_is_a_copy():
 def test_ep_cuda_graph_refusals(monkeypatch, options, match):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=match):
-        dp_engine._rank_config(_config(enable_ep_cuda_graphs=True, **options))
-    resolved = dp_engine._rank_config(_config(enable_ep_cuda_graphs=True, device="cuda"))
+        dp_config.rank_config(_config(enable_ep_cuda_graphs=True, **options))
+    resolved = dp_config.rank_config(_config(enable_ep_cuda_graphs=True, device="cuda"))
     assert resolved.parallel.enable_ep_cuda_graphs
 
 
