@@ -499,8 +499,7 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/aot_sm90.py --kernels attention --block-m 64 --configs 8x2": Skip(
         "compiles for sm_90 (CPU, ~8 s); tests/benchmarks/test_aot_sm90.py runs it"),
     "python benchmarks/profile_step.py --kv-cache-dtype fp8 --label _kvfp8": Skip(GPU),
-    "python benchmarks/fp4_moe_bench.py": Skip(GPU + " (times the fused MoE compiled)"),
-    "python benchmarks/profile_step.py --cuda-core-moe 2": Skip(GPU),
+    "python benchmarks/fp4_moe_bench.py --reps 20 --gemv-rows 1,2,4 --gemv-tiles 32/32/4,64/64/4,32/32/2": Skip(GPU),
     "python benchmarks/aot_sm90.py --kernels fp8_gemm --configs 8x3 --block-m 128": Skip(
         "compiles for sm_90 (CPU, ~5 s); tests/benchmarks/test_aot_sm90.py runs it with and without --unspecialise"),
     "python benchmarks/profile_step.py --decode 1x4k,8x4k,64x4k --prefill 4k": Skip(GPU),
