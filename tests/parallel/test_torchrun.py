@@ -46,20 +46,8 @@ PROMPTS = ["To be, or not to be", "Friends, Romans, countrymen", "Now is the win
 MAX_TOKENS = 6
 JOB_TIMEOUT_S = 120
 DP_FLAGS = ["--data-parallel-size", "2", "--enable-expert-parallel", "--launcher", "torchrun", "--device", "cpu"]
-CLI_FLAGS = [
-    "--max-tokens",
-    str(MAX_TOKENS),
-    "--temperature",
-    "0",
-    "--ignore-eos",
-    "--no-progress",
-    "--dtype",
-    "float32",
-    "--no-simulate-qat",
-    "--batch-invariant",
-    "--num-speculative-tokens",
-    "0",
-]
+CLI_FLAGS = (f"--max-tokens {MAX_TOKENS} --temperature 0 --ignore-eos --no-progress --dtype float32 --no-simulate-qat "
+             "--batch-invariant --num-speculative-tokens 0").split()
 
 # Run by every torchrun process of the two-node jobs: argv = model, output file, what rank 0 does.
 SCRIPT = f"""
