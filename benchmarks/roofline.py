@@ -44,6 +44,18 @@ class Peaks:
     bf16: float = 790e12        # dense bf16 FLOP/s (measured-class figure, not the 989 datasheet)
     fp8: float = 1580e12        # dense FP8 FLOP/s (2 x bf16)
 
+    @classmethod
+    def for_device(cls, name: str) -> "Peaks":
+        """The H200's figures, with the HBM bandwidth of the part `name` (torch's device name) names:
+        the H100 SXM (HBM3) has the same tensor cores and 3.35 TB/s, the H100 NVL 3.9 TB/s, the H100
+        PCIe 2.0 TB/s and 756/989 of the SXM's clocks. Other names keep the H200's."""
+        if "H100" not in name:
+            return cls()
+        if "PCIe" in name:
+            scale = 756 / 989
+            return cls(2.0e12, cls.bf16 * scale, cls.fp8 * scale)
+        return cls(3.9e12 if "NVL" in name else 3.35e12)
+
 
 @dataclass
 class Cost:

@@ -90,9 +90,9 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--hf-max-tokens", type=int, default=8192, help="HF decode needs a real prefill of batch x context")
     h.add_argument("--hf-reps", type=int, default=3)
     p = ap.add_argument_group("peaks and output")
-    p.add_argument("--peak-bw", type=float, default=RL.Peaks.bw, help="HBM bytes/s")
-    p.add_argument("--peak-bf16", type=float, default=RL.Peaks.bf16, help="bf16 FLOP/s")
-    p.add_argument("--peak-fp8", type=float, default=RL.Peaks.fp8, help="FP8 FLOP/s")
+    p.add_argument("--peak-bw", type=float, default=None, help="HBM bytes/s (default: by GPU, roofline.Peaks.for_device)")
+    p.add_argument("--peak-bf16", type=float, default=None, help="bf16 FLOP/s (default: by GPU)")
+    p.add_argument("--peak-fp8", type=float, default=None, help="FP8 FLOP/s (default: by GPU)")
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--no-plot", action="store_true")
     return ap
@@ -291,7 +291,6 @@ def versions() -> dict:
 def main(argv: list[str] | None = None) -> dict:
     a = parser().parse_args(argv)
     a.t_start = t_start = time.perf_counter()
-    peaks = RL.Peaks(a.peak_bw, a.peak_bf16, a.peak_fp8)
     base, source = load_base_config(a.config, a.tiny)
     if a.vocab:
         base["vocab_size"] = a.vocab
@@ -307,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     full_ratios = [full_cfg.layer_ratio(i) for i in range(full_cfg.num_hidden_layers)]
     clock = Clock(dev)
     gpu = torch.cuda.get_device_name(torch.device(dev)) if clock.cuda else "cpu"
+    known = RL.Peaks.for_device(gpu)
+    peaks = RL.Peaks(a.peak_bw or known.bw, a.peak_bf16 or known.bf16, a.peak_fp8 or known.fp8)
     ops = built.ops_summary()
     print(f"[sweep] {gpu}: {a.layers}-layer model ({source}), ratios {ratios}, fp8 linear {ops['linear']['fp8']}, "
           f"attention {ops['attention']}, moe {ops['moe']}", flush=True)

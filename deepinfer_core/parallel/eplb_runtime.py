@@ -9,7 +9,8 @@ rank's forward or placeholder pass):
     the MoE method's per-slot receive counts of this iteration -> the load window (one step)
     if should_rearrange(iteration, interval):
         window [n, L, P] all-reduced (SUM) over the ranks -> logical load [n, L, E]
-        plan = policy(load)                      # the same pure float64 function on every rank
+        plan = keep_in_place(old, policy(load))  # the same pure float64 function on every rank, its bins
+                                                 # laid over the current slots (eplb_keep.py)
         check: every rank planned the same maps  # MIN == MAX all-reduce, else an error (never diverge)
         move_experts(old -> plan)                # weights over the EP group, bit-exact
         maps switched in place, window emptied   # slot ids of the old window mean other experts now
@@ -40,6 +41,7 @@ from torch import nn
 from .ep_comm import EPCommError
 from .ep_moe import EPMoEMethod, moe_layers
 from .eplb import ExpertLoadStats, imbalance, rank_load, rebalance, should_rearrange, slot_to_logical
+from .eplb_keep import keep_in_place
 from .expert_map import ExpertPlacement
 from .expert_move import MoveStats, move_experts
 from .groups import group_size_rank
@@ -117,7 +119,8 @@ class RuntimeEPLB:
         _all_reduce(counts, dist.ReduceOp.SUM, self.control, "window counts")
         old = self.placement.clone()
         load = slot_to_logical(counts, old)
-        new = self.policy(load, old.num_slots, old.num_slots // ep_size)
+        # the policy's bins laid over the current placement: same balance, fewer weights moved
+        new = keep_in_place(old, self.policy(load, old.num_slots, old.num_slots // ep_size), ep_size)
         _check_same_plan(new, self.control)
         moves = move_experts(self.layers, old, new, ep_rank, ep_size, self.group, self.method.slot_modules)
         self.placement.copy_(new)  # in place: the MoE method routes with the new maps from now on

@@ -50,6 +50,12 @@ def test_distinct_experts_and_peak_arithmetic():
     p = RL.Peaks()
     assert c.t_memory(p) == pytest.approx(1e-3) and c.t_compute(p) == pytest.approx(2e-3)
     assert c.to_dict(p)["bound"] == "compute" and c.t_floor(p) == pytest.approx(2e-3)
+    # the floors follow the GPU the sweep ran on (torch's device names)
+    assert RL.Peaks.for_device("NVIDIA H200") == p and RL.Peaks.for_device("cpu") == p
+    assert RL.Peaks.for_device("NVIDIA H100 80GB HBM3") == RL.Peaks(3.35e12, p.bf16, p.fp8)
+    assert RL.Peaks.for_device("NVIDIA H100 NVL").bw == 3.9e12
+    pcie = RL.Peaks.for_device("NVIDIA H100 PCIe")
+    assert pcie.bw == 2.0e12 and pcie.bf16 == pytest.approx(p.bf16 * 756 / 989)
 
 
 def test_decode_roofline_of_a_small_hca_layer_by_hand():
