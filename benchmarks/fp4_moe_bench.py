@@ -18,9 +18,9 @@ import statistics
 import torch
 from deepinfer_kernels.fp4_experts import Fp4Experts
 from deepinfer_kernels.moe import fused_moe, moe_tile_config, route_topk
+from roofline import Peaks
 
 from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block, quantize_fp8_block
-from roofline import Peaks
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -138,7 +138,7 @@ def main() -> None:
                     help="time eager calls (host launch gaps included) instead of CUDA-graph replays")
     args = ap.parse_args()
     dev, E, D, I, K = "cuda", args.experts, args.hidden, args.inter, args.topk
-    peak_bw = Peaks.for_device(torch.cuda.get_device_name()).bw       # the FP4 floor: the weights at this GPU's HBM rate
+    peak_bw = Peaks.for_device(torch.cuda.get_device_name()).bw     # FP4 floor: weights at this HBM rate
     gen = torch.Generator().manual_seed(0)
     forms = random_experts(E, D, I, args.spread, gen, dev)
     rows = []
