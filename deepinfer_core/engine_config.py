@@ -243,6 +243,9 @@ class ParallelOptions(_Section):
                                        BOOL)
     eplb_window_size: int = _opt(1000, "EPLB: the load statistics cover this many recent steps", _positive())
     eplb_step_interval: int = _opt(3000, "EPLB: steps between two rearrangements", _positive())
+    eplb_stat_interval: int = _opt(128, "EPLB: steps between two balance readings (moe_lb = sum over steps and "
+                                   "layers of the busiest rank's tokens / the ranks' mean, >= 1; logged and in "
+                                   "each rank's stats)", _positive())
     expert_parallel_size: int = _opt(1, "devices the routed experts are split over",
                                      _only(1, "set enable_expert_parallel instead: the experts are then split "
                                               "over the data_parallel_size ranks"))
@@ -273,7 +276,7 @@ class ParallelOptions(_Section):
             raise ValueError(f"num_redundant_experts={self.num_redundant_experts} needs enable_expert_parallel=True "
                              "(replicas are extra slots of the sharded experts); allowed without it: 0")
         defaults = {f.name: f.default for f in fields(self)}
-        for name in ("eplb_window_size", "eplb_step_interval"):
+        for name in ("eplb_window_size", "eplb_step_interval", "eplb_stat_interval"):
             if not self.enable_eplb and getattr(self, name) != defaults[name]:
                 raise ValueError(f"{name}={getattr(self, name)!r} needs enable_eplb=True; allowed without it: "
                                  f"{defaults[name]!r} (the default)")

@@ -78,6 +78,7 @@ class RankStats:
     eplb_seconds: float = 0.0  # time spent in rearrangements (plan + moves)
     eplb_placements: list[list[list[int]]] = field(default_factory=list)  # phys_to_log after each one
     eplb_layer_pairs: list[int] = field(default_factory=list)  # (token, expert) pairs received per layer
+    eplb_moe_lb: list[float] = field(default_factory=list)  # balance readings (eplb_stat_interval) this call
 
     def add_rearrangement(self, r) -> None:
         """Counts one `eplb_runtime.Rearrangement` of this rank."""

@@ -167,6 +167,7 @@ class RankLoop:
         t0 = time.perf_counter()
         idle_needed = self.groups.ep is not None     # a placeholder pass serves the other ranks' MoE rows
         pairs_before = eplb.pairs_per_layer.clone() if eplb is not None else None
+        readings_before = len(eplb.balance) if eplb is not None else 0
         spec_before = _spec_counts(engine)
         chosen_before = list(engine.varlen.chosen) if engine.varlen is not None else []
         vote = self.runner.step_vote
@@ -202,6 +203,7 @@ class RankLoop:
         self._report([], {})              # invalid adds of the last drain
         if eplb is not None:
             stats.eplb_layer_pairs = (eplb.pairs_per_layer - pairs_before).tolist()
+            stats.eplb_moe_lb = eplb.balance[readings_before:]
         stats.num_preemptions = engine.scheduler.num_preemptions
         if vote is not None:
             stats.ep_graph_steps = vote.graph_steps - graph_steps_before

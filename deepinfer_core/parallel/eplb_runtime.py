@@ -73,13 +73,16 @@ class RuntimeEPLB:
     window: int
     interval: int
     policy: Callable[[torch.Tensor, int, int], ExpertPlacement] = rebalance
+    stat_interval: int = 128  # balance telemetry: iterations per moe_lb reading (spec §6.1)
     iterations: int = field(default=0, init=False)
     history: list[Rearrangement] = field(default_factory=list, init=False)
+    balance: list[float] = field(default_factory=list, init=False)  # moe_lb of each stat_interval period
+    _step_tokens: torch.Tensor = field(init=False, repr=False)  # [stat_interval, L] this rank's pairs per step
     pairs_per_layer: torch.Tensor = field(init=False, repr=False)  # [L] int64, received pairs since start
     load: ExpertLoadStats = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("window", "interval"):
+        for name in ("window", "interval", "stat_interval"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"EPLB {name}={v!r}; allowed: an int >= 1")
@@ -88,6 +91,7 @@ class RuntimeEPLB:
             raise ValueError("EPLB: the MoE layers must be the placement's layers 0..L-1 in order")
         self.load = ExpertLoadStats(placement, min(self.window, self.interval))
         self.pairs_per_layer = torch.zeros(placement.num_layers, dtype=torch.int64)
+        self._step_tokens = torch.zeros(self.stat_interval, placement.num_layers, dtype=torch.int64)
         device = next(iter(self.layers[0].experts.buffers()), torch.empty(0)).device
         self.method.start_load_recording(device)
 
@@ -100,6 +104,7 @@ class RuntimeEPLB:
         its counts, and rearrange when the schedule says so (all ranks at the same iteration)."""
         local = self.method.take_load_counts().cpu()  # one small copy per iteration
         self.pairs_per_layer += local.sum(1)
+        self._step_tokens[self.iterations % self.stat_interval] = local.sum(1)
         placement = self.placement
         slots = placement.slots_of_rank(self.method.ep_rank, self.method.ep_size)
         full = torch.zeros(placement.num_layers, placement.num_slots, dtype=torch.int64)
@@ -107,9 +112,21 @@ class RuntimeEPLB:
         self.load.record_counts(full)
         self.load.end_step()
         self.iterations += 1
+        if self.iterations % self.stat_interval == 0:
+            self._read_balance()
         if not should_rearrange(self.iterations, self.interval):
             return None
         return self.rearrange()
+
+    def _read_balance(self) -> None:
+        """Telemetry (spec §6.1): the ranks' tokens per step and layer over the last `stat_interval`
+        iterations, gathered on every rank: moe_lb = Σ_(t,l) max_rank / Σ_(t,l) mean_rank (>= 1, 1 =
+        perfect; a period in which no token was routed reads 1)."""
+        ranks = _all_gather(self._step_tokens, self.control, "balance telemetry")  # [ep, N, L]
+        mean = ranks.double().mean(0).sum().item()
+        self.balance.append(ranks.amax(0).sum().item() / mean if mean > 0 else 1.0)
+        log.info("EPLB rank %d iterations %d-%d: moe_lb %.3f", self.method.ep_rank,
+                 self.iterations - self.stat_interval + 1, self.iterations, self.balance[-1])
 
     def rearrange(self) -> Rearrangement:
         """Plan on the all-reduced window, move the weights, switch the maps; every rank together."""
@@ -147,6 +164,18 @@ class RuntimeEPLB:
             done.seconds,
         )
         return done
+
+
+def _all_gather(t: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
+    """Every rank's `t`, stacked in rank order (a world of one: just `t`)."""
+    if group is None:
+        return t[None]
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(parts, t, group=group)
+    except RuntimeError as exc:
+        raise EPCommError(f"EPLB {what} all-gather failed: {exc}") from exc
+    return torch.stack(parts)
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None, what: str) -> None:
@@ -188,5 +217,11 @@ def runtime_eplb_from_config(
     if not isinstance(method, EPMoEMethod):
         raise ValueError("enable_eplb=True needs expert-parallel MoE layers (enable_expert_parallel=True)")
     return RuntimeEPLB(
-        method, moe_layers(model), group, control, window=par.eplb_window_size, interval=par.eplb_step_interval
+        method,
+        moe_layers(model),
+        group,
+        control,
+        window=par.eplb_window_size,
+        interval=par.eplb_step_interval,
+        stat_interval=getattr(par, "eplb_stat_interval", 128),
     )

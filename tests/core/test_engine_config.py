@@ -74,6 +74,8 @@ def test_every_field_refuses_a_bad_value_naming_the_field(clean_env, name):
     ({"num_redundant_experts": -1}, "num_redundant_experts=-1; allowed: an int >= 0"),
     ({"data_parallel_size": 2, "enable_expert_parallel": True, "eplb_step_interval": 10},
      "eplb_step_interval=10 needs enable_eplb=True; allowed without it: 3000"),
+    ({"data_parallel_size": 2, "enable_expert_parallel": True, "eplb_stat_interval": 16},
+     "eplb_stat_interval=16 needs enable_eplb=True; allowed without it: 128"),
     ({"eplb_window_size": 0}, "eplb_window_size=0; allowed: an int >= 1"),
     ({"expert_parallel_size": 2}, r"expert_parallel_size=2; allowed: 1 \(set enable_expert_parallel instead"),
     ({"speculative_config": {"num_speculative_tokens": 3}}, "speculative_config=.*use num_speculative_tokens"),

@@ -214,6 +214,7 @@ def test_dp_eplb_rearranges_while_generating_and_matches_one_process(dp_oracle, 
         enable_eplb=True,
         eplb_window_size=INTERVAL,
         eplb_step_interval=INTERVAL,
+        eplb_stat_interval=INTERVAL,
         timeout_s=TIMEOUT_S,
         **w.common,
         **w.tight,
@@ -237,3 +238,7 @@ def test_dp_eplb_rearranges_while_generating_and_matches_one_process(dp_oracle, 
     # load recorded on every layer (hash-routed 0-2 too): each token's top-k pairs once per layer
     per_layer = [sum(s.eplb_layer_pairs[k] for s in stats) for k in range(num_layers)]
     assert len(set(per_layer)) == 1 and per_layer[0] > 0, per_layer
+    # balance telemetry every INTERVAL iterations: the same readings on every rank, each >= 1
+    readings = stats[0].eplb_moe_lb
+    assert len(readings) == iterations // INTERVAL and all(s.eplb_moe_lb == readings for s in stats), stats
+    assert all(1.0 <= r <= world for r in readings), readings
