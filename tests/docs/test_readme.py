@@ -485,6 +485,8 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/backend_agreement.py": Skip(GPU + " (it compares CUDA with the CPU)"),
     "python benchmarks/backend_agreement.py --greedy cpu": Skip(
         "4 LLMs x 16 prompts x 32 tokens on the CPU (minutes); writes benchmarks/results/"),
+    "python benchmarks/eplb_moves.py": Skip("rewrites benchmarks/results/eplb_moves.json; tests/parallel/"
+                                            "test_eplb_keep.py runs its sequence (CPU, seconds)"),
     "python benchmarks/eplb_balance.py": Skip("rewrites benchmarks/results/eplb_balance.json; its generators and "
                                               "policies run in tests/parallel/test_eplb.py"),
     "python benchmarks/fp4_moe_replay.py --batch 256 --tokens 35,38,180": Skip(
