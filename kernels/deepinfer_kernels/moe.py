@@ -30,7 +30,7 @@ GEMV_TILES: dict[str, tuple[tuple[float, dict], ...]] = {
     "fp8": (),
 }
 # An override for both forms (benchmarks' --cuda-core-moe ROWS): None = GEMV_TILES; 0 = never; > 0 = up to
-# that many mean rows per expert, 1 row per program to 0.5 rows, then 2 to 3.0, then 4.
+# that many mean rows per expert, with GEMV_TILES["fp4"]'s settings (then 4 rows per program).
 GEMV_MAX_ROWS: float | None = None
 
 __all__ = ["expert_outputs", "fused_moe", "invariant_moe_config", "moe_tile_config", "route_topk"]
@@ -64,12 +64,12 @@ def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = 
 
 def _gemv_config(rows: float, fp4: bool) -> dict | None:
     if GEMV_MAX_ROWS is None:
-        return next((dict(cfg) for limit, cfg in GEMV_TILES["fp4" if fp4 else "fp8"] if rows <= limit), None)
-    if not 0 < rows <= GEMV_MAX_ROWS:
+        table = GEMV_TILES["fp4" if fp4 else "fp8"]
+    elif 0 < rows <= GEMV_MAX_ROWS:       # the override: FP4's settings, 4 rows per program beyond them
+        table = GEMV_TILES["fp4"] + ((float("inf"), {**GEMV_TILES["fp4"][-1][1], "gemv_rows": 4}),)
+    else:
         return None
-    m = 1 if rows <= 0.5 else 2 if rows <= 3.0 else 4
-    return dict(gemv_rows=m, block_n1=32, block_n2=32, num_warps1=2 if m == 1 else 4, num_warps2=2 if m == 1 else 4,
-                gemv_stages=1)
+    return next((dict(cfg) for limit, cfg in table if rows <= limit), None)
 
 
 def invariant_moe_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False,
