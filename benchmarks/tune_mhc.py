@@ -18,7 +18,7 @@ from deepinfer_kernels import mhc
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 HC, D, ITERS, EPS = 4, 4096, 20, 1e-6
-KNOBS = ("SPLIT_K", "BLOCK_K", "BLOCK_T", "EW_BLOCK_T", "COLLAPSE_BLOCK_D", "POST_BLOCK_D")
+KNOBS = ("SPLIT_K", "BLOCK_K", "BLOCK_T", "EW_BLOCK_T", "COLLAPSE_BLOCK_D", "POST_BLOCK_D", "COEFF_WARPS")
 VARIANTS = [      # the shipped constants first; each other row changes some of them
     {},
     {"SPLIT_K": 256},
@@ -26,7 +26,10 @@ VARIANTS = [      # the shipped constants first; each other row changes some of 
     {"SPLIT_K": 256, "BLOCK_K": 32},
     {"SPLIT_K": 512, "BLOCK_K": 128},
     {"BLOCK_T": 8},
-    {"BLOCK_T": 4},
+    {"BLOCK_T": 32},
+    {"COEFF_WARPS": 1},
+    {"COEFF_WARPS": 2},
+    {"BLOCK_T": 8, "COEFF_WARPS": 1},
     {"SPLIT_K": 256, "BLOCK_T": 8},
     {"EW_BLOCK_T": 1, "COLLAPSE_BLOCK_D": 1024, "POST_BLOCK_D": 512},
     {"EW_BLOCK_T": 2, "COLLAPSE_BLOCK_D": 512, "POST_BLOCK_D": 256},

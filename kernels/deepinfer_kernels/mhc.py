@@ -40,6 +40,7 @@ BLOCK_T = 4         # tokens per coefficient program (softmax + Sinkhorn on [BLO
 EW_BLOCK_T = 8      # tokens per collapse / post program
 COLLAPSE_BLOCK_D = 512   # D chunk of a collapse program: a [8, 512] tile per stream
 POST_BLOCK_D = 128       # D chunk of a post program: a [8, hc, 128] fp32 accumulator
+COEFF_WARPS = 4          # warps of a coefficient program (its tiles are [BLOCK_T, hc, hc]: tiny)
 PRECISION = "tf32x3"  # stage-1 product; "ieee" = CUDA-core fp32 FMA (slower, exact fp32 products)
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -227,7 +228,7 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
         BROADCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
     _mhc_coeff_kernel[(triton.cdiv(T, BLOCK_T),)](
         part, sq, scale, base, pre, post, comb, T, K, N, hc_eps, norm_eps, ITERS=max(iters, 1), NSPLIT=nsplit,
-        HC=hc, HC_P=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T, HEAD=head, num_warps=4)
+        HC=hc, HC_P=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T, HEAD=head, num_warps=COEFF_WARPS)
     block_d = min(triton.next_power_of_2(D), COLLAPSE_BLOCK_D)
     _mhc_collapse_kernel[(triton.cdiv(T, EW_BLOCK_T), triton.cdiv(D, block_d))](
         x, pre, y, T, D, x.stride(0), x.stride(1), y.stride(0), HC=hc, BLOCK_T=EW_BLOCK_T, BLOCK_D=block_d,
