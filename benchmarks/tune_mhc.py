@@ -18,7 +18,8 @@ from deepinfer_kernels import mhc
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 HC, D, ITERS, EPS = 4, 4096, 20, 1e-6
-KNOBS = ("SPLIT_K", "BLOCK_K", "BLOCK_T", "EW_BLOCK_T", "COLLAPSE_BLOCK_D", "POST_BLOCK_D", "COEFF_WARPS")
+KNOBS = ("SPLIT_K", "BLOCK_K", "BLOCK_T", "EW_BLOCK_T", "COLLAPSE_BLOCK_D", "POST_BLOCK_D", "COEFF_WARPS",
+         "FUSE_COEFF")
 VARIANTS = [      # the shipped constants first; each other row changes some of them
     {},
     {"SPLIT_K": 256},
@@ -30,6 +31,8 @@ VARIANTS = [      # the shipped constants first; each other row changes some of 
     {"COEFF_WARPS": 1},
     {"COEFF_WARPS": 2},
     {"BLOCK_T": 8, "COEFF_WARPS": 1},
+    {"FUSE_COEFF": True},
+    {"FUSE_COEFF": True, "EW_BLOCK_T": 4, "COLLAPSE_BLOCK_D": 256},
     {"SPLIT_K": 256, "BLOCK_T": 8},
     {"EW_BLOCK_T": 1, "COLLAPSE_BLOCK_D": 1024, "POST_BLOCK_D": 512},
     {"EW_BLOCK_T": 2, "COLLAPSE_BLOCK_D": 512, "POST_BLOCK_D": 256},

@@ -41,6 +41,7 @@ EW_BLOCK_T = 8      # tokens per collapse / post program
 COLLAPSE_BLOCK_D = 512   # D chunk of a collapse program: a [8, 512] tile per stream
 POST_BLOCK_D = 128       # D chunk of a post program: a [8, hc, 128] fp32 accumulator
 COEFF_WARPS = 4          # warps of a coefficient program (its tiles are [BLOCK_T, hc, hc]: tiny)
+FUSE_COEFF = False       # stages 2 and 3 in one launch (`_mhc_coeff_collapse_kernel`): one launch less
 PRECISION = "tf32x3"  # stage-1 product; "ieee" = CUDA-core fp32 FMA (slower, exact fp32 products)
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -87,13 +88,13 @@ def _mix_partials_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, N, stride_xt, st
     tl.store(sq_ptr + offs_m.to(tl.int64) * nsplit + split, tl.sum(sq, axis=1), mask=m_ok)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _mhc_coeff_kernel(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, K, N, hc_eps,
-                      norm_eps, ITERS: tl.constexpr, NSPLIT: tl.constexpr, HC: tl.constexpr,
-                      HC_P: tl.constexpr, BLOCK_T: tl.constexpr, HEAD: tl.constexpr):
-    """BLOCK_T tokens: mix = (partials summed over the splits) * rsqrt(mean square + eps) -> pre, and
-    unless HEAD post and the softmax + Sinkhorn comb. Every reduction runs within one token."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+@triton.jit
+def _coefficients(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t, T, K, N, hc_eps, norm_eps,
+                  ITERS: tl.constexpr, NSPLIT: tl.constexpr, HC: tl.constexpr, HC_P: tl.constexpr,
+                  BLOCK_T: tl.constexpr, HEAD: tl.constexpr, WRITE: tl.constexpr):
+    """Tokens t [BLOCK_T]: mix = (partials summed over the splits) * rsqrt(mean square + eps) -> pre
+    [BLOCK_T, HC_P], returned; with WRITE it is stored, and unless HEAD post and the softmax + Sinkhorn
+    comb are computed and stored too. Every reduction runs within one token."""
     t_ok = t < T
     t64 = t.to(tl.int64)
     j = tl.arange(0, HC_P)
@@ -103,6 +104,7 @@ def _mhc_coeff_kernel(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, 
     jk = j[:, None] * HC + j[None, :]
     ok2 = j_ok[:, None] & j_ok[None, :]
     ok_tjk = t_ok[:, None, None] & ok2[None, :, :]
+    FULL: tl.constexpr = WRITE and not HEAD
     sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     m_pre = tl.zeros((BLOCK_T, HC_P), dtype=tl.float32)
     m_post = tl.zeros((BLOCK_T, HC_P), dtype=tl.float32)
@@ -111,14 +113,15 @@ def _mhc_coeff_kernel(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, 
         prow = part_ptr + (t64 * NSPLIT + s) * N
         sumsq += tl.load(sq_ptr + t64 * NSPLIT + s, mask=t_ok, other=0.0)
         m_pre += tl.load(prow[:, None] + j[None, :], mask=ok_tj, other=0.0)
-        if not HEAD:
+        if FULL:
             m_post += tl.load(prow[:, None] + HC + j[None, :], mask=ok_tj, other=0.0)
             m_c += tl.load(prow[:, None, None] + 2 * HC + jk[None, :, :], mask=ok_tjk, other=0.0)
     r = tl.rsqrt(sumsq / K + norm_eps)[:, None]
     b_pre = tl.load(base_ptr + j, mask=j_ok, other=0.0)
     pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + b_pre[None, :]) + hc_eps
-    tl.store(pre_ptr + t64[:, None] * HC + j[None, :], pre, mask=ok_tj)
-    if not HEAD:
+    if WRITE:
+        tl.store(pre_ptr + t64[:, None] * HC + j[None, :], pre, mask=ok_tj)
+    if FULL:
         b_post = tl.load(base_ptr + HC + j, mask=j_ok, other=0.0)
         post = 2.0 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + b_post[None, :])
         tl.store(post_ptr + t64[:, None] * HC + j[None, :], post, mask=ok_tj)
@@ -133,23 +136,66 @@ def _mhc_coeff_kernel(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, 
             c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)          # row
             c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)          # column (the last step)
         tl.store(comb_ptr + t64[:, None, None] * HC * HC + jk[None, :, :], c, mask=ok_tjk)
+    return pre
+
+
+@triton.jit(do_not_specialize=["T"])
+def _mhc_coeff_kernel(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, K, N, hc_eps,
+                      norm_eps, ITERS: tl.constexpr, NSPLIT: tl.constexpr, HC: tl.constexpr,
+                      HC_P: tl.constexpr, BLOCK_T: tl.constexpr, HEAD: tl.constexpr):
+    """Stage 2 alone: BLOCK_T tokens' pre, and unless HEAD their post and comb (`_coefficients`)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _coefficients(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t, T, K, N, hc_eps, norm_eps,
+                  ITERS, NSPLIT, HC, HC_P, BLOCK_T, HEAD, True)
+
+
+@triton.jit
+def _collapse_tile(x_ptr, y_ptr, pre, t, d, T, D, stride_xt, stride_xj, stride_yt, HC: tl.constexpr,
+                   HC_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
+    """y[t, d] = sum_j pre[t, j] * x[t, j, d], j in order, fp32; pre a [BLOCK_T, HC_P] tile."""
+    t = t.to(tl.int64)
+    ok = (t < T)[:, None] & (d < D)[None, :]
+    jj = tl.arange(0, HC_P)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(HC):
+        xj = tl.load(x_ptr + t[:, None] * stride_xt + j * stride_xj + d[None, :], mask=ok, other=0.0)
+        pre_j = tl.sum(tl.where(jj == j, pre, 0.0), axis=1)          # column j, exactly (the rest adds 0)
+        acc += pre_j[:, None] * xj.to(tl.float32)
+    if OUT_BF16:
+        acc = _round_bf16(acc)
+    tl.store(y_ptr + t[:, None] * stride_yt + d[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _mhc_collapse_kernel(x_ptr, pre_ptr, y_ptr, T, D, stride_xt, stride_xj, stride_yt, HC: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
-    """y[t, d] = sum_j pre[t, j] * x[t, j, d], j in order, fp32."""
-    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+                         HC_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Stage 3 alone, on the pre stage 2 stored."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    t_ok = t < T
-    ok = t_ok[:, None] & (d < D)[None, :]
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for j in tl.static_range(HC):
-        xj = tl.load(x_ptr + t[:, None] * stride_xt + j * stride_xj + d[None, :], mask=ok, other=0.0)
-        acc += tl.load(pre_ptr + t * HC + j, mask=t_ok, other=0.0)[:, None] * xj.to(tl.float32)
-    if OUT_BF16:
-        acc = _round_bf16(acc)
-    tl.store(y_ptr + t[:, None] * stride_yt + d[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+    j = tl.arange(0, HC_P)
+    pre = tl.load(pre_ptr + t.to(tl.int64)[:, None] * HC + j[None, :], mask=(t < T)[:, None] & (j < HC)[None, :],
+                  other=0.0)
+    _collapse_tile(x_ptr, y_ptr, pre, t, d, T, D, stride_xt, stride_xj, stride_yt, HC, HC_P, BLOCK_T, BLOCK_D,
+                   OUT_BF16)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _mhc_coeff_collapse_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, y_ptr,
+                               T, K, N, D, hc_eps, norm_eps, stride_xt, stride_xj, stride_yt, ITERS: tl.constexpr,
+                               NSPLIT: tl.constexpr, HC: tl.constexpr, HC_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                               BLOCK_D: tl.constexpr, HEAD: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Stages 2 and 3 in one launch (FUSE_COEFF): each (token block, D chunk) program sums its tokens'
+    partials into pre itself; the first D chunk's programs also store pre, post and comb."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if tl.program_id(1) == 0:
+        pre = _coefficients(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t, T, K, N, hc_eps,
+                            norm_eps, ITERS, NSPLIT, HC, HC_P, BLOCK_T, HEAD, True)
+    else:
+        pre = _coefficients(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t, T, K, N, hc_eps,
+                            norm_eps, ITERS, NSPLIT, HC, HC_P, BLOCK_T, HEAD, False)
+    _collapse_tile(x_ptr, y_ptr, pre, t, d, T, D, stride_xt, stride_xj, stride_yt, HC, HC_P, BLOCK_T, BLOCK_D,
+                   OUT_BF16)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -226,13 +272,22 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
         x, fn, part, sq, T, K, N, x.stride(0), fn.stride(0), BLOCK_M=BLOCK_M,
         BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, PRECISION=PRECISION,
         BROADCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
-    _mhc_coeff_kernel[(triton.cdiv(T, BLOCK_T),)](
-        part, sq, scale, base, pre, post, comb, T, K, N, hc_eps, norm_eps, ITERS=max(iters, 1), NSPLIT=nsplit,
-        HC=hc, HC_P=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T, HEAD=head, num_warps=COEFF_WARPS)
     block_d = min(triton.next_power_of_2(D), COLLAPSE_BLOCK_D)
-    _mhc_collapse_kernel[(triton.cdiv(T, EW_BLOCK_T), triton.cdiv(D, block_d))](
-        x, pre, y, T, D, x.stride(0), x.stride(1), y.stride(0), HC=hc, BLOCK_T=EW_BLOCK_T, BLOCK_D=block_d,
-        OUT_BF16=x.dtype == torch.bfloat16, num_warps=4)
+    hc_p = triton.next_power_of_2(hc)
+    stage2 = dict(ITERS=max(iters, 1), NSPLIT=nsplit, HC=hc, HC_P=hc_p, HEAD=head)
+    collapse_grid = (triton.cdiv(T, EW_BLOCK_T), triton.cdiv(D, block_d))
+    if FUSE_COEFF:
+        _mhc_coeff_collapse_kernel[collapse_grid](
+            x, part, sq, scale, base, pre, post, comb, y, T, K, N, D, hc_eps, norm_eps, x.stride(0), x.stride(1),
+            y.stride(0), **stage2, BLOCK_T=EW_BLOCK_T, BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16,
+            num_warps=4)
+        return y, post, comb
+    _mhc_coeff_kernel[(triton.cdiv(T, BLOCK_T),)](
+        part, sq, scale, base, pre, post, comb, T, K, N, hc_eps, norm_eps, **stage2, BLOCK_T=BLOCK_T,
+        num_warps=COEFF_WARPS)
+    _mhc_collapse_kernel[collapse_grid](
+        x, pre, y, T, D, x.stride(0), x.stride(1), y.stride(0), HC=hc, HC_P=hc_p, BLOCK_T=EW_BLOCK_T,
+        BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16, num_warps=4)
     return y, post, comb
 
 
