@@ -37,7 +37,7 @@ def _round_to_e4m3_grid(v):
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, n_groups,
-                      GROUP_SIZE: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr):
+                      GROUP_SIZE: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, VALUES: tl.constexpr):
     row = tl.program_id(0)
     g = tl.program_id(1)
     offs = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
@@ -46,8 +46,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, n_groups,
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR)
     s = _pow2_ceil(amax / QMAX)
     q = _round_to_e4m3_grid(tl.clamp(x / s, -QMAX, QMAX))
-    tl.store(q_ptr + row * stride_q + offs, q.to(tl.float8e4nv), mask=mask)
-    tl.store(s_ptr + row * n_groups + g, s)
+    if VALUES:      # q is on the e4m3 grid, so q * s is the stored pair's exact float32 value
+        tl.store(q_ptr + row * stride_q + offs, q * s, mask=mask)
+    else:
+        tl.store(q_ptr + row * stride_q + offs, q.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptr + row * n_groups + g, s)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,5 +64,20 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
     if M:
         _act_quant_kernel[(M, n_groups)](x, q, s, K, x.stride(0), q.stride(0), n_groups,
-                                         GROUP_SIZE=GROUP, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX)
+                                         GROUP_SIZE=GROUP, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, VALUES=False)
     return q, s
+
+
+def act_quant_values(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> float32 [M, K]: `act_quant`'s q * scale (exact: a power-of-two scale times an e4m3
+    value) in one launch, for the CUDA-core MoE kernels, which take their activations as float32."""
+    if x.dim() != 2:
+        raise ValueError(f"act_quant_values expects a 2-D tensor, got shape {tuple(x.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    M, K = x.shape
+    n_groups = triton.cdiv(K, GROUP)
+    v = torch.empty((M, K), dtype=torch.float32, device=x.device)
+    if M:
+        _act_quant_kernel[(M, n_groups)](x, v, v, K, x.stride(0), v.stride(0), n_groups,
+                                         GROUP_SIZE=GROUP, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, VALUES=True)
+    return v

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from .fp4_experts import Fp4Experts
-from .fp8_quant import act_quant
+from .fp8_quant import act_quant, act_quant_values
 from .moe_combine import moe_combine
 from .moe_gemm import Experts, moe_w2, moe_w13
-from .moe_gemv import dequant_rows, gemv_fits, gemv_w2, gemv_w13
+from .moe_gemv import gemv_fits, gemv_w2, gemv_w13
 from .moe_routing import expert_schedule, max_tiles, route_topk
 
 # The CUDA-core kernels (moe_gemv) by weight form: (mean rows per expert up to which, tile config), the
@@ -129,23 +129,22 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
     if "gemv_rows" in cfg and not gemv_fits(D, w13.shape[2], cfg["block_n1"], cfg["block_n2"]):
         cfg = moe_tile_config(T, K1, E1, wide_fp32=wide, cuda_cores=False)
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)     # stable: deterministic rows
+    if "gemv_rows" in cfg:      # float32 activations, QAT applied in the quantising launch itself
+        m = cfg["gemv_rows"]
+        sched = expert_schedule(sorted_ids, E1, (m, m))
+        a = gemv_w13(act_quant_values(x) if quant_in else x.to(compute_dtype), w13, s13, order, route_w, sched,
+                     max_tiles(n, E1, m), k1=K1, n_clamped=n_clamped if swiglu_limit > 0 else 0, limit=swiglu_limit,
+                     compute_dtype=compute_dtype, x_dtype=x.dtype, quant_out=quant_mid, rows=m,
+                     block_n=cfg["block_n1"], num_warps=cfg["num_warps1"], stages=cfg.get("gemv_stages", 1))
+        if quant_mid:
+            a = act_quant_values(a)
+        y = gemv_w2(a, w2, s2, order, sched, max_tiles(n, E1, m), out_dtype=compute_dtype, rows=m,
+                    block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], stages=cfg.get("gemv_stages", 1))
+        return y.view(T, K1, D)
     if quant_in:
         xq, xs = act_quant(x)
     else:
         xq, xs = x.to(compute_dtype), None
-    if "gemv_rows" in cfg:
-        m = cfg["gemv_rows"]
-        sched = expert_schedule(sorted_ids, E1, (m, m))
-        xe = dequant_rows(xq, xs) if quant_in else xq
-        a = gemv_w13(xe, w13, s13, order, route_w, sched, max_tiles(n, E1, m), k1=K1,
-                     n_clamped=n_clamped if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype,
-                     x_dtype=x.dtype, quant_out=quant_mid, rows=m, block_n=cfg["block_n1"],
-                     num_warps=cfg["num_warps1"], stages=cfg.get("gemv_stages", 1))
-        if quant_mid:
-            a = dequant_rows(*act_quant(a))
-        y = gemv_w2(a, w2, s2, order, sched, max_tiles(n, E1, m), out_dtype=compute_dtype, rows=m,
-                    block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], stages=cfg.get("gemv_stages", 1))
-        return y.view(T, K1, D)
     bm1, bm2 = cfg["block_m1"], cfg["block_m2"]
     sched = expert_schedule(sorted_ids, E1, (bm1, bm2))
     a, a_s = moe_w13(xq, xs, w13, s13, order, route_w, sched, max_tiles(n, E1, bm1), k1=K1, n_clamped=n_clamped

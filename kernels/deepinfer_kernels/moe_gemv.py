@@ -7,18 +7,18 @@ README). Here a program takes M rows of one expert (M = 1, 2 or 4) and BLOCK_N o
 is decoded (FP4) or widened (FP8) once in registers and multiplied into its M rows with fused
 multiply-adds: no shared memory in the loop, no padding to 16.
 
-Numerics: the activations come in as float32 values with their QAT scale applied (`dequant_rows`:
-e4m3 x 2^s, exact), every product of an e4m3 weight and such a value is exact in float32, and the
-weight block's scale (a power of two) multiplies each 128-deep block's partial sums, exactly. Each
-lane accumulates elementwise over the K loop and a fixed pairwise tree sums the lanes at the end
+Numerics: the activations come in as float32 values with their QAT scale applied
+(`fp8_quant.act_quant_values`: e4m3 x 2^s, exact), every product of an e4m3 weight and such a value
+is exact in float32, and the weight block's scale (a power of two) multiplies each 128-deep block's
+partial sums, exactly. Each lane accumulates elementwise over the K loop and a fixed pairwise tree sums the lanes at the end
 (`_tree_sum`): an order that does not depend on how Triton lays out the tiles, so FP4 experts give
 exactly the bits of their FP8 re-encoding here (the tensor-core tiles cannot promise that: their
 dots' operand layouts differ between the two forms). The sums' order differs from the tensor-core
 tiles', so the two paths agree to float32 rounding, not bit for bit.
 
 `gemv_w13` runs the tensor-core epilogue's steps up to its act_quant and writes w2's input
-unquantised; the caller quantises it with `fp8_quant.act_quant` (the epilogue's exact steps) and
-`dequant_rows` (the w2 programs are narrower than one 128-channel group, so none could do it alone).
+unquantised; the caller quantises it with `fp8_quant.act_quant_values` (the epilogue's exact steps; the
+w2 programs are narrower than one 128-channel group, so none could do it alone).
 """
 from __future__ import annotations
 
@@ -283,19 +283,12 @@ def _check_shape(name: str, rows: int, stages: int, D: int, I: int, block_n: int
                          f"I={I} multiples of {BLOCK_K} and of block_n={block_n}, which must divide {BLOCK_K}")
 
 
-def dequant_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 [n, K] values of act_quant's (e4m3 [n, K], float32 [n, K/128]) output: exact, since the
-    scales are powers of two."""
-    n, K = q.shape
-    return (q.float().view(n, K // BLOCK_K, BLOCK_K) * scale[:, :, None]).view(n, K)
-
-
 def gemv_w13(x: torch.Tensor, w13: Experts, s13: torch.Tensor, order: torch.Tensor, route_w: torch.Tensor,
              sched: torch.Tensor, n_tiles: int, *, k1: int, n_clamped: int, limit: float, compute_dtype: torch.dtype,
              x_dtype: torch.dtype, quant_out: bool, rows: int, block_n: int, num_warps: int = 4,
              stages: int = 1) -> torch.Tensor:
     """`moe_w13` on the CUDA cores (arguments as there; `rows`: the tile's M, the schedule's block_m;
-    x [T, D] float32 with its QAT scale applied (`dequant_rows`), or unquantised): w2's input [n, I],
+    x [T, D] float32 with its QAT scale applied (`act_quant_values`), or unquantised): w2's input [n, I],
     unquantised: in x_dtype with `quant_out` (the caller act_quant-s it), else in the compute dtype."""
     T, D = x.shape
     E1, _, I, _ = w13.shape

@@ -8,7 +8,7 @@ import torch
 
 from deepinfer_core.ops.quant import dequant_fp8_block, e8m0_to_float, fake_quant_fp8, quantize_fp8_block
 from deepinfer_kernels.fp8_gemm import fp8_gemm, tile_config
-from deepinfer_kernels.fp8_quant import act_quant
+from deepinfer_kernels.fp8_quant import act_quant, act_quant_values
 
 
 @pytest.mark.parametrize("M,K", [(1, 128), (7, 256), (33, 200), (3, 1000)])
@@ -24,6 +24,8 @@ def test_act_quant_equals_the_core_fake_quant_bit_for_bit(kdev, M, K):
     deq = q.float().cpu() * s.cpu().repeat_interleave(128, 1)[:, :K]
     want = fake_quant_fp8(x.float(), 128)
     assert torch.equal(deq, want)
+    values = act_quant_values(x.to(kdev))           # the same values in one launch (the CUDA-core MoE's)
+    assert values.dtype == torch.float32 and torch.equal(values.cpu(), want)
 
 
 def fp8_tolerance(device: str) -> float:
