@@ -95,24 +95,27 @@ mov.b32 $1, {q2, q3};
 # (a | a >> 12 puts byte 2's bits at nibble 1 and byte 3's at nibble 3); prmt looks up the LUT words
 # ($3 = magnitudes 0-3, $7 = 4-7; the other packed copies $4-$6, $8-$10 are the same words); the sign
 # bits (3 and 7 of each byte) are moved to bit 7 and or-ed in. 13 instructions for eight weights.
-_DECODE_ASM = tl.constexpr("""
-{
-.reg .b32 w, a, s, o;
-prmt.b32 w, $2, 0, 0x3120;
+def decode_ptx(code: str, lut_a: str, lut_b: str, even: str, odd: str) -> str:
+    """The byte-permute decode of one code word into its even / odd e4m3 words, as PTX over the named
+    registers (temporaries w, a, s, o: the caller declares them)."""
+    return f"""
+prmt.b32 w, {code}, 0, 0x3120;
 and.b32 a, w, 0x07070707;
 shr.b32 s, a, 12;
 or.b32 a, a, s;
-prmt.b32 o, $3, $7, a;
-shl.b32 s, $2, 4;
-lop3.b32 $0, o, s, 0x80808080, 0xF8;
+prmt.b32 o, {lut_a}, {lut_b}, a;
+shl.b32 s, {code}, 4;
+lop3.b32 {even}, o, s, 0x80808080, 0xF8;
 shr.b32 a, w, 4;
 and.b32 a, a, 0x07070707;
 shr.b32 s, a, 12;
 or.b32 a, a, s;
-prmt.b32 o, $3, $7, a;
-lop3.b32 $1, o, $2, 0x80808080, 0xF8;
-}
-""")
+prmt.b32 o, {lut_a}, {lut_b}, a;
+lop3.b32 {odd}, o, {code}, 0x80808080, 0xF8;
+"""
+
+
+_DECODE_ASM = tl.constexpr("{\n.reg .b32 w, a, s, o;" + decode_ptx("$2", "$3", "$7", "$0", "$1") + "}\n")
 
 
 @triton.jit
@@ -173,6 +176,13 @@ def fp4_rows(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BL
     codes = tl.reshape(tl.join(b & 0xF, b >> 4), (BLOCK_N, BLOCK_K))    # input 2j: low nibble of byte j
     t16 = shift.to(tl.int16)
     t = tl.reshape(tl.broadcast_to(t16[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+    return code_e4m3(codes, t)
+
+
+@triton.jit
+def code_e4m3(codes, t):
+    """e2m1 codes (int16) times 2^t (int16, same shape) as e4m3, by integer work on each code (the
+    interpreter's decode; `fp4_rows` says how)."""
     c7 = codes & 7
     u = tl.where(c7 < 2, c7 * 48, c7 * 4 + 48)       # e4m3 bits of 0, .5, 1, 1.5, 2, 3, 4, 6
     f = (u >> 3) + t

@@ -18,6 +18,8 @@ from .fp8_quant import act_quant, act_quant_values
 from .moe_combine import moe_combine
 from .moe_gemm import Experts, moe_w2, moe_w13
 from .moe_gemv import gemv_fits, gemv_w2, gemv_w13
+from .moe_mma import ROWS as MMA_ROWS
+from .moe_mma import mma_fits, mma_w2, mma_w13
 from .moe_routing import expert_schedule, max_tiles, route_topk
 
 # The CUDA-core kernels (moe_gemv) by weight form: (mean rows per expert up to which, tile config), the
@@ -128,7 +130,18 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
     cfg = dict(config or moe_tile_config(T, K1, E1, wide_fp32=wide, fp4=fp4))
     if "gemv_rows" in cfg and not gemv_fits(D, w13.shape[2], cfg["block_n1"], cfg["block_n2"]):
         cfg = moe_tile_config(T, K1, E1, wide_fp32=wide, cuda_cores=False)
+    if "mma_warps" in cfg and not (quant_in and quant_mid and mma_fits(D, w13.shape[2])):
+        cfg = moe_tile_config(T, K1, E1, wide_fp32=wide, cuda_cores=False)     # FP8 activations only
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)     # stable: deterministic rows
+    if "mma_warps" in cfg:      # FP8 activations on mma.sync fragments built in registers
+        sched = expert_schedule(sorted_ids, E1, (MMA_ROWS, MMA_ROWS))
+        tiles, warps, stages = max_tiles(n, E1, MMA_ROWS), cfg["mma_warps"], cfg.get("mma_stages", 1)
+        a = mma_w13(*act_quant(x), w13, s13, order, route_w, sched, tiles, k1=K1, n_clamped=n_clamped
+                    if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype, x_dtype=x.dtype,
+                    num_warps=warps, stages=stages)
+        y = mma_w2(*act_quant(a), w2, s2, order, sched, tiles, out_dtype=compute_dtype, num_warps=warps,
+                   stages=stages)
+        return y.view(T, K1, D)
     if "gemv_rows" in cfg:      # float32 activations, QAT applied in the quantising launch itself
         m = cfg["gemv_rows"]
         sched = expert_schedule(sorted_ids, E1, (m, m))

@@ -1,0 +1,303 @@
+"""The fused MoE's grouped GEMMs at decode sizes on FP8 `mma.sync` with the operands built in registers
+(W4A8 for FP4 experts, W8A8 for FP8 ones: FP8 activations, the QAT numerics).
+
+The CUDA-core kernels (`moe_gemv`) spend ~9 instructions per FP4 weight (decode, widen to float32, one
+multiply-add per row); the tensor-core tiles (`moe_gemm`) pass each decoded tile through shared memory
+into the MMA layout. Here each thread loads exactly the bytes its `mma.sync.m16n8k32.e4m3` fragments
+hold, decodes them in place (`fp4_experts.decode_ptx`) and issues the MMA itself (inline PTX): no
+shared memory, about 3 instructions per weight, and one MMA serves up to 8 rows (tokens) of an expert.
+
+The fragments. A warp computes 16 weight rows (n, n + 8 for lane group g = lane / 4) against the
+tile's 8 rows (the MMA's N; token g feeds lane group g). Within a 128-deep block, lane q = lane % 4
+holds inputs 32q..32q+31 of its rows: one FP4 scale group, 16 code bytes or 32 FP8 bytes, one 16-byte
+load per row. MMA step j of the block takes inputs 32q + 8j .. +7 of every lane: their even inputs
+are the fragment's columns 4q..4q+3 and the odd ones columns 4q+16..4q+19, for the weights and the
+activations alike, so each step sums the same products whatever the weights' form. The e4m3 operands
+are those of the load-time FP8 re-encoding (each group decoded with its own scale, exact), so FP4 and
+FP8 experts give the same bits. The block's sums are then scaled by the weight block's scale times
+the activation's (powers of two) and accumulated in float32.
+
+Under Triton's interpreter (CI) inline PTX cannot run: the same loads feed an emulation that forms
+the same fragments' products and sums them in its own order (FP4 = FP8 bits there too; compiled and
+interpreted agree to float32 rounding). `mma.sync` on e4m3 needs sm_89+ (Ada, Hopper, Blackwell).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp4_experts import _LUT_ASM, code_e4m3, decode_ptx
+from .moe_gemm import TL_DTYPES, Experts, _check_experts, _find_tile, _interpreted, _round, swiglu
+from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
+
+BLOCK_K = 128           # the quantisation block
+ROWS = 8                # tile rows (tokens) per program: the MMA's N
+_TILE1 = tl.constexpr(TILE1_BEGIN)
+_TILE2 = tl.constexpr(TILE2_BEGIN)
+_ROWS = tl.constexpr(ROWS)
+_BK = tl.constexpr(BLOCK_K)
+
+_MMA = "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {g0, h0, g1, h1}, {b0, b1}, " \
+       "{$0, $1, $2, $3};"
+
+
+def _split(dst_even: str, dst_odd: str, lo: str, hi: str) -> str:
+    """Eight bytes (two words, inputs k..k+7) to their even and odd inputs' words."""
+    return f"prmt.b32 {dst_even}, {lo}, {hi}, 0x6420;\nprmt.b32 {dst_odd}, {lo}, {hi}, 0x7531;\n"
+
+
+def _block_ptx(fp4: bool) -> str:
+    """One 128-deep block: four MMA steps into the block's sums $0-$3 (float32: rows n / n + 8 times
+    tile rows 2q / 2q + 1). FP4 operands: $4-$7 / $8-$11 the code words of rows n / n + 8 (word j:
+    inputs 32q + 8j..+7), $12-$15 their lookup tables (A, B of row n, then of row n + 8),
+    $16-$23 the activation words (inputs 32q..32q+31 of token g). FP8: $4-$11 / $12-$19 the weight
+    words of rows n / n + 8, $20-$27 the activation words."""
+    act_base = 16 if fp4 else 20
+
+    def act(w: int) -> str:
+        return f"${act_base + w}"
+
+    text = ["{", ".reg .b32 w, a, s, o, g0, g1, h0, h1, b0, b1;"]
+    text += [f"mov.b32 ${i}, 0;" for i in range(4)]
+    for j in range(4):
+        if fp4:
+            text.append(decode_ptx(f"${4 + j}", "$12", "$13", "g0", "g1"))
+            text.append(decode_ptx(f"${8 + j}", "$14", "$15", "h0", "h1"))
+        else:
+            text.append(_split("g0", "g1", f"${4 + 2 * j}", f"${5 + 2 * j}"))
+            text.append(_split("h0", "h1", f"${12 + 2 * j}", f"${13 + 2 * j}"))
+        text.append(_split("b0", "b1", act(2 * j), act(2 * j + 1)))
+        text.append(_MMA)
+    return "\n".join(text + ["}"])
+
+
+_FP4_BLOCK = tl.constexpr(_block_ptx(True))
+_FP8_BLOCK = tl.constexpr(_block_ptx(False))
+_FP4_ARGS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 20))
+_FP8_ARGS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 24))
+
+
+@triton.jit
+def _e4m3_values(lo, hi, NT: tl.constexpr):
+    """[NT, 4] + [NT, 4] words (32 e4m3 bytes per thread, in input order) -> [NT, 32] float32."""
+    words = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (NT, 8))
+    b = (words[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF
+    return tl.reshape(b, (NT, 32)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp4_values(codes, t, NT: tl.constexpr):
+    """[NT, 4] code words (inputs 32q..32q+31 of one row, the low nibble first) and the group's
+    shift [NT] -> [NT, 32] float32: the e4m3 values of the re-encoding."""
+    nib = (codes[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    nib = tl.reshape(nib, (NT, 32)).to(tl.int16)
+    return code_e4m3(nib, tl.broadcast_to(t.to(tl.int16)[:, None], (NT, 32))).to(tl.float32)
+
+
+@triton.jit
+def _mma_emulated(wn, w8, x, NW: tl.constexpr):
+    """What the four MMA steps compute, from each lane's [32] weights of rows n and n + 8 and [32]
+    activations of token g: the warp's [16 rows, 8 tokens] sums, handed back in the accumulator
+    fragments' places ([32 * NW, 4]: rows n / n + 8 times tokens 2q / 2q + 1)."""
+    x4 = tl.reshape(x, (NW, 1, 8, 4, 32))                     # (warp, -, token, q, input)
+    wn4 = tl.reshape(wn, (NW, 8, 1, 4, 32))                    # (warp, g, -, q, input)
+    dn = tl.sum(tl.sum(wn4 * x4, axis=4), axis=3)               # [NW, 8 rows, 8 tokens]
+    d8 = tl.sum(tl.sum(tl.reshape(w8, (NW, 8, 1, 4, 32)) * x4, axis=4), axis=3)
+    dn = tl.reshape(dn, (32 * NW, 2))                           # lane (g, q): tokens 2q, 2q + 1
+    d8 = tl.reshape(d8, (32 * NW, 2))
+    return tl.reshape(tl.permute(tl.join(dn, d8), (0, 2, 1)), (32 * NW, 4))
+
+
+@triton.jit
+def _sums_fp4(pn, p8, gn, g8, kb, block_exp, act_lo, act_hi, el, NW: tl.constexpr, PRMT: tl.constexpr):
+    """One FP4 expert's block kb: [32 * NW, 4] sums. pn / p8: the code words of rows n / n + 8 at
+    lane q's inputs of block 0; gn / g8: their scale bytes (group q of block 0)."""
+    codes_n = tl.load(pn[:, None] + kb * 16 + el)
+    codes_8 = tl.load(p8[:, None] + kb * 16 + el)
+    t_n = tl.load(gn + kb * 4).to(tl.int32) - block_exp
+    t_8 = tl.load(g8 + kb * 4).to(tl.int32) - block_exp
+    if PRMT:
+        t = tl.where(el < 2, t_n[:, None], t_8[:, None])
+        lut = tl.inline_asm_elementwise(_LUT_ASM, "=r,=r,r,r", [t], dtype=tl.uint32, is_pure=True, pack=2)
+        d = tl.inline_asm_elementwise(_FP4_BLOCK, _FP4_ARGS, [codes_n, codes_8, lut, act_lo, act_hi],
+                                      dtype=tl.uint32, is_pure=True, pack=4)
+        return d.to(tl.float32, bitcast=True)
+    return _mma_emulated(_fp4_values(codes_n, t_n, 32 * NW), _fp4_values(codes_8, t_8, 32 * NW),
+                         _e4m3_values(act_lo, act_hi, 32 * NW), NW)
+
+
+@triton.jit
+def _sums_fp8(wn, w8, kb, act_lo, act_hi, el, NW: tl.constexpr, PRMT: tl.constexpr):
+    """One FP8 expert's block kb (wn / w8: the weight words of rows n / n + 8 at lane q's inputs)."""
+    n_lo = tl.load(wn[:, None] + kb * 32 + el)
+    n_hi = tl.load(wn[:, None] + kb * 32 + 4 + el)
+    e_lo = tl.load(w8[:, None] + kb * 32 + el)
+    e_hi = tl.load(w8[:, None] + kb * 32 + 4 + el)
+    if PRMT:
+        d = tl.inline_asm_elementwise(_FP8_BLOCK, _FP8_ARGS, [n_lo, n_hi, e_lo, e_hi, act_lo, act_hi],
+                                      dtype=tl.uint32, is_pure=True, pack=4)
+        return d.to(tl.float32, bitcast=True)
+    return _mma_emulated(_e4m3_values(n_lo, n_hi, 32 * NW), _e4m3_values(e_lo, e_hi, 32 * NW),
+                         _e4m3_values(act_lo, act_hi, 32 * NW), NW)
+
+
+@triton.jit
+def _expert_sums(x32, ok_in, xs_row, ok_out, s_ptr, w_ptr, p_ptr, g_ptr, row, K, e, E4, N_KG: tl.constexpr,
+                 NW: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr, STAGES: tl.constexpr):
+    """[32 * NW, 4] float32: rows `row` / `row` + 8 of expert e (a [rows, K] weight; `w_ptr` its FP8
+    form's start, `p_ptr` / `g_ptr` the FP4 form's) times the tile's activations (`x32`: each lane's
+    activation words, `xs_row` the tile rows' scales), over all of K, each block scaled by its weight
+    scale (`s_ptr`, along K) and the activations'."""
+    el = tl.arange(0, 4)[None, :]
+    q = tl.arange(0, 32 * NW) % 4
+    acc = tl.zeros((32 * NW, 4), tl.float32)
+    words4 = tl.multiple_of(K // 8, 16)            # code words per row (K a multiple of 128)
+    words8 = tl.multiple_of(K // 4, 32)            # FP8 weight words per row
+    groups = tl.multiple_of(K // 32, 4)            # scale bytes per row
+    if W4 and e < E4:
+        pn = p_ptr.to(tl.pointer_type(tl.uint32)) + row * words4 + q * 4
+        gn = g_ptr + row * groups + q
+        for kb in tl.range(0, N_KG, num_stages=STAGES):
+            act_lo = tl.load(x32[:, None] + kb * 32 + el, mask=ok_in[:, None], other=0)
+            act_hi = tl.load(x32[:, None] + kb * 32 + 4 + el, mask=ok_in[:, None], other=0)
+            sw = tl.load(s_ptr + kb)
+            block_exp = (sw.to(tl.int32, bitcast=True) >> 23) & 0xFF          # S + 127
+            d = _sums_fp4(pn, pn + 8 * words4, gn, gn + 8 * groups, kb, block_exp, act_lo, act_hi, el, NW,
+                          PRMT)
+            acc += d * (sw * tl.load(xs_row + kb, mask=ok_out, other=0.0))
+    else:
+        wn = w_ptr.to(tl.pointer_type(tl.uint32)) + row * words8 + q * 8
+        for kb in tl.range(0, N_KG, num_stages=STAGES):
+            act_lo = tl.load(x32[:, None] + kb * 32 + el, mask=ok_in[:, None], other=0)
+            act_hi = tl.load(x32[:, None] + kb * 32 + 4 + el, mask=ok_in[:, None], other=0)
+            sw = tl.load(s_ptr + kb)
+            d = _sums_fp8(wn, wn + 8 * words8, kb, act_lo, act_hi, el, NW, PRMT)
+            acc += d * (sw * tl.load(xs_row + kb, mask=ok_out, other=0.0))
+    return acc
+
+
+@triton.jit
+def _lanes(first, row_end, NW: tl.constexpr):
+    """Per lane: its row offset (warp * 16 + g), the tile row whose activations it feeds (g) and
+    whether that row exists; per accumulator element [32 * NW, 4]: its tile row (2q or 2q + 1) and
+    whether it exists, and the weight row offset it belongs to (+8 for elements 2, 3)."""
+    tid = tl.arange(0, 32 * NW)
+    el = tl.arange(0, 4)[None, :]
+    g = (tid % 32) // 4
+    r_in = first + g
+    m_out = first + 2 * (tid % 4)[:, None] + (el & 1)
+    rows = (tid // 32) * 16 + g
+    return rows, r_in, r_in < row_end, m_out, m_out < row_end, rows[:, None] + 8 * (el >> 1)
+
+
+@triton.jit
+def _mma_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_ptr, sched_ptr, a_ptr,
+                    I, D, E1, E4, n_clamped, limit, x_words, stride_a,
+                    K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr, NW: tl.constexpr,
+                    CDT: tl.constexpr, XDT: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr,
+                    STAGES: tl.constexpr):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE1, _ROWS)
+    if e >= E1:
+        return
+    rows, r_in, ok_in, m_out, ok_out, cols = _lanes(first, row_end, NW)
+    tok_in = tl.load(order_ptr + r_in, mask=ok_in, other=0) // K1
+    src_out = tl.load(order_ptr + m_out, mask=ok_out, other=0)
+    x32 = x_ptr.to(tl.pointer_type(tl.uint32)) + tok_in * x_words + (tl.arange(0, 32 * NW) % 4) * 8
+    xs_row = xs_ptr + (src_out // K1) * N_KG
+    n0 = pid_n * 16 * NW
+    e64 = e.to(tl.int64)
+    e8 = tl.maximum(e64 - E4, 0)
+    s_g = ws_ptr + e64 * 2 * NB_I * N_KG + (n0 // _BK) * N_KG      # [E1, 2, NB_I, N_KG]
+    # w13 [E1, 2, I, D]: gate rows, then up rows
+    w8 = w_ptr + e8 * 2 * I * D
+    p4 = p_ptr + e64 * 2 * I * (D // 2)
+    g4 = g_ptr + e64 * 2 * I * (D // 32)
+    gate = _expert_sums(x32, ok_in, xs_row, ok_out, s_g, w8, p4, g4, n0 + rows, D, e, E4, N_KG, NW, W4, PRMT,
+                        STAGES)
+    up = _expert_sums(x32, ok_in, xs_row, ok_out, s_g + NB_I * N_KG, w8 + I * D, p4 + I * (D // 2),
+                      g4 + I * (D // 32), n0 + rows, D, e, E4, N_KG, NW, W4, PRMT, STAGES)
+    rw = tl.load(rw_ptr + src_out, mask=ok_out, other=0.0)
+    act = swiglu(gate, up, e < n_clamped, limit, rw, CDT, XDT)
+    tl.store(a_ptr + m_out * stride_a + n0 + cols, act.to(a_ptr.dtype.element_ty), mask=ok_out)
+
+
+@triton.jit
+def _mma_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_ptr, y_ptr, D, I, E1, E4, a_words,
+                   stride_y, EB: tl.constexpr, N_KG: tl.constexpr, NB_D: tl.constexpr, NW: tl.constexpr,
+                   W4: tl.constexpr, PRMT: tl.constexpr, STAGES: tl.constexpr):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE2, _ROWS)
+    if e >= E1:
+        return
+    rows, r_in, ok_in, m_out, ok_out, cols = _lanes(first, row_end, NW)
+    dest = tl.load(order_ptr + m_out, mask=ok_out, other=0)
+    x32 = a_ptr.to(tl.pointer_type(tl.uint32)) + r_in * a_words + (tl.arange(0, 32 * NW) % 4) * 8
+    n0 = pid_n * 16 * NW
+    e64 = e.to(tl.int64)
+    s = ws_ptr + e64 * NB_D * N_KG + (n0 // _BK) * N_KG                # [E1, NB_D, N_KG]
+    y = _expert_sums(x32, ok_in, as_ptr + m_out * N_KG, ok_out, s, w_ptr + tl.maximum(e64 - E4, 0) * D * I,
+                     p_ptr + e64 * D * (I // 2), g_ptr + e64 * D * (I // 32), n0 + rows, I, e, E4, N_KG, NW, W4, PRMT,
+                     STAGES)
+    if y_ptr.dtype.element_ty != tl.float32:
+        y = _round(y, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + dest * stride_y + n0 + cols, y.to(y_ptr.dtype.element_ty), mask=ok_out)
+
+
+def mma_fits(D: int, I: int) -> bool:
+    """Whether the kernels take these sizes: whole 128-deep blocks (V4's D and I always are)."""
+    return D % BLOCK_K == 0 and I % BLOCK_K == 0
+
+
+def _check(name: str, D: int, I: int, num_warps: int, stages: int, x: torch.Tensor) -> None:
+    # programs of 16 * num_warps rows stay inside one 128-row block of weight scales
+    if not mma_fits(D, I) or num_warps not in (1, 2, 4, 8) or stages not in (1, 2, 3, 4):
+        raise ValueError(f"{name}: num_warps={num_warps} must be 1, 2, 4 or 8; stages={stages} 1 to 4; D={D} and "
+                         f"I={I} multiples of {BLOCK_K}")
+    if x.dtype != torch.float8_e4m3fn or x.stride(1) != 1 or x.stride(0) % 4:
+        raise ValueError(f"{name}: activations must be float8_e4m3fn rows of whole words, got {x.dtype} "
+                         f"strides {x.stride()}")
+
+
+def mma_w13(xq: torch.Tensor, xs: torch.Tensor, w13: Experts, s13: torch.Tensor, order: torch.Tensor,
+            route_w: torch.Tensor, sched: torch.Tensor, n_tiles: int, *, k1: int, n_clamped: int, limit: float,
+            compute_dtype: torch.dtype, x_dtype: torch.dtype, num_warps: int = 4, stages: int = 1) -> torch.Tensor:
+    """`moe_w13` on FP8 activations (`act_quant`'s xq [T, D] and scales xs [T, D/128]), the schedule's
+    tiles of `ROWS` rows: w2's input [n, I] in x_dtype, before its act_quant (the caller's)."""
+    T, D = xq.shape
+    E1, _, I, _ = w13.shape
+    weights = _check_experts(w13, s13, (E1, 2, I, D), "mma_w13: w13")
+    _check("mma_w13", D, I, num_warps, stages, xq)
+    n = order.numel()
+    a = torch.empty((n, I), dtype=x_dtype, device=xq.device)
+    if n == 0:
+        return a
+    _mma_w13_kernel[(n_tiles, I // (16 * num_warps))](
+        x_ptr=xq, xs_ptr=xs, ws_ptr=s13, order_ptr=order, rw_ptr=route_w.reshape(-1), sched_ptr=sched, a_ptr=a, I=I,
+        D=D, E1=E1, n_clamped=n_clamped, limit=float(limit), x_words=xq.stride(0) // 4, stride_a=a.stride(0),
+        **weights, K1=k1, EB=sched.shape[1], N_KG=D // BLOCK_K, NB_I=I // BLOCK_K, NW=num_warps,
+        CDT=TL_DTYPES[compute_dtype], XDT=TL_DTYPES[x_dtype], PRMT=not _interpreted(), STAGES=stages,
+        num_warps=num_warps)
+    return a
+
+
+def mma_w2(aq: torch.Tensor, a_s: torch.Tensor, w2: Experts, s2: torch.Tensor, order: torch.Tensor,
+           sched: torch.Tensor, n_tiles: int, *, out_dtype: torch.dtype, num_warps: int = 4,
+           stages: int = 1) -> torch.Tensor:
+    """`moe_w2` on FP8 activations (aq [n, I] in sorted row order, scales a_s [n, I/128]): y [n, D]
+    out_dtype in (token, slot) order."""
+    n, I = aq.shape
+    E1, D, _ = w2.shape
+    weights = _check_experts(w2, s2, (E1, D, I), "mma_w2: w2")
+    _check("mma_w2", D, I, num_warps, stages, aq)
+    y = torch.empty((n, D), dtype=out_dtype, device=aq.device)
+    if n == 0:
+        return y
+    _mma_w2_kernel[(n_tiles, D // (16 * num_warps))](
+        a_ptr=aq, as_ptr=a_s, ws_ptr=s2, order_ptr=order, sched_ptr=sched, y_ptr=y, D=D, I=I, E1=E1,
+        a_words=aq.stride(0) // 4, stride_y=y.stride(0), **weights, EB=sched.shape[1], N_KG=I // BLOCK_K,
+        NB_D=D // BLOCK_K, NW=num_warps, PRMT=not _interpreted(), STAGES=stages, num_warps=num_warps)
+    return y
