@@ -135,7 +135,7 @@ def main() -> None:
                     help="CUDA-core kernels: block_n1/block_n2/num_warps[/stages] settings to time (stages: the K "
                          "loop's software pipeline depth, 1 = none)")
     ap.add_argument("--mma-tiles", default="4/1,4/2,2/2",
-                    help="mma.sync kernels (moe_mma): num_warps/stages settings to time ('' for none)")
+                    help="mma.sync kernels (moe_mma): num_warps/unroll settings to time ('' for none)")
     ap.add_argument("--no-graph", action="store_true",
                     help="time eager calls (host launch gaps included) instead of CUDA-graph replays")
     args = ap.parse_args()
@@ -160,8 +160,8 @@ def main() -> None:
                 cfg = dict(gemv_rows=m, block_n1=bn1, block_n2=bn2, num_warps1=w, num_warps2=w, gemv_stages=stages)
                 variants += [(f"{form} cc m{m} {tile}", form, cfg) for form in ("fp8", "fp4")]
         for tile in filter(None, args.mma_tiles.split(",")):
-            warps, stages = (int(v) for v in tile.split("/"))
-            cfg = dict(mma_warps=warps, mma_stages=stages)
+            warps, unroll = (int(v) for v in tile.split("/"))
+            cfg = dict(mma_warps=warps, mma_unroll=unroll)
             variants += [(f"{form} mma {tile}", form, cfg) for form in ("fp8", "fp4")]
         if args.swap_ab:          # w13 and w2 with the weights as the dots' first operand, both forms
             for tag, s1, s2 in (("swap", True, True), ("swap1", True, False), ("swap2", False, True)):

@@ -135,12 +135,12 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)     # stable: deterministic rows
     if "mma_warps" in cfg:      # FP8 activations on mma.sync fragments built in registers
         sched = expert_schedule(sorted_ids, E1, (MMA_ROWS, MMA_ROWS))
-        tiles, warps, stages = max_tiles(n, E1, MMA_ROWS), cfg["mma_warps"], cfg.get("mma_stages", 1)
+        tiles, warps, unroll = max_tiles(n, E1, MMA_ROWS), cfg["mma_warps"], cfg.get("mma_unroll", 1)
         a = mma_w13(*act_quant(x), w13, s13, order, route_w, sched, tiles, k1=K1, n_clamped=n_clamped
                     if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype, x_dtype=x.dtype,
-                    num_warps=warps, stages=stages)
+                    num_warps=warps, unroll=unroll)
         y = mma_w2(*act_quant(a), w2, s2, order, sched, tiles, out_dtype=compute_dtype, num_warps=warps,
-                   stages=stages)
+                   unroll=unroll)
         return y.view(T, K1, D)
     if "gemv_rows" in cfg:      # float32 activations, QAT applied in the quantising launch itself
         m = cfg["gemv_rows"]

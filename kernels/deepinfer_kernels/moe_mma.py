@@ -110,13 +110,9 @@ def _mma_emulated(wn, w8, x, NW: tl.constexpr):
 
 
 @triton.jit
-def _sums_fp4(pn, p8, gn, g8, kb, block_exp, act_lo, act_hi, el, NW: tl.constexpr, PRMT: tl.constexpr):
-    """One FP4 expert's block kb: [32 * NW, 4] sums. pn / p8: the code words of rows n / n + 8 at
-    lane q's inputs of block 0; gn / g8: their scale bytes (group q of block 0)."""
-    codes_n = tl.load(pn[:, None] + kb * 16 + el)
-    codes_8 = tl.load(p8[:, None] + kb * 16 + el)
-    t_n = tl.load(gn + kb * 4).to(tl.int32) - block_exp
-    t_8 = tl.load(g8 + kb * 4).to(tl.int32) - block_exp
+def _sums_fp4(codes_n, codes_8, t_n, t_8, act_lo, act_hi, el, NW: tl.constexpr, PRMT: tl.constexpr):
+    """One FP4 block's [32 * NW, 4] sums from the code words of rows n / n + 8 ([32 * NW, 4]: lane q's
+    inputs) and their groups' shifts t ([32 * NW])."""
     if PRMT:
         t = tl.where(el < 2, t_n[:, None], t_8[:, None])
         lut = tl.inline_asm_elementwise(_LUT_ASM, "=r,=r,r,r", [t], dtype=tl.uint32, is_pure=True, pack=2)
@@ -128,12 +124,8 @@ def _sums_fp4(pn, p8, gn, g8, kb, block_exp, act_lo, act_hi, el, NW: tl.constexp
 
 
 @triton.jit
-def _sums_fp8(wn, w8, kb, act_lo, act_hi, el, NW: tl.constexpr, PRMT: tl.constexpr):
-    """One FP8 expert's block kb (wn / w8: the weight words of rows n / n + 8 at lane q's inputs)."""
-    n_lo = tl.load(wn[:, None] + kb * 32 + el)
-    n_hi = tl.load(wn[:, None] + kb * 32 + 4 + el)
-    e_lo = tl.load(w8[:, None] + kb * 32 + el)
-    e_hi = tl.load(w8[:, None] + kb * 32 + 4 + el)
+def _sums_fp8(n_lo, n_hi, e_lo, e_hi, act_lo, act_hi, NW: tl.constexpr, PRMT: tl.constexpr):
+    """One FP8 block's sums from the weight words of rows n (n_lo, n_hi) and n + 8 (e_lo, e_hi)."""
     if PRMT:
         d = tl.inline_asm_elementwise(_FP8_BLOCK, _FP8_ARGS, [n_lo, n_hi, e_lo, e_hi, act_lo, act_hi],
                                       dtype=tl.uint32, is_pure=True, pack=4)
@@ -143,38 +135,95 @@ def _sums_fp8(wn, w8, kb, act_lo, act_hi, el, NW: tl.constexpr, PRMT: tl.constex
 
 
 @triton.jit
-def _expert_sums(x32, ok_in, xs_row, ok_out, s_ptr, w_ptr, p_ptr, g_ptr, row, K, e, E4, N_KG: tl.constexpr,
-                 NW: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr, STAGES: tl.constexpr):
-    """[32 * NW, 4] float32: rows `row` / `row` + 8 of expert e (a [rows, K] weight; `w_ptr` its FP8
-    form's start, `p_ptr` / `g_ptr` the FP4 form's) times the tile's activations (`x32`: each lane's
-    activation words, `xs_row` the tile rows' scales), over all of K, each block scaled by its weight
-    scale (`s_ptr`, along K) and the activations'."""
+def _block_exp(scale):
+    """S + 127 of a block scale 2^S."""
+    return (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+
+
+@triton.jit
+def _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kb, live, el):
+    """Block kb's activation words (lane q's inputs of token g), the tile rows' activation scales
+    (0 where the block is not `live`: an unrolled step past the end) and the two weight block scales."""
+    act_lo = tl.load(x32[:, None] + kb * 32 + el, mask=ok_in[:, None], other=0)
+    act_hi = tl.load(x32[:, None] + kb * 32 + 4 + el, mask=ok_in[:, None], other=0)
+    sx = tl.load(xs_row + kb, mask=ok_out & live, other=0.0)
+    return act_lo, act_hi, sx, tl.load(sa_ptr + kb), tl.load(sb_ptr + kb)
+
+
+@triton.jit
+def _fp4_codes(pa, pb, ga, gb, r8w, r8g, kb, el):
+    """Block kb's code words of rows n / n + 8 of both row sets and their raw scale bytes."""
+    return (tl.load(pa[:, None] + kb * 16 + el), tl.load(pa[:, None] + r8w + kb * 16 + el),
+            tl.load(pb[:, None] + kb * 16 + el), tl.load(pb[:, None] + r8w + kb * 16 + el),
+            tl.load(ga + kb * 4).to(tl.int32), tl.load(ga + r8g + kb * 4).to(tl.int32),
+            tl.load(gb + kb * 4).to(tl.int32), tl.load(gb + r8g + kb * 4).to(tl.int32))
+
+
+@triton.jit
+def _fp8_words(wa, wb, r8w, kb, el):
+    """Block kb's weight words of rows n / n + 8 of both row sets (low and high 16 bytes each)."""
+    o = kb * 32 + el
+    return (tl.load(wa[:, None] + o), tl.load(wa[:, None] + o + 4), tl.load(wa[:, None] + r8w + o),
+            tl.load(wa[:, None] + r8w + o + 4), tl.load(wb[:, None] + o), tl.load(wb[:, None] + o + 4),
+            tl.load(wb[:, None] + r8w + o), tl.load(wb[:, None] + r8w + o + 4))
+
+
+@triton.jit
+def _expert_sums(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, w_ptr, p_ptr, g_ptr, row, row_b, K, e, E4,
+                 N_KG: tl.constexpr, NW: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr, UNROLL: tl.constexpr):
+    """Two [32 * NW, 4] float32 sums, of rows `row` / `row` + 8 (set a) and the same plus `row_b` (set
+    b) of expert e (a [rows, K] weight; `w_ptr` its FP8 form's start, `p_ptr` / `g_ptr` the FP4
+    form's) times the tile's activations (`x32`: each lane's activation words, `xs_row` the tile rows'
+    scales), over all of K, each block scaled by its weight scale (`sa_ptr` / `sb_ptr`, along K) and
+    the activations'. Two sets per loop and `UNROLL` (1 or 2) blocks per step: more loads in flight
+    per warp (the kernels are latency-bound without it)."""
     el = tl.arange(0, 4)[None, :]
     q = tl.arange(0, 32 * NW) % 4
-    acc = tl.zeros((32 * NW, 4), tl.float32)
+    acc_a = tl.zeros((32 * NW, 4), tl.float32)
+    acc_b = tl.zeros((32 * NW, 4), tl.float32)
     words4 = tl.multiple_of(K // 8, 16)            # code words per row (K a multiple of 128)
     words8 = tl.multiple_of(K // 4, 32)            # FP8 weight words per row
     groups = tl.multiple_of(K // 32, 4)            # scale bytes per row
     if W4 and e < E4:
-        pn = p_ptr.to(tl.pointer_type(tl.uint32)) + row * words4 + q * 4
-        gn = g_ptr + row * groups + q
-        for kb in tl.range(0, N_KG, num_stages=STAGES):
-            act_lo = tl.load(x32[:, None] + kb * 32 + el, mask=ok_in[:, None], other=0)
-            act_hi = tl.load(x32[:, None] + kb * 32 + 4 + el, mask=ok_in[:, None], other=0)
-            sw = tl.load(s_ptr + kb)
-            block_exp = (sw.to(tl.int32, bitcast=True) >> 23) & 0xFF          # S + 127
-            d = _sums_fp4(pn, pn + 8 * words4, gn, gn + 8 * groups, kb, block_exp, act_lo, act_hi, el, NW,
-                          PRMT)
-            acc += d * (sw * tl.load(xs_row + kb, mask=ok_out, other=0.0))
+        pa = p_ptr.to(tl.pointer_type(tl.uint32)) + row * words4 + q * 4
+        ga = g_ptr + row * groups + q
+        pb = pa + row_b * words4
+        gb = ga + row_b * groups
+        for kb in tl.range(0, N_KG, UNROLL):
+            ca_n, ca_8, cb_n, cb_8, ta_n, ta_8, tb_n, tb_8 = _fp4_codes(pa, pb, ga, gb, 8 * words4, 8 * groups, kb,
+                                                                        el)
+            act_lo, act_hi, sx, sa, sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kb, True, el)
+            if UNROLL == 2:
+                k2 = tl.minimum(kb + 1, N_KG - 1)
+                ca_n2, ca_82, cb_n2, cb_82, ta_n2, ta_82, tb_n2, tb_82 = _fp4_codes(pa, pb, ga, gb, 8 * words4,
+                                                                                    8 * groups, k2, el)
+                act_lo2, act_hi2, sx2, sa2, sb2 = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, k2,
+                                                          kb + 1 < N_KG, el)
+            ea, eb = _block_exp(sa), _block_exp(sb)
+            acc_a += _sums_fp4(ca_n, ca_8, ta_n - ea, ta_8 - ea, act_lo, act_hi, el, NW, PRMT) * (sa * sx)
+            acc_b += _sums_fp4(cb_n, cb_8, tb_n - eb, tb_8 - eb, act_lo, act_hi, el, NW, PRMT) * (sb * sx)
+            if UNROLL == 2:
+                ea, eb = _block_exp(sa2), _block_exp(sb2)
+                acc_a += _sums_fp4(ca_n2, ca_82, ta_n2 - ea, ta_82 - ea, act_lo2, act_hi2, el, NW, PRMT) * (sa2 * sx2)
+                acc_b += _sums_fp4(cb_n2, cb_82, tb_n2 - eb, tb_82 - eb, act_lo2, act_hi2, el, NW, PRMT) * (sb2 * sx2)
     else:
-        wn = w_ptr.to(tl.pointer_type(tl.uint32)) + row * words8 + q * 8
-        for kb in tl.range(0, N_KG, num_stages=STAGES):
-            act_lo = tl.load(x32[:, None] + kb * 32 + el, mask=ok_in[:, None], other=0)
-            act_hi = tl.load(x32[:, None] + kb * 32 + 4 + el, mask=ok_in[:, None], other=0)
-            sw = tl.load(s_ptr + kb)
-            d = _sums_fp8(wn, wn + 8 * words8, kb, act_lo, act_hi, el, NW, PRMT)
-            acc += d * (sw * tl.load(xs_row + kb, mask=ok_out, other=0.0))
-    return acc
+        wa = w_ptr.to(tl.pointer_type(tl.uint32)) + row * words8 + q * 8
+        wb = wa + row_b * words8
+        for kb in tl.range(0, N_KG, UNROLL):
+            an_lo, an_hi, a8_lo, a8_hi, bn_lo, bn_hi, b8_lo, b8_hi = _fp8_words(wa, wb, 8 * words8, kb, el)
+            act_lo, act_hi, sx, sa, sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kb, True, el)
+            if UNROLL == 2:
+                k2 = tl.minimum(kb + 1, N_KG - 1)
+                an_lo2, an_hi2, a8_lo2, a8_hi2, bn_lo2, bn_hi2, b8_lo2, b8_hi2 = _fp8_words(wa, wb, 8 * words8, k2,
+                                                                                            el)
+                act_lo2, act_hi2, sx2, sa2, sb2 = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, k2,
+                                                          kb + 1 < N_KG, el)
+            acc_a += _sums_fp8(an_lo, an_hi, a8_lo, a8_hi, act_lo, act_hi, NW, PRMT) * (sa * sx)
+            acc_b += _sums_fp8(bn_lo, bn_hi, b8_lo, b8_hi, act_lo, act_hi, NW, PRMT) * (sb * sx)
+            if UNROLL == 2:
+                acc_a += _sums_fp8(an_lo2, an_hi2, a8_lo2, a8_hi2, act_lo2, act_hi2, NW, PRMT) * (sa2 * sx2)
+                acc_b += _sums_fp8(bn_lo2, bn_hi2, b8_lo2, b8_hi2, act_lo2, act_hi2, NW, PRMT) * (sb2 * sx2)
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -196,7 +245,7 @@ def _mma_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
                     I, D, E1, E4, n_clamped, limit, x_words, stride_a,
                     K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr, NW: tl.constexpr,
                     CDT: tl.constexpr, XDT: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr,
-                    STAGES: tl.constexpr):
+                    UNROLL: tl.constexpr):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE1, _ROWS)
@@ -215,10 +264,8 @@ def _mma_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
     w8 = w_ptr + e8 * 2 * I * D
     p4 = p_ptr + e64 * 2 * I * (D // 2)
     g4 = g_ptr + e64 * 2 * I * (D // 32)
-    gate = _expert_sums(x32, ok_in, xs_row, ok_out, s_g, w8, p4, g4, n0 + rows, D, e, E4, N_KG, NW, W4, PRMT,
-                        STAGES)
-    up = _expert_sums(x32, ok_in, xs_row, ok_out, s_g + NB_I * N_KG, w8 + I * D, p4 + I * (D // 2),
-                      g4 + I * (D // 32), n0 + rows, D, e, E4, N_KG, NW, W4, PRMT, STAGES)
+    gate, up = _expert_sums(x32, ok_in, xs_row, ok_out, s_g, s_g + NB_I * N_KG, w8, p4, g4, n0 + rows, I, D, e, E4,
+                            N_KG, NW, W4, PRMT, UNROLL)
     rw = tl.load(rw_ptr + src_out, mask=ok_out, other=0.0)
     act = swiglu(gate, up, e < n_clamped, limit, rw, CDT, XDT)
     tl.store(a_ptr + m_out * stride_a + n0 + cols, act.to(a_ptr.dtype.element_ty), mask=ok_out)
@@ -227,7 +274,7 @@ def _mma_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
 @triton.jit
 def _mma_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_ptr, y_ptr, D, I, E1, E4, a_words,
                    stride_y, EB: tl.constexpr, N_KG: tl.constexpr, NB_D: tl.constexpr, NW: tl.constexpr,
-                   W4: tl.constexpr, PRMT: tl.constexpr, STAGES: tl.constexpr):
+                   W4: tl.constexpr, PRMT: tl.constexpr, UNROLL: tl.constexpr):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE2, _ROWS)
@@ -236,15 +283,22 @@ def _mma_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
     rows, r_in, ok_in, m_out, ok_out, cols = _lanes(first, row_end, NW)
     dest = tl.load(order_ptr + m_out, mask=ok_out, other=0)
     x32 = a_ptr.to(tl.pointer_type(tl.uint32)) + r_in * a_words + (tl.arange(0, 32 * NW) % 4) * 8
-    n0 = pid_n * 16 * NW
+    n0 = pid_n * 32 * NW
     e64 = e.to(tl.int64)
     s = ws_ptr + e64 * NB_D * N_KG + (n0 // _BK) * N_KG                # [E1, NB_D, N_KG]
-    y = _expert_sums(x32, ok_in, as_ptr + m_out * N_KG, ok_out, s, w_ptr + tl.maximum(e64 - E4, 0) * D * I,
-                     p_ptr + e64 * D * (I // 2), g_ptr + e64 * D * (I // 32), n0 + rows, I, e, E4, N_KG, NW, W4, PRMT,
-                     STAGES)
+    # two row sets per program: rows n0 + (0..16 NW) and 16 NW further, inside one 128-row scale block
+    ya, yb = _expert_sums(x32, ok_in, as_ptr + m_out * N_KG, ok_out, s, s, w_ptr + tl.maximum(e64 - E4, 0) * D * I,
+                          p_ptr + e64 * D * (I // 2), g_ptr + e64 * D * (I // 32), n0 + rows, 16 * NW, I, e, E4, N_KG,
+                          NW, W4, PRMT, UNROLL)
+    _y_out(ya, y_ptr, dest, stride_y, n0 + cols, ok_out)
+    _y_out(yb, y_ptr, dest, stride_y, n0 + 16 * NW + cols, ok_out)
+
+
+@triton.jit
+def _y_out(y, y_ptr, dest, stride_y, cols, ok):
     if y_ptr.dtype.element_ty != tl.float32:
         y = _round(y, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + dest * stride_y + n0 + cols, y.to(y_ptr.dtype.element_ty), mask=ok_out)
+    tl.store(y_ptr + dest * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def mma_fits(D: int, I: int) -> bool:
@@ -252,10 +306,10 @@ def mma_fits(D: int, I: int) -> bool:
     return D % BLOCK_K == 0 and I % BLOCK_K == 0
 
 
-def _check(name: str, D: int, I: int, num_warps: int, stages: int, x: torch.Tensor) -> None:
-    # programs of 16 * num_warps rows stay inside one 128-row block of weight scales
-    if not mma_fits(D, I) or num_warps not in (1, 2, 4, 8) or stages not in (1, 2, 3, 4):
-        raise ValueError(f"{name}: num_warps={num_warps} must be 1, 2, 4 or 8; stages={stages} 1 to 4; D={D} and "
+def _check(name: str, D: int, I: int, num_warps: int, unroll: int, x: torch.Tensor) -> None:
+    # w2's programs of 32 * num_warps rows stay inside one 128-row block of weight scales
+    if not mma_fits(D, I) or num_warps not in (1, 2, 4) or unroll not in (1, 2):
+        raise ValueError(f"{name}: num_warps={num_warps} must be 1, 2 or 4; unroll={unroll} 1 or 2; D={D} and "
                          f"I={I} multiples of {BLOCK_K}")
     if x.dtype != torch.float8_e4m3fn or x.stride(1) != 1 or x.stride(0) % 4:
         raise ValueError(f"{name}: activations must be float8_e4m3fn rows of whole words, got {x.dtype} "
@@ -264,13 +318,13 @@ def _check(name: str, D: int, I: int, num_warps: int, stages: int, x: torch.Tens
 
 def mma_w13(xq: torch.Tensor, xs: torch.Tensor, w13: Experts, s13: torch.Tensor, order: torch.Tensor,
             route_w: torch.Tensor, sched: torch.Tensor, n_tiles: int, *, k1: int, n_clamped: int, limit: float,
-            compute_dtype: torch.dtype, x_dtype: torch.dtype, num_warps: int = 4, stages: int = 1) -> torch.Tensor:
+            compute_dtype: torch.dtype, x_dtype: torch.dtype, num_warps: int = 4, unroll: int = 1) -> torch.Tensor:
     """`moe_w13` on FP8 activations (`act_quant`'s xq [T, D] and scales xs [T, D/128]), the schedule's
     tiles of `ROWS` rows: w2's input [n, I] in x_dtype, before its act_quant (the caller's)."""
     T, D = xq.shape
     E1, _, I, _ = w13.shape
     weights = _check_experts(w13, s13, (E1, 2, I, D), "mma_w13: w13")
-    _check("mma_w13", D, I, num_warps, stages, xq)
+    _check("mma_w13", D, I, num_warps, unroll, xq)
     n = order.numel()
     a = torch.empty((n, I), dtype=x_dtype, device=xq.device)
     if n == 0:
@@ -279,25 +333,25 @@ def mma_w13(xq: torch.Tensor, xs: torch.Tensor, w13: Experts, s13: torch.Tensor,
         x_ptr=xq, xs_ptr=xs, ws_ptr=s13, order_ptr=order, rw_ptr=route_w.reshape(-1), sched_ptr=sched, a_ptr=a, I=I,
         D=D, E1=E1, n_clamped=n_clamped, limit=float(limit), x_words=xq.stride(0) // 4, stride_a=a.stride(0),
         **weights, K1=k1, EB=sched.shape[1], N_KG=D // BLOCK_K, NB_I=I // BLOCK_K, NW=num_warps,
-        CDT=TL_DTYPES[compute_dtype], XDT=TL_DTYPES[x_dtype], PRMT=not _interpreted(), STAGES=stages,
+        CDT=TL_DTYPES[compute_dtype], XDT=TL_DTYPES[x_dtype], PRMT=not _interpreted(), UNROLL=unroll,
         num_warps=num_warps)
     return a
 
 
 def mma_w2(aq: torch.Tensor, a_s: torch.Tensor, w2: Experts, s2: torch.Tensor, order: torch.Tensor,
            sched: torch.Tensor, n_tiles: int, *, out_dtype: torch.dtype, num_warps: int = 4,
-           stages: int = 1) -> torch.Tensor:
+           unroll: int = 1) -> torch.Tensor:
     """`moe_w2` on FP8 activations (aq [n, I] in sorted row order, scales a_s [n, I/128]): y [n, D]
     out_dtype in (token, slot) order."""
     n, I = aq.shape
     E1, D, _ = w2.shape
     weights = _check_experts(w2, s2, (E1, D, I), "mma_w2: w2")
-    _check("mma_w2", D, I, num_warps, stages, aq)
+    _check("mma_w2", D, I, num_warps, unroll, aq)
     y = torch.empty((n, D), dtype=out_dtype, device=aq.device)
     if n == 0:
         return y
-    _mma_w2_kernel[(n_tiles, D // (16 * num_warps))](
+    _mma_w2_kernel[(n_tiles, D // (32 * num_warps))](
         a_ptr=aq, as_ptr=a_s, ws_ptr=s2, order_ptr=order, sched_ptr=sched, y_ptr=y, D=D, I=I, E1=E1,
         a_words=aq.stride(0) // 4, stride_y=y.stride(0), **weights, EB=sched.shape[1], N_KG=I // BLOCK_K,
-        NB_D=D // BLOCK_K, NW=num_warps, PRMT=not _interpreted(), STAGES=stages, num_warps=num_warps)
+        NB_D=D // BLOCK_K, NW=num_warps, PRMT=not _interpreted(), UNROLL=unroll, num_warps=num_warps)
     return y

@@ -19,23 +19,24 @@ from test_moe_gemv import run
 from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block, quantize_fp8_block
 
 
-def mma(warps: int = 2, stages: int = 1) -> dict:
-    return dict(mma_warps=warps, mma_stages=stages)
+def mma(warps: int = 2, unroll: int = 1) -> dict:
+    return dict(mma_warps=warps, mma_unroll=unroll)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("D,I,T,dtype,warps,stages", [(256, 128, 5, torch.bfloat16, 2, 1),
-                                                      (128, 256, 3, torch.float32, 8, 2),
-                                                      (256, 256, 21, torch.float32, 4, 3)])
-def test_fp4_experts_give_the_re_encoded_bits_and_the_tensor_core_result(kdev, D, I, T, dtype, warps, stages):
-    """T = 21 on 4 experts + the shared one: experts with more than one 8-row tile."""
+@pytest.mark.parametrize("D,I,T,dtype,warps,unroll", [(256, 128, 5, torch.bfloat16, 2, 1),
+                                                      (128, 256, 3, torch.float32, 1, 2),
+                                                      (384, 256, 21, torch.float32, 4, 2)])
+def test_fp4_experts_give_the_re_encoded_bits_and_the_tensor_core_result(kdev, D, I, T, dtype, warps, unroll):
+    """T = 21 on 4 experts + the shared one: experts with more than one 8-row tile; D = 384 with
+    2 blocks per step: an odd number of blocks."""
     fp8_form, fp4_form = stacked_experts(D, I, seed=D + I + T)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(T))
-    want = run(x, fp8_form, True, dtype, kdev, mma(warps, stages))
-    got = run(x, fp4_form, True, dtype, kdev, mma(warps, stages))
+    want = run(x, fp8_form, True, dtype, kdev, mma(warps, unroll))
+    got = run(x, fp4_form, True, dtype, kdev, mma(warps, unroll))
     assert torch.isfinite(want).all() and want.abs().max() > 0
     assert torch.equal(got, want)
     tensor_cores = run(x, fp8_form, True, dtype, kdev, moe_tile_config(16, 1, 1, cuda_cores=False))
@@ -78,8 +79,8 @@ def test_groups_down_to_e4m3_subnormals_keep_the_bits(kdev):
 
 
 def test_a_row_does_not_depend_on_the_rows_sharing_its_tile(kdev):
-    """Tokens alone and inside a batch of 7 (tiles of several tokens), 2 or 4 warps, pipelined or
-    not: the same bits."""
+    """Tokens alone and inside a batch of 7 (tiles of several tokens), 2 or 4 warps, 1 or 2 blocks
+    per step: the same bits."""
     _, fp4_form = stacked_experts(128, 128, seed=9)
     w13, s13, w2, s2 = [_to(t, kdev) for t in fp4_form]
     x = torch.randn(7, 128, generator=torch.Generator().manual_seed(9)).to(kdev)
@@ -105,9 +106,9 @@ def test_unquantised_activations_take_the_tensor_core_tiles(kdev):
 def test_bad_arguments_are_refused(kdev):
     fp8_form, _ = stacked_experts(128, 128, seed=1)
     x = torch.randn(2, 128)
-    with pytest.raises(ValueError, match="num_warps=3 must be 1, 2, 4 or 8"):
-        run(x, fp8_form, True, torch.float32, kdev, mma(3))
-    with pytest.raises(ValueError, match="stages=0 1 to 4"):
+    with pytest.raises(ValueError, match="num_warps=8 must be 1, 2 or 4"):
+        run(x, fp8_form, True, torch.float32, kdev, mma(8))
+    with pytest.raises(ValueError, match="unroll=0 1 or 2"):
         run(x, fp8_form, True, torch.float32, kdev, mma(2, 0))
     w2, s2 = _to(fp8_form[2], kdev), _to(fp8_form[3], kdev)
     order = torch.zeros(2, dtype=torch.int64, device=kdev)
