@@ -35,6 +35,7 @@ import triton.language as tl
 from deepinfer_kernels import fp8_gemm as F
 from deepinfer_kernels import moe_gemm as M
 from deepinfer_kernels import moe_gemv as G
+from deepinfer_kernels import moe_mma as MM
 from deepinfer_kernels import sparse_attention as S
 from deepinfer_kernels.fp4_experts import fp4_tile
 from triton.backends.compiler import GPUTarget
@@ -95,6 +96,25 @@ def gemv2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, block_n: 
                sched_ptr="*i32", y_ptr="*bf16", D="i32", I="i32", E1="i32", E4="i32", stride_a="i32", stride_y="i32")
     const = dict(EB=512, N_KG=16, NB_D=32, M=block_m, BLOCK_N=block_n, W4=w4, PRMT=prmt, STAGES=stages)
     return _compile(G._gemv_w2_kernel, sig, const, warps, stages)
+
+
+def mma13(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
+    """The mma.sync w13 (`moe_mma`; `stages` is its unroll: blocks per loop step; always compiled
+    with its inline PTX, the FP4 variants' decoder choice does not apply)."""
+    sig = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", p_ptr="*u8", g_ptr="*u8",
+               order_ptr="*i64", rw_ptr="*fp32", sched_ptr="*i32", a_ptr="*bf16", I="i32", D="i32", E1="i32",
+               E4="i32", n_clamped="i32", limit="fp32", x_words="i32", stride_a="i32")
+    const = dict(K1=7, EB=512, N_KG=32, NB_I=16, NW=warps, CDT=tl.bfloat16, XDT=tl.bfloat16, W4=w4, PRMT=True,
+                 UNROLL=stages)
+    return _compile(MM._mma_w13_kernel, sig, const, warps, 1)
+
+
+def mma2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
+    sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", p_ptr="*u8", g_ptr="*u8",
+               order_ptr="*i64", sched_ptr="*i32", y_ptr="*bf16", D="i32", I="i32", E1="i32", E4="i32",
+               a_words="i32", stride_y="i32")
+    const = dict(EB=512, N_KG=16, NB_D=32, NW=warps, W4=w4, PRMT=True, UNROLL=stages)
+    return _compile(MM._mma_w2_kernel, sig, const, warps, 1)
 
 
 def fp8_gemm(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
@@ -174,7 +194,8 @@ def describe(kernel) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="4x4,8x2", help="num_warps x num_stages, comma separated")
-    ap.add_argument("--kernels", default="w13,w2", help="w13, w2, gemv13, gemv2 (the CUDA-core kernels), swap_ab (a probe of the grouped GEMMs with the "
+    ap.add_argument("--kernels", default="w13,w2", help="w13, w2, gemv13, gemv2 (the CUDA-core kernels), mma13, mma2 (the mma.sync ones; "
+                    "--configs WARPSxUNROLL), swap_ab (a probe of the grouped GEMMs with the "
                     "operands swapped; FP4 variants only; see _swap_ab_probe), fp8_gemm (the dense FP8 GEMM; the "
                     "fp8 variant only; --block-m 128 is its prefill tile) and/or attention (see --kv)")
     ap.add_argument("--kv", default="bf16,fp8", help="--kernels attention: the pools' forms (bf16, fp8 packed)")
@@ -199,7 +220,8 @@ def main() -> None:
             continue
         build = {"w13": partial(w13, swap=a.swap), "w2": partial(w2, swap=a.swap), "swap_ab": swap_ab,
                  "fp8_gemm": fp8_gemm,
-                 "gemv13": partial(gemv13, block_n=a.block_n), "gemv2": partial(gemv2, block_n=a.block_n)}[name]
+                 "gemv13": partial(gemv13, block_n=a.block_n), "gemv2": partial(gemv2, block_n=a.block_n),
+                 "mma13": mma13, "mma2": mma2}[name]
         for variant in a.variants.split(","):
             w4, prmt = VARIANTS[variant]
             if (name == "swap_ab" and not w4) or (name == "fp8_gemm" and w4):

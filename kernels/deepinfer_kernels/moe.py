@@ -22,33 +22,46 @@ from .moe_mma import ROWS as MMA_ROWS
 from .moe_mma import mma_fits, mma_w2, mma_w13
 from .moe_routing import expert_schedule, max_tiles, route_topk
 
+# The mma.sync kernels (moe_mma, FP8 activations only) by weight form: up to how many mean rows per expert
+# they take the sizes, with which setting. Measured with benchmarks/fp4_moe_bench.py on an H100 (README,
+# "Decode sizes on mma.sync"): with FP4 experts 0.80-0.85x the FP8 tensor-core tiles' time at batch 8-256
+# of V4-Flash (6 rows per expert at 256: 8-row tiles still read most experts once) and on par at batch 1;
+# with FP8 experts within 1-5% of the tensor-core tiles, which they keep.
+MMA_TILES: dict[str, tuple[float, dict]] = {"fp4": (16.0, dict(mma_warps=4, mma_unroll=1)), "fp8": (0.0, {})}
 # The CUDA-core kernels (moe_gemv) by weight form: (mean rows per expert up to which, tile config), the
-# first that fits. Measured with benchmarks/fp4_moe_bench.py on an H100 (README, "Decode sizes on the
-# CUDA cores"): with FP4 experts they beat the tensor-core tiles up to batch 64 of V4-Flash (about 1.7 rows
-# per expert); with FP8 experts the tensor-core tiles stay ahead at every size.
+# first that fits, where the mma.sync kernels do not apply (unquantised activations: FP4 experts without
+# the QAT simulation). Measured with benchmarks/fp4_moe_bench.py on an H100: with FP4 experts they beat the
+# tensor-core tiles up to batch 64 of V4-Flash (about 1.7 rows per expert); with FP8 experts the
+# tensor-core tiles stay ahead at every size.
 GEMV_TILES: dict[str, tuple[tuple[float, dict], ...]] = {
     "fp4": ((0.5, dict(gemv_rows=1, block_n1=32, block_n2=32, num_warps1=2, num_warps2=2, gemv_stages=1)),
             (3.0, dict(gemv_rows=2, block_n1=32, block_n2=32, num_warps1=4, num_warps2=4, gemv_stages=1))),
     "fp8": (),
 }
-# An override for both forms (benchmarks' --cuda-core-moe ROWS): None = GEMV_TILES; 0 = never; > 0 = up to
-# that many mean rows per expert, with GEMV_TILES["fp4"]'s settings (then 4 rows per program).
+# An override for both forms (benchmarks' --cuda-core-moe ROWS): None = MMA_TILES, then GEMV_TILES; 0 = the
+# tensor-core tiles only; > 0 = the CUDA-core kernels up to that many mean rows per expert, with
+# GEMV_TILES["fp4"]'s settings (then 4 rows per program).
 GEMV_MAX_ROWS: float | None = None
 
 __all__ = ["expert_outputs", "fused_moe", "invariant_moe_config", "moe_tile_config", "route_topk"]
 
 
 def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = False,
-                    cuda_cores: bool = True, fp4: bool = False) -> dict:
-    """Tiles by the mean rows per routed expert. At the sizes `GEMV_TILES` gives for the weight form
-    (`fp4`: routed experts kept FP4; an expert gets a row or two: decode at small batches), the CUDA-core
-    kernels (`moe_gemv`: `gemv_rows` rows per program, no padding to 16); above that, decode is still
-    weight-bandwidth bound, so BLOCK_M 16 and narrow w2 tiles give many programs; prefill takes 64-row
-    tiles. `wide_fp32`: unquantised fp32 activations (test numerics) need smaller tensor-core tiles in
-    shared memory. `cuda_cores=False`: tensor-core tiles only."""
+                    cuda_cores: bool = True, fp4: bool = False, fp8_activations: bool = True) -> dict:
+    """Tiles by the mean rows per routed expert. At decode sizes, by the weight form (`fp4`: routed
+    experts kept FP4): with `fp8_activations` (the QAT simulation) the mma.sync kernels where
+    `MMA_TILES` takes them (`moe_mma`: 8 rows per tile, operands built in registers), else the CUDA-core
+    kernels where `GEMV_TILES` does (`moe_gemv`: `gemv_rows` rows per program, no padding to 16); above
+    that, decode is still weight-bandwidth bound, so BLOCK_M 16 and narrow w2 tiles give many programs;
+    prefill takes 64-row tiles. `wide_fp32`: unquantised fp32 activations (test numerics) need smaller
+    tensor-core tiles in shared memory. `cuda_cores=False`: the grouped tensor-core tiles only (the
+    batch-invariant modes)."""
     # (warps chosen so that ptxas reports no or only tiny spills for sm_90 at V4-Flash sizes)
     rows = tokens * topk / max(num_experts, 1)
     if cuda_cores:
+        limit, mma = MMA_TILES["fp4" if fp4 else "fp8"]
+        if GEMV_MAX_ROWS is None and fp8_activations and rows <= limit:
+            return dict(mma)
         gemv = _gemv_config(rows, fp4)
         if gemv is not None:
             return gemv
@@ -125,13 +138,13 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
                          f"(want [E1, 2, I, D] and [E1, D, I])")
     K1, E1 = ids.shape[1], w13.shape[0]
     n = T * K1
-    wide = compute_dtype == torch.float32 and not (quant_in and quant_mid)
-    fp4 = isinstance(w13, Fp4Experts)
-    cfg = dict(config or moe_tile_config(T, K1, E1, wide_fp32=wide, fp4=fp4))
+    fp4, fp8_in = isinstance(w13, Fp4Experts), quant_in and quant_mid
+    wide = compute_dtype == torch.float32 and not fp8_in
+    cfg = dict(config or moe_tile_config(T, K1, E1, wide_fp32=wide, fp4=fp4, fp8_activations=fp8_in))
+    if "mma_warps" in cfg and not (fp8_in and mma_fits(D, w13.shape[2])):      # FP8 activations only
+        cfg = moe_tile_config(T, K1, E1, wide_fp32=wide, fp4=fp4, fp8_activations=False)
     if "gemv_rows" in cfg and not gemv_fits(D, w13.shape[2], cfg["block_n1"], cfg["block_n2"]):
         cfg = moe_tile_config(T, K1, E1, wide_fp32=wide, cuda_cores=False)
-    if "mma_warps" in cfg and not (quant_in and quant_mid and mma_fits(D, w13.shape[2])):
-        cfg = moe_tile_config(T, K1, E1, wide_fp32=wide, cuda_cores=False)     # FP8 activations only
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)     # stable: deterministic rows
     if "mma_warps" in cfg:      # FP8 activations on mma.sync fragments built in registers
         sched = expert_schedule(sorted_ids, E1, (MMA_ROWS, MMA_ROWS))

@@ -90,3 +90,21 @@ def test_the_cuda_core_moe_kernels_keep_the_fp4_decode_out_of_shared_memory():
     assert len(traffic) == 2, r.stdout
     for sts, hmma, narrow in traffic:
         assert int(hmma) == 0 and int(narrow) == 0 and int(sts) <= 4, r.stdout
+
+
+def test_the_mma_kernels_build_their_fragments_in_registers():
+    """moe_mma's kernels: the FP8 mma.sync, no spills, and the FP4 decode in place: an FP4 kernel
+    makes exactly the shared-memory accesses of its FP8 twin (the tile lookup's reduction and, with
+    some Triton versions, the epilogue's layout change), none for its weights."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "mma13,mma2", "--configs", "4x1", "--variants",
+                        "fp8,fp4 prmt"], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = re.findall(r"(mma13|mma2) (fp8|fp4 prmt)\s+warps 4 stages 1: regs (\d+) local (\d+) B, .*"
+                      r"'(mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32)'", r.stdout)
+    assert len(rows) == 4, r.stdout
+    assert all(0 < int(regs) <= 255 and int(local) == 0 for _, _, regs, local, _ in rows), r.stdout
+    shared = re.findall(r"LDS (\d+), LDSM (\d+), STS (\d+), STSM (\d+), BAR \d+, HMMA (\d+)", r.stdout)
+    assert len(shared) == 4 and all(int(row[-1]) > 0 for row in shared), r.stdout
+    (w13_fp8, w13_fp4, w2_fp8, w2_fp4) = (row[:4] for row in shared)
+    assert w13_fp4 == w13_fp8 and w2_fp4 == w2_fp8, r.stdout

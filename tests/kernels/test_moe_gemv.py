@@ -55,13 +55,14 @@ def test_a_row_does_not_depend_on_its_program_neighbours(kdev):
 
 
 def test_the_heuristic_takes_them_by_weight_form_and_for_about_one_row_per_expert(monkeypatch):
-    """By `GEMV_TILES` (measured: FP4 experts up to batch 64 of V4-Flash, FP8 never); `GEMV_MAX_ROWS`
-    overrides it for both forms (0: never); batch-invariant mode keeps its tensor-core tiles."""
+    """By `GEMV_TILES` where the mma.sync kernels do not apply (unquantised activations; measured:
+    FP4 experts up to batch 64 of V4-Flash, FP8 never); `GEMV_MAX_ROWS` overrides it for both forms
+    (0: never) and for either activation form; batch-invariant mode keeps its tensor-core tiles."""
     from deepinfer_kernels import moe
     assert "gemv_rows" not in moe_tile_config(1, 7, 257)
-    assert moe_tile_config(1, 7, 257, fp4=True)["gemv_rows"] == 1
-    assert moe_tile_config(64, 7, 257, fp4=True)["gemv_rows"] == 2
-    assert "gemv_rows" not in moe_tile_config(256, 7, 257, fp4=True)
+    assert moe_tile_config(1, 7, 257, fp4=True, fp8_activations=False)["gemv_rows"] == 1
+    assert moe_tile_config(64, 7, 257, fp4=True, fp8_activations=False)["gemv_rows"] == 2
+    assert "gemv_rows" not in moe_tile_config(256, 7, 257, fp4=True, fp8_activations=False)
     assert "gemv_rows" not in moe_tile_config(1, 7, 257, cuda_cores=False, fp4=True)
     monkeypatch.setattr(moe, "GEMV_MAX_ROWS", 2.0)
     assert moe_tile_config(1, 7, 257)["gemv_rows"] == 1

@@ -96,11 +96,32 @@ def test_a_row_does_not_depend_on_the_rows_sharing_its_tile(kdev):
         assert torch.equal(outputs(slice(i, i + 1), mma(4, 2))[0], batch[i])
 
 
-def test_unquantised_activations_take_the_tensor_core_tiles(kdev):
-    fp8_form, _ = stacked_experts(128, 128, seed=4)
+def test_the_heuristic_takes_them_for_fp4_experts_with_fp8_activations(monkeypatch):
+    """`MMA_TILES`: FP4 experts up to 16 rows per expert (batch ~680 of V4-Flash) when the activations
+    are FP8; FP8 experts keep their tensor-core tiles; the CUDA-core override and batch-invariant mode
+    keep theirs."""
+    from deepinfer_kernels import moe
+    for tokens in (1, 64, 512):
+        assert moe_tile_config(tokens, 7, 257, fp4=True) == {"mma_warps": 4, "mma_unroll": 1}
+    assert "mma_warps" not in moe_tile_config(1024, 7, 257, fp4=True)
+    assert "mma_warps" not in moe_tile_config(1, 7, 257)
+    assert "mma_warps" not in moe_tile_config(1, 7, 257, fp4=True, fp8_activations=False)
+    assert "mma_warps" not in moe_tile_config(1, 7, 257, fp4=True, cuda_cores=False)
+    monkeypatch.setattr(moe, "GEMV_MAX_ROWS", 0.0)
+    assert "mma_warps" not in moe_tile_config(1, 7, 257, fp4=True)
+
+
+def test_unquantised_activations_take_the_other_tiles(kdev):
+    """An mma config with unquantised activations: FP8 experts get the tensor-core tiles, FP4 ones the
+    CUDA-core kernels at this size (what the heuristic picks without FP8 activations)."""
+    fp8_form, fp4_form = stacked_experts(128, 128, seed=4)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
     want = run(x, fp8_form, False, torch.float32, kdev, moe_tile_config(1, 1, 1, cuda_cores=False))
     assert torch.equal(run(x, fp8_form, False, torch.float32, kdev, mma(2)), want)
+    cuda_cores = moe_tile_config(3, K + 1, E + 1, fp4=True, fp8_activations=False)
+    assert "gemv_rows" in cuda_cores
+    assert torch.equal(run(x, fp4_form, False, torch.float32, kdev, mma(2)),
+                       run(x, fp4_form, False, torch.float32, kdev, cuda_cores))
 
 
 def test_bad_arguments_are_refused(kdev):

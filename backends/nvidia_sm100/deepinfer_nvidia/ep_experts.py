@@ -122,7 +122,8 @@ class NvidiaEPExperts:
         if config is not None:
             return config
         wide = spec.compute_dtype == torch.float32 and not (spec.quant_in and spec.quant_mid)
-        return moe_tile_config(rows, 1, experts, wide_fp32=wide, fp4=spec.n_fp4 > 0)
+        return moe_tile_config(rows, 1, experts, wide_fp32=wide, fp4=spec.n_fp4 > 0,
+                               fp8_activations=spec.quant_in and spec.quant_mid)
 
 
 def _slot_view(moe: nn.Module, spec: _Fused, j: int) -> nn.Module:
