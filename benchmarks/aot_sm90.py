@@ -99,13 +99,13 @@ def gemv2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, block_n: 
 
 
 def mma13(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
-    """The mma.sync w13 (`moe_mma`; `stages` is its unroll: blocks per loop step; always compiled
-    with its inline PTX, the FP4 variants' decoder choice does not apply)."""
+    """The mma.sync w13 (`moe_mma`; `stages` is its PREFETCH, 0 or 1; always compiled with its inline
+    PTX, the FP4 variants' decoder choice does not apply)."""
     sig = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", p_ptr="*u8", g_ptr="*u8",
                order_ptr="*i64", rw_ptr="*fp32", sched_ptr="*i32", a_ptr="*bf16", I="i32", D="i32", E1="i32",
                E4="i32", n_clamped="i32", limit="fp32", x_words="i32", stride_a="i32")
     const = dict(K1=7, EB=512, N_KG=32, NB_I=16, NW=warps, CDT=tl.bfloat16, XDT=tl.bfloat16, W4=w4, PRMT=True,
-                 UNROLL=stages)
+                 PREFETCH=bool(stages))
     return _compile(MM._mma_w13_kernel, sig, const, warps, 1)
 
 
@@ -113,7 +113,7 @@ def mma2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
     sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", p_ptr="*u8", g_ptr="*u8",
                order_ptr="*i64", sched_ptr="*i32", y_ptr="*bf16", D="i32", I="i32", E1="i32", E4="i32",
                a_words="i32", stride_y="i32")
-    const = dict(EB=512, N_KG=16, NB_D=32, NW=warps, W4=w4, PRMT=True, UNROLL=stages)
+    const = dict(EB=512, N_KG=16, NB_D=32, NW=warps, W4=w4, PRMT=True, PREFETCH=bool(stages))
     return _compile(MM._mma_w2_kernel, sig, const, warps, 1)
 
 
@@ -195,7 +195,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="4x4,8x2", help="num_warps x num_stages, comma separated")
     ap.add_argument("--kernels", default="w13,w2", help="w13, w2, gemv13, gemv2 (the CUDA-core kernels), mma13, mma2 (the mma.sync ones; "
-                    "--configs WARPSxUNROLL), swap_ab (a probe of the grouped GEMMs with the "
+                    "--configs WARPSxPREFETCH), swap_ab (a probe of the grouped GEMMs with the "
                     "operands swapped; FP4 variants only; see _swap_ab_probe), fp8_gemm (the dense FP8 GEMM; the "
                     "fp8 variant only; --block-m 128 is its prefill tile) and/or attention (see --kv)")
     ap.add_argument("--kv", default="bf16,fp8", help="--kernels attention: the pools' forms (bf16, fp8 packed)")

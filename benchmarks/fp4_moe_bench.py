@@ -134,8 +134,9 @@ def main() -> None:
     ap.add_argument("--gemv-tiles", default="32/32/4,32/32/2,64/64/4,64/64/2,128/128/4",
                     help="CUDA-core kernels: block_n1/block_n2/num_warps[/stages] settings to time (stages: the K "
                          "loop's software pipeline depth, 1 = none)")
-    ap.add_argument("--mma-tiles", default="4/1,4/2,2/2",
-                    help="mma.sync kernels (moe_mma): num_warps/unroll settings to time ('' for none)")
+    ap.add_argument("--mma-tiles", default="4/1,4/0,2/1",
+                    help="mma.sync kernels (moe_mma): num_warps/prefetch (1: load the next block before working "
+                         "on the current one, 0: after) settings to time ('' for none)")
     ap.add_argument("--no-graph", action="store_true",
                     help="time eager calls (host launch gaps included) instead of CUDA-graph replays")
     args = ap.parse_args()
@@ -160,8 +161,8 @@ def main() -> None:
                 cfg = dict(gemv_rows=m, block_n1=bn1, block_n2=bn2, num_warps1=w, num_warps2=w, gemv_stages=stages)
                 variants += [(f"{form} cc m{m} {tile}", form, cfg) for form in ("fp8", "fp4")]
         for tile in filter(None, args.mma_tiles.split(",")):
-            warps, unroll = (int(v) for v in tile.split("/"))
-            cfg = dict(mma_warps=warps, mma_unroll=unroll)
+            warps, ahead = (int(v) for v in tile.split("/"))
+            cfg = dict(mma_warps=warps, mma_prefetch=bool(ahead))
             variants += [(f"{form} mma {tile}", form, cfg) for form in ("fp8", "fp4")]
         if args.swap_ab:          # w13 and w2 with the weights as the dots' first operand, both forms
             for tag, s1, s2 in (("swap", True, True), ("swap1", True, False), ("swap2", False, True)):

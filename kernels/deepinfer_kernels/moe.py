@@ -27,7 +27,7 @@ from .moe_routing import expert_schedule, max_tiles, route_topk
 # "Decode sizes on mma.sync"): with FP4 experts 0.80-0.85x the FP8 tensor-core tiles' time at batch 8-256
 # of V4-Flash (6 rows per expert at 256: 8-row tiles still read most experts once) and on par at batch 1;
 # with FP8 experts within 1-5% of the tensor-core tiles, which they keep.
-MMA_TILES: dict[str, tuple[float, dict]] = {"fp4": (16.0, dict(mma_warps=4, mma_unroll=1)), "fp8": (0.0, {})}
+MMA_TILES: dict[str, tuple[float, dict]] = {"fp4": (16.0, dict(mma_warps=4, mma_prefetch=True)), "fp8": (0.0, {})}
 # The CUDA-core kernels (moe_gemv) by weight form: (mean rows per expert up to which, tile config), the
 # first that fits, where the mma.sync kernels do not apply (unquantised activations: FP4 experts without
 # the QAT simulation). Measured with benchmarks/fp4_moe_bench.py on an H100: with FP4 experts they beat the
@@ -148,12 +148,12 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)     # stable: deterministic rows
     if "mma_warps" in cfg:      # FP8 activations on mma.sync fragments built in registers
         sched = expert_schedule(sorted_ids, E1, (MMA_ROWS, MMA_ROWS))
-        tiles, warps, unroll = max_tiles(n, E1, MMA_ROWS), cfg["mma_warps"], cfg.get("mma_unroll", 1)
+        tiles, warps, ahead = max_tiles(n, E1, MMA_ROWS), cfg["mma_warps"], cfg.get("mma_prefetch", True)
         a = mma_w13(*act_quant(x), w13, s13, order, route_w, sched, tiles, k1=K1, n_clamped=n_clamped
                     if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype, x_dtype=x.dtype,
-                    num_warps=warps, unroll=unroll)
+                    num_warps=warps, prefetch=ahead)
         y = mma_w2(*act_quant(a), w2, s2, order, sched, tiles, out_dtype=compute_dtype, num_warps=warps,
-                   unroll=unroll)
+                   prefetch=ahead)
         return y.view(T, K1, D)
     if "gemv_rows" in cfg:      # float32 activations, QAT applied in the quantising launch itself
         m = cfg["gemv_rows"]

@@ -141,12 +141,12 @@ def _block_exp(scale):
 
 
 @triton.jit
-def _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kb, live, el):
-    """Block kb's activation words (lane q's inputs of token g), the tile rows' activation scales
-    (0 where the block is not `live`: an unrolled step past the end) and the two weight block scales."""
+def _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kb, el):
+    """Block kb's activation words (lane q's inputs of token g), the tile rows' activation scales and
+    the two weight block scales."""
     act_lo = tl.load(x32[:, None] + kb * 32 + el, mask=ok_in[:, None], other=0)
     act_hi = tl.load(x32[:, None] + kb * 32 + 4 + el, mask=ok_in[:, None], other=0)
-    sx = tl.load(xs_row + kb, mask=ok_out & live, other=0.0)
+    sx = tl.load(xs_row + kb, mask=ok_out, other=0.0)
     return act_lo, act_hi, sx, tl.load(sa_ptr + kb), tl.load(sb_ptr + kb)
 
 
@@ -170,13 +170,14 @@ def _fp8_words(wa, wb, r8w, kb, el):
 
 @triton.jit
 def _expert_sums(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, w_ptr, p_ptr, g_ptr, row, row_b, K, e, E4,
-                 N_KG: tl.constexpr, NW: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr, UNROLL: tl.constexpr):
+                 N_KG: tl.constexpr, NW: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr,
+                 PREFETCH: tl.constexpr):
     """Two [32 * NW, 4] float32 sums, of rows `row` / `row` + 8 (set a) and the same plus `row_b` (set
     b) of expert e (a [rows, K] weight; `w_ptr` its FP8 form's start, `p_ptr` / `g_ptr` the FP4
     form's) times the tile's activations (`x32`: each lane's activation words, `xs_row` the tile rows'
     scales), over all of K, each block scaled by its weight scale (`sa_ptr` / `sb_ptr`, along K) and
-    the activations'. Two sets per loop and `UNROLL` (1 or 2) blocks per step: more loads in flight
-    per warp (the kernels are latency-bound without it)."""
+    the activations'. Each step loads the next block: with `PREFETCH` before it works on the current
+    one (its loads in flight meanwhile, in registers), else after."""
     el = tl.arange(0, 4)[None, :]
     q = tl.arange(0, 32 * NW) % 4
     acc_a = tl.zeros((32 * NW, 4), tl.float32)
@@ -184,45 +185,44 @@ def _expert_sums(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, w_ptr, p_ptr, g_ptr
     words4 = tl.multiple_of(K // 8, 16)            # code words per row (K a multiple of 128)
     words8 = tl.multiple_of(K // 4, 32)            # FP8 weight words per row
     groups = tl.multiple_of(K // 32, 4)            # scale bytes per row
+    act_lo, act_hi, sx, sa, sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, 0, el)
     if W4 and e < E4:
         pa = p_ptr.to(tl.pointer_type(tl.uint32)) + row * words4 + q * 4
         ga = g_ptr + row * groups + q
         pb = pa + row_b * words4
         gb = ga + row_b * groups
-        for kb in tl.range(0, N_KG, UNROLL):
-            ca_n, ca_8, cb_n, cb_8, ta_n, ta_8, tb_n, tb_8 = _fp4_codes(pa, pb, ga, gb, 8 * words4, 8 * groups, kb,
-                                                                        el)
-            act_lo, act_hi, sx, sa, sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kb, True, el)
-            if UNROLL == 2:
-                k2 = tl.minimum(kb + 1, N_KG - 1)
-                ca_n2, ca_82, cb_n2, cb_82, ta_n2, ta_82, tb_n2, tb_82 = _fp4_codes(pa, pb, ga, gb, 8 * words4,
-                                                                                    8 * groups, k2, el)
-                act_lo2, act_hi2, sx2, sa2, sb2 = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, k2,
-                                                          kb + 1 < N_KG, el)
+        ca_n, ca_8, cb_n, cb_8, ta_n, ta_8, tb_n, tb_8 = _fp4_codes(pa, pb, ga, gb, 8 * words4, 8 * groups, 0, el)
+        for kb in tl.range(0, N_KG):
+            kn = tl.minimum(kb + 1, N_KG - 1)
+            if PREFETCH:
+                na_n, na_8, nb_n, nb_8, sa_n, sa_8, sb_n, sb_8 = _fp4_codes(pa, pb, ga, gb, 8 * words4, 8 * groups,
+                                                                            kn, el)
+                n_lo, n_hi, n_sx, n_sa, n_sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kn, el)
             ea, eb = _block_exp(sa), _block_exp(sb)
             acc_a += _sums_fp4(ca_n, ca_8, ta_n - ea, ta_8 - ea, act_lo, act_hi, el, NW, PRMT) * (sa * sx)
             acc_b += _sums_fp4(cb_n, cb_8, tb_n - eb, tb_8 - eb, act_lo, act_hi, el, NW, PRMT) * (sb * sx)
-            if UNROLL == 2:
-                ea, eb = _block_exp(sa2), _block_exp(sb2)
-                acc_a += _sums_fp4(ca_n2, ca_82, ta_n2 - ea, ta_82 - ea, act_lo2, act_hi2, el, NW, PRMT) * (sa2 * sx2)
-                acc_b += _sums_fp4(cb_n2, cb_82, tb_n2 - eb, tb_82 - eb, act_lo2, act_hi2, el, NW, PRMT) * (sb2 * sx2)
+            if not PREFETCH:
+                na_n, na_8, nb_n, nb_8, sa_n, sa_8, sb_n, sb_8 = _fp4_codes(pa, pb, ga, gb, 8 * words4, 8 * groups,
+                                                                            kn, el)
+                n_lo, n_hi, n_sx, n_sa, n_sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kn, el)
+            ca_n, ca_8, cb_n, cb_8, ta_n, ta_8, tb_n, tb_8 = na_n, na_8, nb_n, nb_8, sa_n, sa_8, sb_n, sb_8
+            act_lo, act_hi, sx, sa, sb = n_lo, n_hi, n_sx, n_sa, n_sb
     else:
         wa = w_ptr.to(tl.pointer_type(tl.uint32)) + row * words8 + q * 8
         wb = wa + row_b * words8
-        for kb in tl.range(0, N_KG, UNROLL):
-            an_lo, an_hi, a8_lo, a8_hi, bn_lo, bn_hi, b8_lo, b8_hi = _fp8_words(wa, wb, 8 * words8, kb, el)
-            act_lo, act_hi, sx, sa, sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kb, True, el)
-            if UNROLL == 2:
-                k2 = tl.minimum(kb + 1, N_KG - 1)
-                an_lo2, an_hi2, a8_lo2, a8_hi2, bn_lo2, bn_hi2, b8_lo2, b8_hi2 = _fp8_words(wa, wb, 8 * words8, k2,
-                                                                                            el)
-                act_lo2, act_hi2, sx2, sa2, sb2 = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, k2,
-                                                          kb + 1 < N_KG, el)
+        an_lo, an_hi, a8_lo, a8_hi, bn_lo, bn_hi, b8_lo, b8_hi = _fp8_words(wa, wb, 8 * words8, 0, el)
+        for kb in tl.range(0, N_KG):
+            kn = tl.minimum(kb + 1, N_KG - 1)
+            if PREFETCH:
+                w0, w1, w2, w3, w4, w5, w6, w7 = _fp8_words(wa, wb, 8 * words8, kn, el)
+                n_lo, n_hi, n_sx, n_sa, n_sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kn, el)
             acc_a += _sums_fp8(an_lo, an_hi, a8_lo, a8_hi, act_lo, act_hi, NW, PRMT) * (sa * sx)
             acc_b += _sums_fp8(bn_lo, bn_hi, b8_lo, b8_hi, act_lo, act_hi, NW, PRMT) * (sb * sx)
-            if UNROLL == 2:
-                acc_a += _sums_fp8(an_lo2, an_hi2, a8_lo2, a8_hi2, act_lo2, act_hi2, NW, PRMT) * (sa2 * sx2)
-                acc_b += _sums_fp8(bn_lo2, bn_hi2, b8_lo2, b8_hi2, act_lo2, act_hi2, NW, PRMT) * (sb2 * sx2)
+            if not PREFETCH:
+                w0, w1, w2, w3, w4, w5, w6, w7 = _fp8_words(wa, wb, 8 * words8, kn, el)
+                n_lo, n_hi, n_sx, n_sa, n_sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kn, el)
+            an_lo, an_hi, a8_lo, a8_hi, bn_lo, bn_hi, b8_lo, b8_hi = w0, w1, w2, w3, w4, w5, w6, w7
+            act_lo, act_hi, sx, sa, sb = n_lo, n_hi, n_sx, n_sa, n_sb
     return acc_a, acc_b
 
 
@@ -245,7 +245,7 @@ def _mma_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
                     I, D, E1, E4, n_clamped, limit, x_words, stride_a,
                     K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr, NW: tl.constexpr,
                     CDT: tl.constexpr, XDT: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr,
-                    UNROLL: tl.constexpr):
+                    PREFETCH: tl.constexpr):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE1, _ROWS)
@@ -265,7 +265,7 @@ def _mma_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
     p4 = p_ptr + e64 * 2 * I * (D // 2)
     g4 = g_ptr + e64 * 2 * I * (D // 32)
     gate, up = _expert_sums(x32, ok_in, xs_row, ok_out, s_g, s_g + NB_I * N_KG, w8, p4, g4, n0 + rows, I, D, e, E4,
-                            N_KG, NW, W4, PRMT, UNROLL)
+                            N_KG, NW, W4, PRMT, PREFETCH)
     rw = tl.load(rw_ptr + src_out, mask=ok_out, other=0.0)
     act = swiglu(gate, up, e < n_clamped, limit, rw, CDT, XDT)
     tl.store(a_ptr + m_out * stride_a + n0 + cols, act.to(a_ptr.dtype.element_ty), mask=ok_out)
@@ -274,7 +274,7 @@ def _mma_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
 @triton.jit
 def _mma_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_ptr, y_ptr, D, I, E1, E4, a_words,
                    stride_y, EB: tl.constexpr, N_KG: tl.constexpr, NB_D: tl.constexpr, NW: tl.constexpr,
-                   W4: tl.constexpr, PRMT: tl.constexpr, UNROLL: tl.constexpr):
+                   W4: tl.constexpr, PRMT: tl.constexpr, PREFETCH: tl.constexpr):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE2, _ROWS)
@@ -289,7 +289,7 @@ def _mma_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
     # two row sets per program: rows n0 + (0..16 NW) and 16 NW further, inside one 128-row scale block
     ya, yb = _expert_sums(x32, ok_in, as_ptr + m_out * N_KG, ok_out, s, s, w_ptr + tl.maximum(e64 - E4, 0) * D * I,
                           p_ptr + e64 * D * (I // 2), g_ptr + e64 * D * (I // 32), n0 + rows, 16 * NW, I, e, E4, N_KG,
-                          NW, W4, PRMT, UNROLL)
+                          NW, W4, PRMT, PREFETCH)
     _y_out(ya, y_ptr, dest, stride_y, n0 + cols, ok_out)
     _y_out(yb, y_ptr, dest, stride_y, n0 + 16 * NW + cols, ok_out)
 
@@ -306,10 +306,10 @@ def mma_fits(D: int, I: int) -> bool:
     return D % BLOCK_K == 0 and I % BLOCK_K == 0
 
 
-def _check(name: str, D: int, I: int, num_warps: int, unroll: int, x: torch.Tensor) -> None:
+def _check(name: str, D: int, I: int, num_warps: int, x: torch.Tensor) -> None:
     # w2's programs of 32 * num_warps rows stay inside one 128-row block of weight scales
-    if not mma_fits(D, I) or num_warps not in (1, 2, 4) or unroll not in (1, 2):
-        raise ValueError(f"{name}: num_warps={num_warps} must be 1, 2 or 4; unroll={unroll} 1 or 2; D={D} and "
+    if not mma_fits(D, I) or num_warps not in (1, 2, 4):
+        raise ValueError(f"{name}: num_warps={num_warps} must be 1, 2 or 4; D={D} and "
                          f"I={I} multiples of {BLOCK_K}")
     if x.dtype != torch.float8_e4m3fn or x.stride(1) != 1 or x.stride(0) % 4:
         raise ValueError(f"{name}: activations must be float8_e4m3fn rows of whole words, got {x.dtype} "
@@ -318,13 +318,13 @@ def _check(name: str, D: int, I: int, num_warps: int, unroll: int, x: torch.Tens
 
 def mma_w13(xq: torch.Tensor, xs: torch.Tensor, w13: Experts, s13: torch.Tensor, order: torch.Tensor,
             route_w: torch.Tensor, sched: torch.Tensor, n_tiles: int, *, k1: int, n_clamped: int, limit: float,
-            compute_dtype: torch.dtype, x_dtype: torch.dtype, num_warps: int = 4, unroll: int = 1) -> torch.Tensor:
+            compute_dtype: torch.dtype, x_dtype: torch.dtype, num_warps: int = 4, prefetch: bool = True) -> torch.Tensor:
     """`moe_w13` on FP8 activations (`act_quant`'s xq [T, D] and scales xs [T, D/128]), the schedule's
     tiles of `ROWS` rows: w2's input [n, I] in x_dtype, before its act_quant (the caller's)."""
     T, D = xq.shape
     E1, _, I, _ = w13.shape
     weights = _check_experts(w13, s13, (E1, 2, I, D), "mma_w13: w13")
-    _check("mma_w13", D, I, num_warps, unroll, xq)
+    _check("mma_w13", D, I, num_warps, xq)
     n = order.numel()
     a = torch.empty((n, I), dtype=x_dtype, device=xq.device)
     if n == 0:
@@ -333,25 +333,25 @@ def mma_w13(xq: torch.Tensor, xs: torch.Tensor, w13: Experts, s13: torch.Tensor,
         x_ptr=xq, xs_ptr=xs, ws_ptr=s13, order_ptr=order, rw_ptr=route_w.reshape(-1), sched_ptr=sched, a_ptr=a, I=I,
         D=D, E1=E1, n_clamped=n_clamped, limit=float(limit), x_words=xq.stride(0) // 4, stride_a=a.stride(0),
         **weights, K1=k1, EB=sched.shape[1], N_KG=D // BLOCK_K, NB_I=I // BLOCK_K, NW=num_warps,
-        CDT=TL_DTYPES[compute_dtype], XDT=TL_DTYPES[x_dtype], PRMT=not _interpreted(), UNROLL=unroll,
+        CDT=TL_DTYPES[compute_dtype], XDT=TL_DTYPES[x_dtype], PRMT=not _interpreted(), PREFETCH=prefetch,
         num_warps=num_warps)
     return a
 
 
 def mma_w2(aq: torch.Tensor, a_s: torch.Tensor, w2: Experts, s2: torch.Tensor, order: torch.Tensor,
            sched: torch.Tensor, n_tiles: int, *, out_dtype: torch.dtype, num_warps: int = 4,
-           unroll: int = 1) -> torch.Tensor:
+           prefetch: bool = True) -> torch.Tensor:
     """`moe_w2` on FP8 activations (aq [n, I] in sorted row order, scales a_s [n, I/128]): y [n, D]
     out_dtype in (token, slot) order."""
     n, I = aq.shape
     E1, D, _ = w2.shape
     weights = _check_experts(w2, s2, (E1, D, I), "mma_w2: w2")
-    _check("mma_w2", D, I, num_warps, unroll, aq)
+    _check("mma_w2", D, I, num_warps, aq)
     y = torch.empty((n, D), dtype=out_dtype, device=aq.device)
     if n == 0:
         return y
     _mma_w2_kernel[(n_tiles, D // (32 * num_warps))](
         a_ptr=aq, as_ptr=a_s, ws_ptr=s2, order_ptr=order, sched_ptr=sched, y_ptr=y, D=D, I=I, E1=E1,
         a_words=aq.stride(0) // 4, stride_y=y.stride(0), **weights, EB=sched.shape[1], N_KG=I // BLOCK_K,
-        NB_D=D // BLOCK_K, NW=num_warps, PRMT=not _interpreted(), UNROLL=unroll, num_warps=num_warps)
+        NB_D=D // BLOCK_K, NW=num_warps, PRMT=not _interpreted(), PREFETCH=prefetch, num_warps=num_warps)
     return y

@@ -19,24 +19,23 @@ from test_moe_gemv import run
 from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block, quantize_fp8_block
 
 
-def mma(warps: int = 2, unroll: int = 1) -> dict:
-    return dict(mma_warps=warps, mma_unroll=unroll)
+def mma(warps: int = 2, prefetch: bool = True) -> dict:
+    return dict(mma_warps=warps, mma_prefetch=prefetch)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("D,I,T,dtype,warps,unroll", [(256, 128, 5, torch.bfloat16, 2, 1),
-                                                      (128, 256, 3, torch.float32, 1, 2),
-                                                      (384, 256, 21, torch.float32, 4, 2)])
-def test_fp4_experts_give_the_re_encoded_bits_and_the_tensor_core_result(kdev, D, I, T, dtype, warps, unroll):
-    """T = 21 on 4 experts + the shared one: experts with more than one 8-row tile; D = 384 with
-    2 blocks per step: an odd number of blocks."""
+@pytest.mark.parametrize("D,I,T,dtype,warps,prefetch", [(256, 128, 5, torch.bfloat16, 2, False),
+                                                        (128, 256, 3, torch.float32, 1, True),
+                                                        (384, 256, 21, torch.float32, 4, True)])
+def test_fp4_experts_give_the_re_encoded_bits_and_the_tensor_core_result(kdev, D, I, T, dtype, warps, prefetch):
+    """T = 21 on 4 experts + the shared one: experts with more than one 8-row tile."""
     fp8_form, fp4_form = stacked_experts(D, I, seed=D + I + T)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(T))
-    want = run(x, fp8_form, True, dtype, kdev, mma(warps, unroll))
-    got = run(x, fp4_form, True, dtype, kdev, mma(warps, unroll))
+    want = run(x, fp8_form, True, dtype, kdev, mma(warps, prefetch))
+    got = run(x, fp4_form, True, dtype, kdev, mma(warps, prefetch))
     assert torch.isfinite(want).all() and want.abs().max() > 0
     assert torch.equal(got, want)
     tensor_cores = run(x, fp8_form, True, dtype, kdev, moe_tile_config(16, 1, 1, cuda_cores=False))
@@ -79,8 +78,8 @@ def test_groups_down_to_e4m3_subnormals_keep_the_bits(kdev):
 
 
 def test_a_row_does_not_depend_on_the_rows_sharing_its_tile(kdev):
-    """Tokens alone and inside a batch of 7 (tiles of several tokens), 2 or 4 warps, 1 or 2 blocks
-    per step: the same bits."""
+    """Tokens alone and inside a batch of 7 (tiles of several tokens), 2 or 4 warps, loads ahead or
+    not: the same bits."""
     _, fp4_form = stacked_experts(128, 128, seed=9)
     w13, s13, w2, s2 = [_to(t, kdev) for t in fp4_form]
     x = torch.randn(7, 128, generator=torch.Generator().manual_seed(9)).to(kdev)
@@ -93,7 +92,7 @@ def test_a_row_does_not_depend_on_the_rows_sharing_its_tile(kdev):
 
     batch = outputs(slice(0, 7), mma(2))
     for i in (0, 3, 6):
-        assert torch.equal(outputs(slice(i, i + 1), mma(4, 2))[0], batch[i])
+        assert torch.equal(outputs(slice(i, i + 1), mma(4, False))[0], batch[i])
 
 
 def test_the_heuristic_takes_them_for_fp4_experts_with_fp8_activations(monkeypatch):
@@ -102,7 +101,7 @@ def test_the_heuristic_takes_them_for_fp4_experts_with_fp8_activations(monkeypat
     keep theirs."""
     from deepinfer_kernels import moe
     for tokens in (1, 64, 512):
-        assert moe_tile_config(tokens, 7, 257, fp4=True) == {"mma_warps": 4, "mma_unroll": 1}
+        assert moe_tile_config(tokens, 7, 257, fp4=True) == {"mma_warps": 4, "mma_prefetch": True}
     assert "mma_warps" not in moe_tile_config(1024, 7, 257, fp4=True)
     assert "mma_warps" not in moe_tile_config(1, 7, 257)
     assert "mma_warps" not in moe_tile_config(1, 7, 257, fp4=True, fp8_activations=False)
@@ -129,8 +128,6 @@ def test_bad_arguments_are_refused(kdev):
     x = torch.randn(2, 128)
     with pytest.raises(ValueError, match="num_warps=8 must be 1, 2 or 4"):
         run(x, fp8_form, True, torch.float32, kdev, mma(8))
-    with pytest.raises(ValueError, match="unroll=0 1 or 2"):
-        run(x, fp8_form, True, torch.float32, kdev, mma(2, 0))
     w2, s2 = _to(fp8_form[2], kdev), _to(fp8_form[3], kdev)
     order = torch.zeros(2, dtype=torch.int64, device=kdev)
     with pytest.raises(ValueError, match="activations must be float8_e4m3fn"):
