@@ -12,6 +12,7 @@ wherever the re-encoding is (the loader takes S from it and keeps FP8 where it f
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -189,3 +190,38 @@ def code_e4m3(codes, t):
     bits = tl.where(f >= 1, u + t * 8, (8 + (u & 7)) >> tl.minimum(tl.maximum(1 - f, 0), 4).to(tl.int16))
     bits = tl.where(c7 == 0, 0, bits) | ((codes & 8) << 4)
     return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _decode_kernel(p_ptr, g_ptr, s_ptr, out_ptr, N, K, NB_N, NB_K, SUB: tl.constexpr, PRMT: tl.constexpr):
+    """One 128x128 block of matrix m: its e4m3 re-encoding, SUB inputs (a group, compiled) at a time."""
+    pid, kb = tl.program_id(0), tl.program_id(1)
+    m = (pid // NB_N).to(tl.int64)
+    offs_n = (pid % NB_N) * 128 + tl.arange(0, 128)
+    n_ok = offs_n < N
+    scale = tl.load(s_ptr + (m * NB_N + pid % NB_N) * NB_K + kb + tl.zeros([128], tl.int32))
+    for j in tl.static_range(128 // SUB):
+        k0 = kb * 128 + j * SUB
+        tile = fp4_rows(p_ptr + m * N * (K // 2), g_ptr + m * N * (K // 32), offs_n, n_ok, k0, K, scale, 128, SUB,
+                        PRMT)
+        offs_k = k0 + tl.arange(0, SUB)
+        tl.store(out_ptr + m * N * K + offs_n[:, None] * K + offs_k[None, :], tile,
+                 mask=n_ok[:, None] & (offs_k < K)[None, :])
+
+
+def decode_experts(w: Fp4Experts, scales: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """FP4 experts [first, end) of `w` as their FP8 re-encoding ([end - first, *rows, N, K] e4m3, the
+    bytes the load-time re-encoding stores), given the stack's float32 128x128 block scales `scales`."""
+    if not 0 <= first < end <= w.num_fp4:
+        raise ValueError(f"decode_experts: experts [{first}, {end}) must lie in the {w.num_fp4} FP4 experts")
+    *lead, N, K = w.shape[1:]
+    rows = 1
+    for r in lead:
+        rows *= r
+    M = (end - first) * rows
+    out = torch.empty((end - first, *lead, N, K), dtype=torch.float8_e4m3fn, device=w.packed.device)
+    nb_n, nb_k = triton.cdiv(N, 128), triton.cdiv(K, 128)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    _decode_kernel[(M * nb_n, nb_k)](w.packed[first:end], w.groups[first:end], scales[first:end].contiguous(), out,
+                                     N, K, nb_n, nb_k, SUB=128 if interpreted else GROUP, PRMT=not interpreted)
+    return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp4_experts import Fp4Experts
+from .fp4_experts import Fp4Experts, decode_experts
 from .fp8_quant import act_quant, act_quant_values
 from .moe_combine import moe_combine
 from .moe_gemm import Experts, moe_w2, moe_w13
@@ -27,7 +27,7 @@ from .moe_routing import expert_schedule, max_tiles, route_topk
 # "Decode sizes on mma.sync"): with FP4 experts 0.80-0.85x the FP8 tensor-core tiles' time at batch 8-256
 # of V4-Flash (6 rows per expert at 256: 8-row tiles still read most experts once) and on par at batch 1;
 # with FP8 experts within 1-5% of the tensor-core tiles, which they keep.
-MMA_TILES: dict[str, tuple[float, dict]] = {"fp4": (16.0, dict(mma_warps=4, mma_prefetch=True)), "fp8": (0.0, {})}
+MMA_TILES: dict[str, tuple[float, dict]] = {"fp4": (16.0, dict(mma_warps=4, mma_prefetch=False)), "fp8": (0.0, {})}
 # The CUDA-core kernels (moe_gemv) by weight form: (mean rows per expert up to which, tile config), the
 # first that fits, where the mma.sync kernels do not apply (unquantised activations: FP4 experts without
 # the QAT simulation). Measured with benchmarks/fp4_moe_bench.py on an H100: with FP4 experts they beat the
@@ -38,6 +38,11 @@ GEMV_TILES: dict[str, tuple[tuple[float, dict], ...]] = {
             (3.0, dict(gemv_rows=2, block_n1=32, block_n2=32, num_warps1=4, num_warps2=4, gemv_stages=1))),
     "fp8": (),
 }
+# Above the mma.sync kernels' sizes (prefill), FP4 experts are decoded to their FP8 re-encoding a chunk
+# of experts at a time (`decode_experts`, about this many bytes of scratch) and each chunk runs the FP8
+# tensor-core tiles: the same bits as FP8 experts, where the FP4 tensor-core tiles (their decode passing
+# through shared memory) take ~2.2x the FP8 tiles' time at batch 256 and 3.6x at a 4k prefill (README).
+FP8_CHUNK_BYTES = 1 << 30
 # An override for both forms (benchmarks' --cuda-core-moe ROWS): None = MMA_TILES, then GEMV_TILES; 0 = the
 # tensor-core tiles only; > 0 = the CUDA-core kernels up to that many mean rows per expert, with
 # GEMV_TILES["fp4"]'s settings (then 4 rows per program).
@@ -65,6 +70,8 @@ def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = 
         gemv = _gemv_config(rows, fp4)
         if gemv is not None:
             return gemv
+        if fp4 and rows > MMA_TILES["fp4"][0]:
+            return dict(moe_tile_config(tokens, topk, num_experts, wide_fp32, cuda_cores=False), fp8_chunks=True)
     if rows <= 16:
         cfg = dict(block_m1=16, block_m2=16, block_n2=64, num_warps1=4, num_stages1=4, num_warps2=4, num_stages2=4)
     elif rows <= 48:
@@ -145,10 +152,13 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
         cfg = moe_tile_config(T, K1, E1, wide_fp32=wide, fp4=fp4, fp8_activations=False)
     if "gemv_rows" in cfg and not gemv_fits(D, w13.shape[2], cfg["block_n1"], cfg["block_n2"]):
         cfg = moe_tile_config(T, K1, E1, wide_fp32=wide, cuda_cores=False)
+    if cfg.pop("fp8_chunks", False) and fp4:
+        return _by_fp8_chunks(x, ids, route_w, w13, s13, w2, s2, cfg, n_clamped=n_clamped, swiglu_limit=swiglu_limit,
+                              quant_in=quant_in, quant_mid=quant_mid, compute_dtype=compute_dtype)
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)     # stable: deterministic rows
     if "mma_warps" in cfg:      # FP8 activations on mma.sync fragments built in registers
         sched = expert_schedule(sorted_ids, E1, (MMA_ROWS, MMA_ROWS))
-        tiles, warps, ahead = max_tiles(n, E1, MMA_ROWS), cfg["mma_warps"], cfg.get("mma_prefetch", True)
+        tiles, warps, ahead = max_tiles(n, E1, MMA_ROWS), cfg["mma_warps"], cfg.get("mma_prefetch", False)
         a = mma_w13(*act_quant(x), w13, s13, order, route_w, sched, tiles, k1=K1, n_clamped=n_clamped
                     if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype, x_dtype=x.dtype,
                     num_warps=warps, prefetch=ahead)
@@ -181,3 +191,26 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
                block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
                swap_ab=cfg.get("swap_ab2", False))
     return y.view(T, K1, D)
+
+
+def _by_fp8_chunks(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Fp4Experts, s13: torch.Tensor,
+                   w2: Fp4Experts, s2: torch.Tensor, tiles: dict, *, n_clamped: int, **kw) -> torch.Tensor:
+    """`expert_outputs` with FP4 experts decoded to FP8 a chunk at a time (`FP8_CHUNK_BYTES` of
+    scratch), then the FP8-kept experts (the shared one): each chunk's (token, slot) pairs through the
+    FP8 tensor-core `tiles`, the others' ids set outside its experts (left to the other chunks)."""
+    E4, E1 = w13.num_fp4, w13.shape[0]
+    _, _, I, D = w13.shape
+    chunk = max(1, FP8_CHUNK_BYTES // (3 * I * D))
+    y = None
+    for first, end in [(e, min(e + chunk, E4)) for e in range(0, E4, chunk)] + [(E4, E1)]:
+        if end <= first:
+            continue
+        inside = (ids >= first) & (ids < end)
+        if first < E4:
+            c13, c2 = decode_experts(w13, s13, first, end), decode_experts(w2, s2, first, end)
+        else:
+            c13, c2 = w13.fp8, w2.fp8
+        part = expert_outputs(x, torch.where(inside, ids - first, -1), route_w, c13, s13[first:end], c2,
+                              s2[first:end], n_clamped=min(max(n_clamped - first, 0), end - first), config=tiles, **kw)
+        y = part if y is None else torch.where(inside[..., None], part, y)
+    return y

@@ -101,7 +101,7 @@ def test_the_heuristic_takes_them_for_fp4_experts_with_fp8_activations(monkeypat
     keep theirs."""
     from deepinfer_kernels import moe
     for tokens in (1, 64, 512):
-        assert moe_tile_config(tokens, 7, 257, fp4=True) == {"mma_warps": 4, "mma_prefetch": True}
+        assert moe_tile_config(tokens, 7, 257, fp4=True) == {"mma_warps": 4, "mma_prefetch": False}
     assert "mma_warps" not in moe_tile_config(1024, 7, 257, fp4=True)
     assert "mma_warps" not in moe_tile_config(1, 7, 257)
     assert "mma_warps" not in moe_tile_config(1, 7, 257, fp4=True, fp8_activations=False)
