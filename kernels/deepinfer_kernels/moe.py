@@ -38,10 +38,14 @@ GEMV_TILES: dict[str, tuple[tuple[float, dict], ...]] = {
             (3.0, dict(gemv_rows=2, block_n1=32, block_n2=32, num_warps1=4, num_warps2=4, gemv_stages=1))),
     "fp8": (),
 }
-# Above the mma.sync kernels' sizes (prefill), FP4 experts are decoded to their FP8 re-encoding a chunk
-# of experts at a time (`decode_experts`, about this many bytes of scratch) and each chunk runs the FP8
+# Above FP8_CHUNK_ROWS mean rows per expert, FP4 experts are decoded to their FP8 re-encoding a chunk of
+# experts at a time (`decode_experts`, about FP8_CHUNK_BYTES of scratch) and each chunk runs the FP8
 # tensor-core tiles: the same bits as FP8 experts, where the FP4 tensor-core tiles (their decode passing
-# through shared memory) take ~2.2x the FP8 tiles' time at batch 256 and 3.6x at a 4k prefill (README).
+# through shared memory) take 2.2x the FP8 tiles' time at batch 256 and ~4x at a 4k prefill. Measured
+# on an H100 (README): the chunks' GEMMs take a quarter of the FP4 tiles' time at a 4k prefill, but the
+# decode pass runs at ~0.5 TB/s (not yet understood), so the path wins at 16k tokens (384 rows per
+# expert: prefill 326 against 434 ms) and loses at 4k (96 rows: 142 against 125 ms).
+FP8_CHUNK_ROWS = 192.0
 FP8_CHUNK_BYTES = 1 << 30
 # An override for both forms (benchmarks' --cuda-core-moe ROWS): None = MMA_TILES, then GEMV_TILES; 0 = the
 # tensor-core tiles only; > 0 = the CUDA-core kernels up to that many mean rows per expert, with
@@ -70,7 +74,7 @@ def moe_tile_config(tokens: int, topk: int, num_experts: int, wide_fp32: bool = 
         gemv = _gemv_config(rows, fp4)
         if gemv is not None:
             return gemv
-        if fp4 and rows > MMA_TILES["fp4"][0]:
+        if fp4 and rows > FP8_CHUNK_ROWS:
             return dict(moe_tile_config(tokens, topk, num_experts, wide_fp32, cuda_cores=False), fp8_chunks=True)
     if rows <= 16:
         cfg = dict(block_m1=16, block_m2=16, block_n2=64, num_warps1=4, num_stages1=4, num_warps2=4, num_stages2=4)

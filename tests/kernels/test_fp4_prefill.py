@@ -31,6 +31,7 @@ def test_decoded_experts_are_the_re_encoded_bytes(kdev, spread):
 def test_prefill_sizes_give_the_fp8_experts_bits(kdev, monkeypatch, qat, dtype, chunk_experts):
     D, I, T = 128, 128, 40                      # 40 tokens x 3 slots over 5 experts: 24 rows per expert
     monkeypatch.setattr(moe, "FP8_CHUNK_BYTES", chunk_experts * 3 * I * D)
+    monkeypatch.setattr(moe, "FP8_CHUNK_ROWS", 16.0)
     cfg = moe_tile_config(T, K + 1, E + 1, fp4=True, fp8_activations=qat)
     assert cfg.get("fp8_chunks") and "mma_warps" not in cfg
     fp8_form, fp4_form = stacked_experts(D, I, seed=T)
@@ -41,8 +42,11 @@ def test_prefill_sizes_give_the_fp8_experts_bits(kdev, monkeypatch, qat, dtype, 
     assert torch.equal(got, want)
 
 
-def test_the_heuristic_decodes_in_chunks_only_above_the_mma_sizes():
-    assert moe_tile_config(4096, 7, 257, fp4=True)["fp8_chunks"]
+def test_the_heuristic_decodes_in_chunks_only_above_its_rows():
+    """`FP8_CHUNK_ROWS` (192 mean rows per expert: V4-Flash prefills above ~7k tokens); the mma.sync
+    kernels up to 16; the FP4 tensor-core tiles between."""
+    assert moe_tile_config(16384, 7, 257, fp4=True)["fp8_chunks"]
+    assert "fp8_chunks" not in moe_tile_config(4096, 7, 257, fp4=True)
     assert moe_tile_config(512, 7, 257, fp4=True) == {"mma_warps": 4, "mma_prefetch": False}
     assert "fp8_chunks" not in moe_tile_config(4096, 7, 257)
     assert "fp8_chunks" not in invariant_moe_config(4096, 7, 257)
