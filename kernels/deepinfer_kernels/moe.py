@@ -24,9 +24,9 @@ from .moe_routing import expert_schedule, max_tiles, route_topk
 
 # The mma.sync kernels (moe_mma, FP8 activations only) by weight form: up to how many mean rows per expert
 # they take the sizes, with which setting. Measured with benchmarks/fp4_moe_bench.py on an H100 (README,
-# "Decode sizes on mma.sync"): with FP4 experts 0.80-0.85x the FP8 tensor-core tiles' time at batch 8-256
+# "Decode sizes on mma.sync"): with FP4 experts 0.81-0.84x the FP8 tensor-core tiles' time at batch 8-256
 # of V4-Flash (6 rows per expert at 256: 8-row tiles still read most experts once) and on par at batch 1;
-# with FP8 experts within 1-5% of the tensor-core tiles, which they keep.
+# with FP8 experts within 1-6% of the tensor-core tiles, which they keep.
 MMA_TILES: dict[str, tuple[float, dict]] = {"fp4": (16.0, dict(mma_warps=4, mma_prefetch=False)), "fp8": (0.0, {})}
 # The CUDA-core kernels (moe_gemv) by weight form: (mean rows per expert up to which, tile config), the
 # first that fits, where the mma.sync kernels do not apply (unquantised activations: FP4 experts without
@@ -41,7 +41,7 @@ GEMV_TILES: dict[str, tuple[tuple[float, dict], ...]] = {
 # Above FP8_CHUNK_ROWS mean rows per expert, FP4 experts are decoded to their FP8 re-encoding a chunk of
 # experts at a time (`decode_experts`, about FP8_CHUNK_BYTES of scratch) and each chunk runs the FP8
 # tensor-core tiles: the same bits as FP8 experts, where the FP4 tensor-core tiles (their decode passing
-# through shared memory) take 2.2x the FP8 tiles' time at batch 256 and ~4x at a 4k prefill. Measured
+# through shared memory) take 2.2x the FP8 tiles' time at batch 256 and 4.3x at a 4k prefill. Measured
 # on an H100 (README): the chunks' GEMMs take a quarter of the FP4 tiles' time at a 4k prefill, but the
 # decode pass runs at ~0.5 TB/s (not yet understood), so the path wins at 16k tokens (384 rows per
 # expert: prefill 326 against 434 ms) and loses at 4k (96 rows: 142 against 125 ms).

@@ -1,5 +1,6 @@
 """The fused MoE's grouped GEMMs at decode sizes, on the CUDA cores (`moe_tile_config` picks them
-when an expert gets a row or two: batch 1 to a few dozen tokens).
+when an expert gets a row or two and the activations are not FP8: FP4 experts without the QAT
+simulation; with it, `moe_mma`'s kernels are faster).
 
 At those sizes the tensor-core tiles pad each expert's one or two rows to 16, and FP4 experts'
 decoded tiles must pass through shared memory into the MMA's operand layout (3x the FP8 path's time,
@@ -10,8 +11,8 @@ multiply-adds: no shared memory in the loop, no padding to 16.
 Numerics: the activations come in as float32 values with their QAT scale applied
 (`fp8_quant.act_quant_values`: e4m3 x 2^s, exact), every product of an e4m3 weight and such a value
 is exact in float32, and the weight block's scale (a power of two) multiplies each 128-deep block's
-partial sums, exactly. Each lane accumulates elementwise over the K loop and a fixed pairwise tree sums the lanes at the end
-(`_tree_sum`): an order that does not depend on how Triton lays out the tiles, so FP4 experts give
+partial sums, exactly. Each lane accumulates elementwise over the K loop and a fixed pairwise tree
+sums the lanes at the end (`_tree_sum`): an order that does not depend on how Triton lays out the tiles, so FP4 experts give
 exactly the bits of their FP8 re-encoding here (the tensor-core tiles cannot promise that: their
 dots' operand layouts differ between the two forms). The sums' order differs from the tensor-core
 tiles', so the two paths agree to float32 rounding, not bit for bit.

@@ -318,7 +318,8 @@ def _check(name: str, D: int, I: int, num_warps: int, x: torch.Tensor) -> None:
 
 def mma_w13(xq: torch.Tensor, xs: torch.Tensor, w13: Experts, s13: torch.Tensor, order: torch.Tensor,
             route_w: torch.Tensor, sched: torch.Tensor, n_tiles: int, *, k1: int, n_clamped: int, limit: float,
-            compute_dtype: torch.dtype, x_dtype: torch.dtype, num_warps: int = 4, prefetch: bool = False) -> torch.Tensor:
+            compute_dtype: torch.dtype, x_dtype: torch.dtype, num_warps: int = 4,
+            prefetch: bool = False) -> torch.Tensor:
     """`moe_w13` on FP8 activations (`act_quant`'s xq [T, D] and scales xs [T, D/128]), the schedule's
     tiles of `ROWS` rows: w2's input [n, I] in x_dtype, before its act_quant (the caller's)."""
     T, D = xq.shape

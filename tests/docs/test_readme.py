@@ -505,8 +505,14 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/aot_sm90.py --kernels fp8_gemm --configs 8x3 --block-m 128": Skip(
         "compiles for sm_90 (CPU, ~5 s); tests/benchmarks/test_aot_sm90.py runs it with and without --unspecialise"),
     "python benchmarks/profile_step.py --decode 1x4k,8x4k,64x4k --prefill 4k": Skip(GPU),
-    "DEEPINFER_USE_NEXTN_DECODE=0 python -m pytest -q -n 8 tests/kernels tests/gpu "
+    "python -m pytest -q -n 8 -p no:cacheprovider tests/kernels tests/gpu "
     "--ignore=tests/gpu/test_engine_cuda.py": Skip(GPU + " (the compiled kernel and GPU tests)"),
+    'python benchmarks/aot_sm90.py --kernels mma13,mma2 --configs 4x0 --variants fp8,"fp4 prmt"': Skip(
+        "compiles kernel variants for sm_90 (CPU, ~30 s); tests/benchmarks/test_aot_sm90.py compiles them"),
+    "python benchmarks/fp4_moe_bench.py --reps 15 --gemv-rows 1 --gemv-tiles 32/32/2/1 "
+    "--mma-tiles 4/1,4/0,2/1,2/0,1/1": Skip(GPU + " (times the fused MoE compiled)"),
+    "python benchmarks/profile_step.py --decode 1x4k,64x4k --prefill 4k --fp4-experts --label _fp4mma": Skip(GPU),
+    "python benchmarks/decode_experts_bench.py": Skip(GPU),
     "python benchmarks/aot_sm90.py": Skip(
         "compiles six kernel variants for sm_90 (~1 min of CPU); tests/benchmarks/test_aot_sm90.py compiles two"),
     "python benchmarks/weight_memory.py": Skip(

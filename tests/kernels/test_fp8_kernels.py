@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from deepinfer_core.ops.quant import dequant_fp8_block, e8m0_to_float, fake_quant_fp8, quantize_fp8_block
 from deepinfer_kernels.fp8_gemm import fp8_gemm, tile_config
 from deepinfer_kernels.fp8_quant import act_quant, act_quant_values
+
+from deepinfer_core.ops.quant import dequant_fp8_block, e8m0_to_float, fake_quant_fp8, quantize_fp8_block
 
 
 @pytest.mark.parametrize("M,K", [(1, 128), (7, 256), (33, 200), (3, 1000)])
@@ -92,7 +92,8 @@ def test_w8a16_gemm_matches_dequantised_matmul(kdev, M, N, K, dtype):
 
 @pytest.mark.parametrize("splits", [2, 3, 5])
 def test_split_k_matches_the_unsplit_gemm(kdev, splits):
-    from deepinfer_kernels.fp8_gemm import split_k, tile_config as cfg_for
+    from deepinfer_kernels.fp8_gemm import split_k
+    from deepinfer_kernels.fp8_gemm import tile_config as cfg_for
     g = torch.Generator().manual_seed(splits)
     qw, sw = quantize_fp8_block(torch.randn(128, 640, generator=g) * 0.05)
     qa, sa = act_quant(torch.randn(3, 640, generator=g).to(kdev))

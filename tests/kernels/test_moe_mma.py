@@ -96,7 +96,7 @@ def test_a_row_does_not_depend_on_the_rows_sharing_its_tile(kdev):
 
 
 def test_the_heuristic_takes_them_for_fp4_experts_with_fp8_activations(monkeypatch):
-    """`MMA_TILES`: FP4 experts up to 16 rows per expert (batch ~680 of V4-Flash) when the activations
+    """`MMA_TILES`: FP4 experts up to 16 rows per expert (batch ~590 of V4-Flash) when the activations
     are FP8; FP8 experts keep their tensor-core tiles; the CUDA-core override and batch-invariant mode
     keep theirs."""
     from deepinfer_kernels import moe
