@@ -53,31 +53,26 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, n_groups,
         tl.store(s_ptr + row * n_groups + g, s)
 
 
-def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32)."""
+def _quantise(x: torch.Tensor, values: bool, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2:
-        raise ValueError(f"act_quant expects a 2-D tensor, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} expects a 2-D tensor, got shape {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     M, K = x.shape
     n_groups = triton.cdiv(K, GROUP)
-    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
+    q = torch.empty((M, K), dtype=torch.float32 if values else torch.float8_e4m3fn, device=x.device)
+    s = q if values else torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
     if M:
         _act_quant_kernel[(M, n_groups)](x, q, s, K, x.stride(0), q.stride(0), n_groups,
-                                         GROUP_SIZE=GROUP, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, VALUES=False)
+                                         GROUP_SIZE=GROUP, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, VALUES=values)
     return q, s
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32)."""
+    return _quantise(x, False, "act_quant")
 
 
 def act_quant_values(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] -> float32 [M, K]: `act_quant`'s q * scale (exact: a power-of-two scale times an e4m3
     value) in one launch, for the CUDA-core MoE kernels, which take their activations as float32."""
-    if x.dim() != 2:
-        raise ValueError(f"act_quant_values expects a 2-D tensor, got shape {tuple(x.shape)}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    M, K = x.shape
-    n_groups = triton.cdiv(K, GROUP)
-    v = torch.empty((M, K), dtype=torch.float32, device=x.device)
-    if M:
-        _act_quant_kernel[(M, n_groups)](x, v, v, K, x.stride(0), v.stride(0), n_groups,
-                                         GROUP_SIZE=GROUP, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, VALUES=True)
-    return v
+    return _quantise(x, True, "act_quant_values")[0]

@@ -227,17 +227,20 @@ def _expert_sums(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, w_ptr, p_ptr, g_ptr
 
 
 @triton.jit
-def _lanes(first, row_end, NW: tl.constexpr):
-    """Per lane: its row offset (warp * 16 + g), the tile row whose activations it feeds (g) and
-    whether that row exists; per accumulator element [32 * NW, 4]: its tile row (2q or 2q + 1) and
-    whether it exists, and the weight row offset it belongs to (+8 for elements 2, 3)."""
+def _tile(sched_ptr, E1, EB: tl.constexpr, BEGIN_ROW: tl.constexpr, NW: tl.constexpr):
+    """This program's expert (E1: none), weight-row block and, per lane: its row offset (warp * 16 + g),
+    the tile row whose activations it feeds (g) and whether that row exists; per accumulator element
+    [32 * NW, 4]: its tile row (2q or 2q + 1), whether it exists, and its weight row offset (+8 for
+    elements 2, 3)."""
+    e, first, row_end = _find_tile(sched_ptr, tl.program_id(0), E1, EB, BEGIN_ROW, _ROWS)
     tid = tl.arange(0, 32 * NW)
     el = tl.arange(0, 4)[None, :]
     g = (tid % 32) // 4
     r_in = first + g
     m_out = first + 2 * (tid % 4)[:, None] + (el & 1)
     rows = (tid // 32) * 16 + g
-    return rows, r_in, r_in < row_end, m_out, m_out < row_end, rows[:, None] + 8 * (el >> 1)
+    return (e, tl.program_id(1), rows, r_in, r_in < row_end, m_out, m_out < row_end,
+            rows[:, None] + 8 * (el >> 1))
 
 
 @triton.jit
@@ -246,12 +249,9 @@ def _mma_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
                     K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr, NW: tl.constexpr,
                     CDT: tl.constexpr, XDT: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr,
                     PREFETCH: tl.constexpr):
-    t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE1, _ROWS)
+    e, pid_n, rows, r_in, ok_in, m_out, ok_out, cols = _tile(sched_ptr, E1, EB, _TILE1, NW)
     if e >= E1:
         return
-    rows, r_in, ok_in, m_out, ok_out, cols = _lanes(first, row_end, NW)
     tok_in = tl.load(order_ptr + r_in, mask=ok_in, other=0) // K1
     src_out = tl.load(order_ptr + m_out, mask=ok_out, other=0)
     x32 = x_ptr.to(tl.pointer_type(tl.uint32)) + tok_in * x_words + (tl.arange(0, 32 * NW) % 4) * 8
@@ -275,12 +275,9 @@ def _mma_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
 def _mma_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_ptr, y_ptr, D, I, E1, E4, a_words,
                    stride_y, EB: tl.constexpr, N_KG: tl.constexpr, NB_D: tl.constexpr, NW: tl.constexpr,
                    W4: tl.constexpr, PRMT: tl.constexpr, PREFETCH: tl.constexpr):
-    t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE2, _ROWS)
+    e, pid_n, rows, r_in, ok_in, m_out, ok_out, cols = _tile(sched_ptr, E1, EB, _TILE2, NW)
     if e >= E1:
         return
-    rows, r_in, ok_in, m_out, ok_out, cols = _lanes(first, row_end, NW)
     dest = tl.load(order_ptr + m_out, mask=ok_out, other=0)
     x32 = a_ptr.to(tl.pointer_type(tl.uint32)) + r_in * a_words + (tl.arange(0, 32 * NW) % 4) * 8
     n0 = pid_n * 32 * NW

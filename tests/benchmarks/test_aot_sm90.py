@@ -13,11 +13,17 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_w2_compiles_for_sm90_and_is_described():
+def _aot(*args: str) -> subprocess.CompletedProcess:
+    """aot_sm90.py with `args`, compiled (TRITON_INTERPRET unset); it must exit 0."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "w2", "--configs", "4x4", "--variants",
-                        "fp8,fp4 prmt"], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "aot_sm90.py", *args], cwd=BENCH, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def test_w2_compiles_for_sm90_and_is_described():
+    r = _aot("--kernels", "w2", "--configs", "4x4", "--variants", "fp8,fp4 prmt")
     rows = re.findall(r"w2 (fp8|fp4 prmt)\s+warps 4 stages 4: regs (\d+) local (\d+) B, dot kWidth \[([\d, ]+)\], "
                       r"\['(mma\.sync[^']*)'\], SASS (\d+)", r.stdout)
     assert [row[0] for row in rows] == ["fp8", "fp4 prmt"], r.stdout
@@ -96,10 +102,7 @@ def test_the_mma_kernels_build_their_fragments_in_registers():
     """moe_mma's kernels: the FP8 mma.sync, no spills, and the FP4 decode in place: an FP4 kernel
     makes exactly the shared-memory accesses of its FP8 twin (the tile lookup's reduction and, with
     some Triton versions, the epilogue's layout change), none for its weights."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "mma13,mma2", "--configs", "4x1", "--variants",
-                        "fp8,fp4 prmt"], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _aot("--kernels", "mma13,mma2", "--configs", "4x1", "--variants", "fp8,fp4 prmt")
     rows = re.findall(r"(mma13|mma2) (fp8|fp4 prmt)\s+warps 4 stages 1: regs (\d+) local (\d+) B, .*"
                       r"'(mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32)'", r.stdout)
     assert len(rows) == 4, r.stdout
