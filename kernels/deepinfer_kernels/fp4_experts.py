@@ -12,6 +12,7 @@ wherever the re-encoding is (the loader takes S from it and keeps FP8 where it f
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -215,10 +216,7 @@ def decode_experts(w: Fp4Experts, scales: torch.Tensor, first: int, end: int) ->
     if not 0 <= first < end <= w.num_fp4:
         raise ValueError(f"decode_experts: experts [{first}, {end}) must lie in the {w.num_fp4} FP4 experts")
     *lead, N, K = w.shape[1:]
-    rows = 1
-    for r in lead:
-        rows *= r
-    M = (end - first) * rows
+    M = (end - first) * math.prod(lead)
     out = torch.empty((end - first, *lead, N, K), dtype=torch.float8_e4m3fn, device=w.packed.device)
     nb_n, nb_k = triton.cdiv(N, 128), triton.cdiv(K, 128)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
