@@ -1,14 +1,17 @@
-"""Routed experts kept as the checkpoint ships them (W4A8 / W4A16 MoE): e2m1 codes packed two per
-byte (the low nibble holds the even input) with one UE8M0 scale byte per 32 inputs, decoded tile by
-tile in registers into exactly the e4m3 values that the load-time re-encoding
-(`deepinfer_core.ops.quant.fp4_to_fp8_block`) would store. The grouped GEMMs then run the FP8 path's
-dots and scale multiplies unchanged, so results are bit for bit the re-encoded path's while a decode
-step reads ~0.53 bytes per weight instead of 1.
+"""Routed experts kept as the checkpoint ships them (W4A8 / W4A16 MoE): e2m1 codes, 4 bits per weight,
+with one UE8M0 scale byte per 32 inputs, decoded tile by tile in registers into exactly the e4m3
+values that the load-time re-encoding (`deepinfer_core.ops.quant.fp4_to_fp8_block`) would store. The
+grouped GEMMs then run the FP8 path's dots and scale multiplies unchanged, so results are bit for bit
+the re-encoded path's while a decode step reads ~0.53 bytes per weight instead of 1.
 
 Element (n, k) of an expert is v * 2^(g - 127), v its e2m1 value and g its group's scale byte. Its
 128x128 block keeps the FP8 path's float32 scale 2^S (S = the block's largest non-zero group
 exponent - 6, as the re-encoding picks it), so its e4m3 value is v * 2^(g - 127 - S): exact
 wherever the re-encoding is (the loader takes S from it and keeps FP8 where it fails).
+
+The codes are resident in the decode order (`to_word_order`, done once at load): each 32-bit word
+holds the same eight inputs as the checkpoint's word (k..k+7, two per byte) with its bits moved so
+that the byte-permute decode needs 7 instructions per word instead of 13 (`decode_ptx`).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ class Fp4Experts:
     """One stacked expert weight (w13 [E1, 2, I, D] or w2 [E1, D, I] in the FP8 form's terms) whose
     first E4 experts are FP4 and the rest (the shared expert) FP8."""
 
-    packed: torch.Tensor        # [E4, *rows, N, K // 2] uint8: two e2m1 codes per byte
+    packed: torch.Tensor        # [E4, *rows, N, K // 2] uint8: the e2m1 codes in `to_word_order`
     groups: torch.Tensor        # [E4, *rows, N, K // 32] uint8: the UE8M0 scale bytes
     fp8: torch.Tensor           # [E1 - E4, *rows, N, K] float8_e4m3fn: the experts kept FP8
 
@@ -53,17 +56,58 @@ class Fp4Experts:
         return (self.num_fp4 + self.fp8.shape[0],) + tuple(self.fp8.shape[1:])
 
 
+# The decode order of one 32-bit word of codes (inputs k..k+7; `to_word_order` builds it): the magnitudes
+# (low 3 bits of each code) of the even inputs k, k+2, k+4, k+6 in nibbles 0-3 and of the odd ones in
+# nibbles 4-7 (the prmt selectors of the even word, and of the odd one after a shift by 16); the sign of
+# even input k + 2i at bit 8i + 7 (where its e4m3 byte wants it) and of odd input k + 2i + 1 at bit 8i + 3
+# (4 below: one shift). Per input j of the word: where its magnitude and its sign bit sit.
+MAG_SHIFT = tuple(4 * (j // 2) + 16 * (j % 2) for j in range(8))
+SIGN_SHIFT = tuple(8 * (j // 2) + 7 - 4 * (j % 2) for j in range(8))
+
+
+def to_word_order(codes: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-order code bytes [..., K/2] (two e2m1 codes per byte, the low nibble the even input)
+    to the decode order (same shape and dtype uint8, the same 8 inputs per 4-byte word)."""
+    if codes.dtype not in (torch.uint8, torch.int8) or codes.shape[-1] % 4:
+        raise ValueError(f"to_word_order: want uint8 code bytes in whole 4-byte words, got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    words = codes.contiguous().view(torch.int32)
+    out = torch.zeros_like(words)
+    for j in range(8):
+        code = words >> (4 * j)        # the checkpoint's nibble j is input j
+        out |= ((code & 7) << MAG_SHIFT[j]) | (((code >> 3) & 1) << SIGN_SHIFT[j])
+    return out.view(torch.uint8).view(codes.shape)
+
+
+@triton.jit
+def word_codes(words):
+    """[R, W] int32 words in the decode order -> [R, W, 8] int16 e2m1 codes (sign << 3 | magnitude) in
+    input order (the interpreter's unpacking; `MAG_SHIFT` / `SIGN_SHIFT` as tensors)."""
+    j = tl.arange(0, 8)
+    mag_shift = (j // 2) * 4 + (j % 2) * 16
+    sign_shift = (j // 2) * 8 + 7 - (j % 2) * 4
+    w = words.to(tl.int32)[:, :, None]
+    return (((w >> mag_shift[None, None, :]) & 7) | (((w >> sign_shift[None, None, :]) & 1) << 3)).to(tl.int16)
+
+
 # The e4m3 bytes of the eight e2m1 magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6) times 2^t, as two words (magnitudes
-# 0-3, 4-7): 2^t built as f16 bits (a subnormal below 2^-14), the products in f16 (exact: every group the
-# loader keeps FP4 has its values in e4m3, which f16 holds) and rounded to e4m3 by the hardware's cvt
-# (exact for the same reason, subnormals included). t is clamped to [-24, 15]: a group whose t lies
-# outside holds only zeros, whose entry 0 is 0 for every t.
+# 0-3, 4-7). Where every non-zero magnitude stays an e4m3 normal (t >= -5; a group the loader keeps FP4 with
+# any non-zero code has t <= 6) the bytes are 0 and 0x30 / 0x38 / ... / 0x4C + 8t: two multiply-adds (no
+# byte borrows or carries in that range; byte 0 stays 0 for any t, so an all-zero group is right too).
+# Below, a branch builds them the general way: 2^t as f16 bits (a subnormal below 2^-14), the products in
+# f16 (exact: every group the loader keeps FP4 has its values in e4m3, which f16 holds) and rounded to e4m3
+# by the hardware's cvt (exact for the same reason, subnormals included); t clamped to [-24, 15]: a group
+# whose t lies outside holds only zeros, whose entry 0 is 0 for every t.
 _LUT_ASM = tl.constexpr("""
 {
 .reg .s32 tc, nb, sb;
 .reg .b32 h, c, v0, v1, v2, v3;
 .reg .b16 q0, q1, q2, q3;
 .reg .pred p;
+mad.lo.s32 $0, $2, 0x08080800, 0x3C383000;
+mad.lo.s32 $1, $2, 0x08080808, 0x4C484440;
+setp.ge.s32 p, $2, -5;
+@p bra LUT_DONE;
 max.s32 tc, $2, -24;
 min.s32 tc, tc, 15;
 add.s32 nb, tc, 15;
@@ -87,37 +131,36 @@ cvt.rn.satfinite.e4m3x2.f16x2 q2, v2;
 cvt.rn.satfinite.e4m3x2.f16x2 q3, v3;
 mov.b32 $0, {q0, q1};
 mov.b32 $1, {q2, q3};
+LUT_DONE:
 }
 """)
 
-# Four code bytes (eight e2m1 codes: the low nibble the even input) to the e4m3 bytes of the four even and
-# the four odd inputs, output byte i from input byte i only (so any four bytes Triton packs together
-# decode right, as long as they share a group: a group is 16 bytes of a row). The magnitudes of a word
-# [m0 m1 m2 m3] become prmt selectors: swap bytes 1 and 2, mask, fold the high half onto the low one
-# (a | a >> 12 puts byte 2's bits at nibble 1 and byte 3's at nibble 3); prmt looks up the LUT words
-# ($3 = magnitudes 0-3, $7 = 4-7; the other packed copies $4-$6, $8-$10 are the same words); the sign
-# bits (3 and 7 of each byte) are moved to bit 7 and or-ed in. 13 instructions for eight weights.
+
+# One code word in the decode order to the e4m3 bytes of its four even and four odd inputs: mask the
+# magnitudes (nibble bit 3 would switch prmt to sign replication), look the even ones up (prmt reads the
+# selector's low 16 bits), or in their signs; shift the odd magnitudes down, look up, or in their signs
+# moved up by 4. 7 instructions for eight weights.
 def decode_ptx(code: str, lut_a: str, lut_b: str, even: str, odd: str) -> str:
     """The byte-permute decode of one code word into its even / odd e4m3 words, as PTX over the named
-    registers (temporaries w, a, s, o: the caller declares them)."""
+    registers (temporaries a, s, o: the caller declares them)."""
     return f"""
-prmt.b32 w, {code}, 0, 0x3120;
-and.b32 a, w, 0x07070707;
-shr.b32 s, a, 12;
-or.b32 a, a, s;
+and.b32 a, {code}, 0x77777777;
+prmt.b32 o, {lut_a}, {lut_b}, a;
+lop3.b32 {even}, o, {code}, 0x80808080, 0xF8;
+shr.b32 a, a, 16;
 prmt.b32 o, {lut_a}, {lut_b}, a;
 shl.b32 s, {code}, 4;
-lop3.b32 {even}, o, s, 0x80808080, 0xF8;
-shr.b32 a, w, 4;
-and.b32 a, a, 0x07070707;
-shr.b32 s, a, 12;
-or.b32 a, a, s;
-prmt.b32 o, {lut_a}, {lut_b}, a;
-lop3.b32 {odd}, o, {code}, 0x80808080, 0xF8;
+lop3.b32 {odd}, o, s, 0x80808080, 0xF8;
 """
 
 
-_DECODE_ASM = tl.constexpr("{\n.reg .b32 w, a, s, o;" + decode_ptx("$2", "$3", "$7", "$0", "$1") + "}\n")
+# Four code bytes (one word: Triton packs a thread's consecutive bytes, and each thread holds a whole
+# 16-byte group row, see `_load_codes`) to the even / odd inputs' e4m3 bytes, output byte i of the
+# word's even (odd) inputs in place of input byte i.
+_DECODE_ASM = tl.constexpr("{\n.reg .b32 a, s, o;" + decode_ptx("$2", "$3", "$7", "$0", "$1") + "}\n")
+# The same to the output words in input order: bytes e0 o0 e1 o1 and e2 o2 e3 o3.
+_DECODE_WORDS_ASM = tl.constexpr("{\n.reg .b32 a, s, o, ev, od;" + decode_ptx("$2", "$3", "$4", "ev", "od")
+                                 + "prmt.b32 $0, ev, od, 0x5140;\nprmt.b32 $1, ev, od, 0x7362;\n}\n")
 
 
 @triton.jit
@@ -154,11 +197,11 @@ def fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BL
 def fp4_rows(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              PRMT: tl.constexpr = False):
     """The [BLOCK_N, BLOCK_K] e4m3 weights (outputs offs_n, inputs k0..k0+BLOCK_K) of one expert whose
-    codes start at p_ptr ([N, K/2] bytes) and scale bytes at g_ptr ([N, K/32]); `scale` [BLOCK_N]: the
-    outputs' float32 128x128 block scales 2^S.
+    codes start at p_ptr ([N, K/2] bytes, decode order) and scale bytes at g_ptr ([N, K/32]);
+    `scale` [BLOCK_N]: the outputs' float32 128x128 block scales 2^S.
 
     PRMT (compiled kernels on sm_89+): a lookup table per group (`_LUT_ASM`) and byte permutes
-    (`_DECODE_ASM`), ~1.6 integer instructions per weight. Otherwise (the interpreter) integer work
+    (`_DECODE_ASM`), ~1 integer instruction per weight. Otherwise (the interpreter) integer work
     on each code, no branch: an e2m1 magnitude's e4m3 bits at scale 1 are u (0.5 -> 0x30, then 4
     per code step from 1.0 = 0x38); scaling by 2^t adds 8t while the exponent field f = (u >> 3) + t
     stays >= 1, below that the value is an e4m3 subnormal: the mantissa with its implicit bit,
@@ -174,8 +217,9 @@ def fp4_rows(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BL
                                               dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
         bits = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
         return bits.to(tl.float8e4nv, bitcast=True)
-    b = b.to(tl.int16)
-    codes = tl.reshape(tl.join(b & 0xF, b >> 4), (BLOCK_N, BLOCK_K))    # input 2j: low nibble of byte j
+    words = tl.sum(tl.reshape(b, (BLOCK_N, BLOCK_K // 8, 4)).to(tl.int32) << (tl.arange(0, 4) * 8)[None, None, :],
+                   axis=2)
+    codes = tl.reshape(word_codes(words), (BLOCK_N, BLOCK_K))
     t16 = shift.to(tl.int16)
     t = tl.reshape(tl.broadcast_to(t16[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
     return code_e4m3(codes, t)
@@ -194,20 +238,36 @@ def code_e4m3(codes, t):
 
 
 @triton.jit
-def _decode_kernel(p_ptr, g_ptr, s_ptr, out_ptr, N, K, NB_N, NB_K, SUB: tl.constexpr, PRMT: tl.constexpr):
-    """One 128x128 block of matrix m: its e4m3 re-encoding, SUB inputs (a group, compiled) at a time."""
+def _decode_kernel(p_ptr, g_ptr, s_ptr, out_ptr, N, K, NB_N, NB_K, PRMT: tl.constexpr):
+    """One 128x128 block of matrix m as its e4m3 re-encoding: [128 rows, 16 code words] loaded four
+    consecutive words (one group) per thread, the lookup table built per word (two multiply-adds
+    where no value is subnormal, cheaper than handing a group's table to its four words), two output
+    words per code word."""
     pid, kb = tl.program_id(0), tl.program_id(1)
     m = (pid // NB_N).to(tl.int64)
     offs_n = (pid % NB_N) * 128 + tl.arange(0, 128)
-    n_ok = offs_n < N
-    scale = tl.load(s_ptr + (m * NB_N + pid % NB_N) * NB_K + kb + tl.zeros([128], tl.int32))
-    for j in tl.static_range(128 // SUB):
-        k0 = kb * 128 + j * SUB
-        tile = fp4_rows(p_ptr + m * N * (K // 2), g_ptr + m * N * (K // 32), offs_n, n_ok, k0, K, scale, 128, SUB,
-                        PRMT)
-        offs_k = k0 + tl.arange(0, SUB)
-        tl.store(out_ptr + m * N * K + offs_n[:, None] * K + offs_k[None, :], tile,
-                 mask=n_ok[:, None] & (offs_k < K)[None, :])
+    offs_w = kb * 16 + tl.arange(0, 16)                    # code words of the block (8 inputs each)
+    ok = (offs_n < N)[:, None] & (offs_w < K // 8)[None, :]
+    words = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + m * N * (K // 8) + offs_n[:, None] * (K // 8)
+                    + offs_w[None, :], mask=ok, other=0)
+    g = tl.load(g_ptr + m * N * (K // 32) + offs_n[:, None] * (K // 32) + offs_w[None, :] // 4, mask=ok, other=0)
+    block_exp = (tl.load(s_ptr + (m * NB_N + pid % NB_N) * NB_K + kb).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    t = g.to(tl.int32) - block_exp
+    out32 = out_ptr.to(tl.pointer_type(tl.int32)) + m * N * (K // 4) + offs_n[:, None] * (K // 4)
+    if PRMT:
+        lut_a, lut_b = tl.inline_asm_elementwise(_LUT_ASM, "=r,=r,r", [t], dtype=(tl.int32, tl.int32), is_pure=True,
+                                                 pack=1)
+        lo, hi = tl.inline_asm_elementwise(_DECODE_WORDS_ASM, "=r,=r,r,r,r", [words, lut_a, lut_b],
+                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        out = tl.reshape(tl.join(lo, hi), (128, 32))
+        offs_o = kb * 32 + tl.arange(0, 32)
+        tl.store(out32 + offs_o[None, :], out, mask=(offs_n < N)[:, None] & (offs_o < K // 4)[None, :])
+    else:
+        codes = tl.reshape(word_codes(words), (128, 128))
+        bits = code_e4m3(codes, tl.reshape(tl.broadcast_to(t.to(tl.int16)[:, :, None], (128, 16, 8)), (128, 128)))
+        offs_k = kb * 128 + tl.arange(0, 128)
+        tl.store(out_ptr + m * N * K + offs_n[:, None] * K + offs_k[None, :], bits,
+                 mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
 
 
 def decode_experts(w: Fp4Experts, scales: torch.Tensor, first: int, end: int) -> torch.Tensor:
@@ -219,7 +279,6 @@ def decode_experts(w: Fp4Experts, scales: torch.Tensor, first: int, end: int) ->
     M = (end - first) * math.prod(lead)
     out = torch.empty((end - first, *lead, N, K), dtype=torch.float8_e4m3fn, device=w.packed.device)
     nb_n, nb_k = triton.cdiv(N, 128), triton.cdiv(K, 128)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     _decode_kernel[(M * nb_n, nb_k)](w.packed[first:end], w.groups[first:end], scales[first:end].contiguous(), out,
-                                     N, K, nb_n, nb_k, SUB=128 if interpreted else GROUP, PRMT=not interpreted)
+                                     N, K, nb_n, nb_k, PRMT=os.environ.get("TRITON_INTERPRET") != "1")
     return out

@@ -41,11 +41,11 @@ GEMV_TILES: dict[str, tuple[tuple[float, dict], ...]] = {
 # Above FP8_CHUNK_ROWS mean rows per expert, FP4 experts are decoded to their FP8 re-encoding a chunk of
 # experts at a time (`decode_experts`, about FP8_CHUNK_BYTES of scratch) and each chunk runs the FP8
 # tensor-core tiles: the same bits as FP8 experts, where the FP4 tensor-core tiles (their decode passing
-# through shared memory) take 2.2x the FP8 tiles' time at batch 256 and 4.3x at a 4k prefill. Measured
-# on an H100 (README): the chunks' GEMMs take a quarter of the FP4 tiles' time at a 4k prefill, but the
-# decode pass runs at ~0.5 TB/s (not yet understood), so the path wins at 16k tokens (384 rows per
-# expert: prefill 326 against 434 ms) and loses at 4k (96 rows: 142 against 125 ms).
-FP8_CHUNK_ROWS = 192.0
+# through shared memory) take 2.2x the FP8 tiles' time at batch 256 and 4.3x at a 4k prefill. The decode
+# pass moves ~2.3 TB/s on an H200 (benchmarks/decode_experts_bench.py): about 4 ms per V4-Flash layer,
+# against the FP4 tiles' ~18 ms extra over the FP8 ones at a 4k prefill (96 rows per expert, H100), so
+# the chunks pay from about 40 rows per expert on (README).
+FP8_CHUNK_ROWS = 48.0
 FP8_CHUNK_BYTES = 1 << 30
 # An override for both forms (benchmarks' --cuda-core-moe ROWS): None = MMA_TILES, then GEMV_TILES; 0 = the
 # tensor-core tiles only; > 0 = the CUDA-core kernels up to that many mean rows per expert, with
@@ -127,9 +127,11 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Ex
 
 def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Experts, s13: torch.Tensor,
                    w2: Experts, s2: torch.Tensor, *, n_clamped: int, swiglu_limit: float, quant_in: bool,
-                   quant_mid: bool, compute_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """`fused_moe` before its combine (arguments as there): y [T, K1, D] in `compute_dtype`, the
-    weighted output of each (token, slot)'s expert. An expert-parallel rank calls it on the (row, slot)
+                   quant_mid: bool, compute_dtype: torch.dtype, config: dict | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """`fused_moe` before its combine (arguments as there): y [T, K1, D] in `compute_dtype` (`out` if
+    given: a contiguous tensor of that shape and dtype), the weighted output of each (token, slot)'s
+    expert. An expert-parallel rank calls it on the (row, slot)
     pairs it received (K1 = 1) and on the shared expert alone, and combines across ranks itself.
     An id outside [0, E1) (-1: a pair another rank computes) sorts outside every expert's rows: no
     tile computes it and its y entry is left unwritten. `config` None: the tile heuristic for T * K1
@@ -158,7 +160,11 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
         cfg = moe_tile_config(T, K1, E1, wide_fp32=wide, cuda_cores=False)
     if cfg.pop("fp8_chunks", False) and fp4:
         return _by_fp8_chunks(x, ids, route_w, w13, s13, w2, s2, cfg, n_clamped=n_clamped, swiglu_limit=swiglu_limit,
-                              quant_in=quant_in, quant_mid=quant_mid, compute_dtype=compute_dtype)
+                              quant_in=quant_in, quant_mid=quant_mid, compute_dtype=compute_dtype, out=out)
+    if out is not None and (tuple(out.shape) != (T, K1, D) or not out.is_contiguous()):
+        raise ValueError(f"expert_outputs: out must be a contiguous [T={T}, K1={K1}, D={D}] tensor, got "
+                         f"{tuple(out.shape)}")
+    y_rows = None if out is None else out.view(n, D)
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)     # stable: deterministic rows
     if "mma_warps" in cfg:      # FP8 activations on mma.sync fragments built in registers
         sched = expert_schedule(sorted_ids, E1, (MMA_ROWS, MMA_ROWS))
@@ -167,7 +173,7 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
                     if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype, x_dtype=x.dtype,
                     num_warps=warps, prefetch=ahead)
         y = mma_w2(*act_quant(a), w2, s2, order, sched, tiles, out_dtype=compute_dtype, num_warps=warps,
-                   prefetch=ahead)
+                   prefetch=ahead, out=y_rows)
         return y.view(T, K1, D)
     if "gemv_rows" in cfg:      # float32 activations, QAT applied in the quantising launch itself
         m = cfg["gemv_rows"]
@@ -179,7 +185,7 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
         if quant_mid:
             a = act_quant_values(a)
         y = gemv_w2(a, w2, s2, order, sched, max_tiles(n, E1, m), out_dtype=compute_dtype, rows=m,
-                    block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], stages=cfg.get("gemv_stages", 1))
+                    block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], stages=cfg.get("gemv_stages", 1), out=y_rows)
         return y.view(T, K1, D)
     if quant_in:
         xq, xs = act_quant(x)
@@ -193,19 +199,21 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
                      num_stages=cfg["num_stages1"], swap_ab=cfg.get("swap_ab1", False))
     y = moe_w2(a, a_s, w2, s2, order, sched, max_tiles(n, E1, bm2), out_dtype=compute_dtype, block_m=bm2,
                block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
-               swap_ab=cfg.get("swap_ab2", False))
+               swap_ab=cfg.get("swap_ab2", False), out=y_rows)
     return y.view(T, K1, D)
 
 
 def _by_fp8_chunks(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Fp4Experts, s13: torch.Tensor,
-                   w2: Fp4Experts, s2: torch.Tensor, tiles: dict, *, n_clamped: int, **kw) -> torch.Tensor:
+                   w2: Fp4Experts, s2: torch.Tensor, tiles: dict, *, n_clamped: int, compute_dtype: torch.dtype,
+                   out: torch.Tensor | None, **kw) -> torch.Tensor:
     """`expert_outputs` with FP4 experts decoded to FP8 a chunk at a time (`FP8_CHUNK_BYTES` of
     scratch), then the FP8-kept experts (the shared one): each chunk's (token, slot) pairs through the
-    FP8 tensor-core `tiles`, the others' ids set outside its experts (left to the other chunks)."""
+    FP8 tensor-core `tiles` into the one output, the others' ids set outside its experts (their rows
+    left to the other chunks)."""
     E4, E1 = w13.num_fp4, w13.shape[0]
     _, _, I, D = w13.shape
     chunk = max(1, FP8_CHUNK_BYTES // (3 * I * D))
-    y = None
+    y = out if out is not None else torch.empty((*ids.shape, D), dtype=compute_dtype, device=x.device)
     for first, end in [(e, min(e + chunk, E4)) for e in range(0, E4, chunk)] + [(E4, E1)]:
         if end <= first:
             continue
@@ -214,7 +222,7 @@ def _by_fp8_chunks(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
             c13, c2 = decode_experts(w13, s13, first, end), decode_experts(w2, s2, first, end)
         else:
             c13, c2 = w13.fp8, w2.fp8
-        part = expert_outputs(x, torch.where(inside, ids - first, -1), route_w, c13, s13[first:end], c2,
-                              s2[first:end], n_clamped=min(max(n_clamped - first, 0), end - first), config=tiles, **kw)
-        y = part if y is None else torch.where(inside[..., None], part, y)
+        expert_outputs(x, torch.where(inside, ids - first, -1), route_w, c13, s13[first:end], c2, s2[first:end],
+                       n_clamped=min(max(n_clamped - first, 0), end - first), config=tiles, compute_dtype=compute_dtype,
+                       out=y, **kw)
     return y

@@ -402,11 +402,25 @@ def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: Experts, s13: to
     return a, a_s
 
 
+def w2_output(out: torch.Tensor | None, n: int, D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The w2 kernels' y [n, D]: `out` (its rows that no tile computes, those of ids outside every
+    expert, are left as they are) or a new tensor."""
+    if out is None:
+        return torch.empty((n, D), dtype=dtype, device=device)
+    if tuple(out.shape) != (n, D) or out.dtype != dtype or out.device != torch.device(device) \
+            or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} [{n}, {D}] tensor on {device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    return out
+
+
 def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: Experts, s2: torch.Tensor, order: torch.Tensor,
            sched: torch.Tensor, n_tiles: int, *, out_dtype: torch.dtype, block_m: int, block_n: int,
-           num_warps: int = 4, num_stages: int = 3, precise_acc: int = 32, swap_ab: bool = False) -> torch.Tensor:
+           num_warps: int = 4, num_stages: int = 3, precise_acc: int = 32, swap_ab: bool = False,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """a [n, I] in sorted row order (e4m3 + a_scale [n, I/128], or unquantised); w2 [E1, D, I] e4m3 +
-    s2 [E1, D/128, I/128] -> y [n, D] out_dtype in (token, slot) order (row order[r] gets row r).
+    s2 [E1, D/128, I/128] -> y [n, D] out_dtype in (token, slot) order (row order[r] gets row r), into
+    `out` if given (`w2_output`).
     `swap_ab` (FP8 activations only; experimental, see `_w2_loop_swapped`): the weights as the dots'
     first operand."""
     n, I = a.shape
@@ -421,7 +435,7 @@ def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: Experts, s2: torch
     if swap_ab and a_scale is None:
         raise ValueError("moe_w2: swap_ab=True needs FP8 activations (a_scale given: the QAT simulation); "
                          f"a is {a.dtype}")
-    y = torch.empty((n, D), dtype=out_dtype, device=a.device)
+    y = w2_output(out, n, D, out_dtype, a.device)
     if n == 0:
         return y
     cdt = a.dtype if a_scale is None else out_dtype

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .fp4_experts import fp4_rows
-from .moe_gemm import TL_DTYPES, Experts, _check_experts, _find_tile, _interpreted, _round, swiglu
+from .moe_gemm import TL_DTYPES, Experts, _check_experts, _find_tile, _interpreted, _round, swiglu, w2_output
 from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
 
 BLOCK_K = 128           # the quantisation block
@@ -313,14 +313,15 @@ def gemv_w13(x: torch.Tensor, w13: Experts, s13: torch.Tensor, order: torch.Tens
 
 
 def gemv_w2(a: torch.Tensor, w2: Experts, s2: torch.Tensor, order: torch.Tensor, sched: torch.Tensor, n_tiles: int, *,
-            out_dtype: torch.dtype, rows: int, block_n: int, num_warps: int = 4, stages: int = 1) -> torch.Tensor:
+            out_dtype: torch.dtype, rows: int, block_n: int, num_warps: int = 4, stages: int = 1,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """`moe_w2` on the CUDA cores: a [n, I] float32 with its QAT scale applied, or unquantised.
-    Returns y [n, D] out_dtype in (token, slot) order."""
+    Returns y [n, D] out_dtype in (token, slot) order (into `out` if given)."""
     n, I = a.shape
     E1, D, _ = w2.shape
     weights = _check_experts(w2, s2, (E1, D, I), "gemv_w2: w2")
     _check_shape("gemv_w2", rows, stages, D, I, block_n)
-    y = torch.empty((n, D), dtype=out_dtype, device=a.device)
+    y = w2_output(out, n, D, out_dtype, a.device)
     if n == 0:
         return y
     _gemv_w2_kernel[(n_tiles, D // block_n)](

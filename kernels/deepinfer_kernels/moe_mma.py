@@ -1,25 +1,29 @@
-"""The fused MoE's grouped GEMMs at decode sizes on FP8 `mma.sync` with the operands built in registers
+"""The fused MoE's grouped GEMMs at decode sizes on `mma.sync` with the operands built in registers
 (W4A8 for FP4 experts, W8A8 for FP8 ones: FP8 activations, the QAT numerics).
 
 The CUDA-core kernels (`moe_gemv`) spend ~9 instructions per FP4 weight (decode, widen to float32, one
 multiply-add per row); the tensor-core tiles (`moe_gemm`) pass each decoded tile through shared memory
-into the MMA layout. Here each thread loads exactly the bytes its `mma.sync.m16n8k32.e4m3` fragments
-hold, decodes them in place (`fp4_experts.decode_ptx`) and issues the MMA itself (inline PTX): no
-shared memory, about 3 instructions per weight, and one MMA serves up to 8 rows (tokens) of an expert.
+into the MMA layout. Here each thread loads exactly the bytes its MMA fragments hold, decodes them in
+place and issues the MMAs itself (inline PTX): no shared memory, and one MMA serves up to 8 rows
+(tokens) of an expert.
 
-The fragments. A warp computes 16 weight rows (n, n + 8 for lane group g = lane / 4) against the
-tile's 8 rows (the MMA's N; token g feeds lane group g). Within a 128-deep block, lane q = lane % 4
-holds inputs 32q..32q+31 of its rows: one FP4 scale group, 16 code bytes or 32 FP8 bytes, one 16-byte
-load per row. MMA step j of the block takes inputs 32q + 8j .. +7 of every lane: their even inputs
-are the fragment's columns 4q..4q+3 and the odd ones columns 4q+16..4q+19, for the weights and the
-activations alike, so each step sums the same products whatever the weights' form. The e4m3 operands
-are those of the load-time FP8 re-encoding (each group decoded with its own scale, exact), so FP4 and
-FP8 experts give the same bits. The block's sums are then scaled by the weight block's scale times
-the activation's (powers of two) and accumulated in float32.
+The fragments, in `mma.sync.m16n8k32.e4m3` terms. A warp computes 16 weight rows (n, n + 8 for lane
+group g = lane / 4) against the tile's 8 rows (the MMA's N; token g feeds lane group g). Within a
+128-deep block, lane q = lane % 4 holds inputs 32q..32q+31 of its rows: one FP4 scale group, 16 code
+bytes or 32 FP8 bytes, one 16-byte load per row. MMA step j of the block takes inputs 32q + 8j .. +7
+of every lane: their even inputs are the fragment's columns 4q..4q+3 and the odd ones columns
+4q+16..4q+19, for the weights and the activations alike. Hopper has no e4m3 `mma.sync`: ptxas turns
+each into two f16 MMAs from zero (the operands' low halves, then the high halves, each register's two
+e4m3 bytes converted to an f16 pair) and a float32 add into the accumulator, and the conversions cost
+more than the MMAs. FP8 weights take that path; FP4 weights skip the e4m3 bytes and the conversions:
+their codes decode straight to f16 pairs (`_fp4_block_ptx`: a lookup of the f16 high bytes, exact
+for every value the re-encoding holds) placed as ptxas places the converted ones, with the same MMAs
+and adds, so FP4 and FP8 experts give the same bits. The block's sums are then scaled by the weight
+block's scale times the activation's (powers of two) and accumulated in float32.
 
 Under Triton's interpreter (CI) inline PTX cannot run: the same loads feed an emulation that forms
 the same fragments' products and sums them in its own order (FP4 = FP8 bits there too; compiled and
-interpreted agree to float32 rounding). `mma.sync` on e4m3 needs sm_89+ (Ada, Hopper, Blackwell).
+interpreted agree to float32 rounding). The e4m3 `mma.sync` needs sm_89+ (Ada, Hopper, Blackwell).
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp4_experts import _LUT_ASM, code_e4m3, decode_ptx
-from .moe_gemm import TL_DTYPES, Experts, _check_experts, _find_tile, _interpreted, _round, swiglu
+from .fp4_experts import code_e4m3, decode_ptx, word_codes
+from .moe_gemm import TL_DTYPES, Experts, _check_experts, _find_tile, _interpreted, _round, swiglu, w2_output
 from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
 
 BLOCK_K = 128           # the quantisation block
@@ -47,35 +51,69 @@ def _split(dst_even: str, dst_odd: str, lo: str, hi: str) -> str:
     return f"prmt.b32 {dst_even}, {lo}, {hi}, 0x6420;\nprmt.b32 {dst_odd}, {lo}, {hi}, 0x7531;\n"
 
 
-def _block_ptx(fp4: bool) -> str:
-    """One 128-deep block: four MMA steps into the block's sums $0-$3 (float32: rows n / n + 8 times
-    tile rows 2q / 2q + 1). FP4 operands: $4-$7 / $8-$11 the code words of rows n / n + 8 (word j:
-    inputs 32q + 8j..+7), $12-$15 their lookup tables (A, B of row n, then of row n + 8),
-    $16-$23 the activation words (inputs 32q..32q+31 of token g). FP8: $4-$11 / $12-$19 the weight
-    words of rows n / n + 8, $20-$27 the activation words."""
-    act_base = 16 if fp4 else 20
-
-    def act(w: int) -> str:
-        return f"${act_base + w}"
-
-    text = ["{", ".reg .b32 w, a, s, o, g0, g1, h0, h1, b0, b1;"]
-    text += [f"mov.b32 ${i}, 0;" for i in range(4)]
+def _fp8_block_ptx() -> str:
+    """One 128-deep block of FP8 weights: four MMA steps into the block's sums $0-$3 (float32: rows n /
+    n + 8 times tile rows 2q / 2q + 1) from $4-$11 / $12-$19, the weight words of rows n / n + 8, and
+    $20-$27, the activation words (inputs 32q..32q+31 of token g). Hopper has no e4m3 `mma.sync`: ptxas
+    converts each operand register's halves to f16x2 and runs two f16 MMAs from zero, the low halves
+    first, then adds their sums to the accumulator in float32 (the FP4 block below does exactly that on
+    the same f16 operands)."""
+    text = ["{", ".reg .b32 g0, g1, h0, h1, b0, b1;"] + [f"mov.b32 ${i}, 0;" for i in range(4)]
     for j in range(4):
-        if fp4:
-            text.append(decode_ptx(f"${4 + j}", "$12", "$13", "g0", "g1"))
-            text.append(decode_ptx(f"${8 + j}", "$14", "$15", "h0", "h1"))
-        else:
-            text.append(_split("g0", "g1", f"${4 + 2 * j}", f"${5 + 2 * j}"))
-            text.append(_split("h0", "h1", f"${12 + 2 * j}", f"${13 + 2 * j}"))
-        text.append(_split("b0", "b1", act(2 * j), act(2 * j + 1)))
+        text.append(_split("g0", "g1", f"${4 + 2 * j}", f"${5 + 2 * j}"))
+        text.append(_split("h0", "h1", f"${12 + 2 * j}", f"${13 + 2 * j}"))
+        text.append(_split("b0", "b1", f"${20 + 2 * j}", f"${21 + 2 * j}"))
         text.append(_MMA)
     return "\n".join(text + ["}"])
 
 
-_FP4_BLOCK = tl.constexpr(_block_ptx(True))
-_FP8_BLOCK = tl.constexpr(_block_ptx(False))
-_FP4_ARGS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 20))
+# The e2m1 magnitudes (0, .5, 1, 1.5 | 2, 3, 4, 6) times 2^t as the high bytes of their f16 values (whose
+# low bytes are 0: one significant bit below the leading one): two words, base + t * step (the exponent
+# field steps by 4 in that byte). Every value the loader keeps FP4 (>= 2^-9, <= 448) is an f16 normal, so
+# there is no other case; a group that cannot hold those values holds only zeros, and byte 0 stays 0.
+_F16_A, _F16_A_STEP = tl.constexpr(0x3E3C3800), tl.constexpr(0x04040400)
+_F16_B, _F16_B_STEP = tl.constexpr(0x46444240), tl.constexpr(0x04040404)
+
+
+def _fp4_block_ptx() -> str:
+    """One 128-deep block of FP4 weights on f16 MMAs, the products and sums of the FP8 block above (the
+    same f16 operands in the same places): $4-$7 / $8-$11 the code words of rows n / n + 8 (word j:
+    inputs 32q + 8j..+7), $12-$15 their f16 lookup tables (A, B of row n, then of row n + 8), $16-$31
+    the activations as f16 pairs (`_ACT_F16`: step j's four words from $16 + 4j). Per code word: the
+    byte-permute decode to the f16 high bytes of its even / odd inputs (signs in place), then four byte
+    permutes spread them into f16 pairs with zero low bytes: 11 integer instructions per 8 weights."""
+    text = ["{", ".reg .b32 a, s, o, en, on, e8, o8, p0, p1, p2, p3;", ".reg .f32 d0, d1, d2, d3, z;",
+            "mov.f32 z, 0f00000000;"] + [f"mov.b32 ${i}, 0;" for i in range(4)]
+    for j in range(4):
+        text.append(decode_ptx(f"${4 + j}", "$12", "$13", "en", "on"))
+        text.append(decode_ptx(f"${8 + j}", "$14", "$15", "e8", "o8"))
+        for half, sel in ((0, "0x1404"), (1, "0x3424")):          # inputs 0-3, then 4-7 of the step
+            text += [f"prmt.b32 p{i}, {w}, 0, {sel};" for i, w in enumerate(("en", "e8", "on", "o8"))]
+            b, c = 16 + 4 * j + 2 * half, ("{z, z, z, z}", "{d0, d1, d2, d3}")[half]
+            text.append("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {p0, p1, p2, p3}, "
+                        f"{{${b}, ${b + 1}}}, {c};")
+        text += [f"add.f32 ${i}, ${i}, d{i};" for i in range(4)]
+    return "\n".join(text + ["}"])
+
+
+def _act_f16_ptx() -> str:
+    """A lane's 8 activation words (e4m3, inputs 32q..32q+31: $16-$19, $20-$23) to the f16 pairs the FP4
+    block's MMAs take, step j's in $4j..$4j+3: inputs (0, 2), (1, 3), (4, 6), (5, 7) of the step."""
+    text = ["{", ".reg .b32 e, o;", ".reg .b16 l, h;"]
+    for j in range(4):
+        text.append(_split("e", "o", f"${16 + 2 * j}", f"${17 + 2 * j}"))
+        for k, word in enumerate(("e", "o")):
+            text += [f"mov.b32 {{l, h}}, {word};", f"cvt.rn.f16x2.e4m3x2 ${4 * j + k}, l;",
+                     f"cvt.rn.f16x2.e4m3x2 ${4 * j + 2 + k}, h;"]
+    return "\n".join(text + ["}"])
+
+
+_FP4_BLOCK = tl.constexpr(_fp4_block_ptx())
+_FP8_BLOCK = tl.constexpr(_fp8_block_ptx())
+_ACT_F16 = tl.constexpr(_act_f16_ptx())
+_FP4_ARGS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
 _FP8_ARGS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 24))
+_ACT_ARGS = tl.constexpr(",".join(["=r"] * 16 + ["r"] * 8))
 
 
 @triton.jit
@@ -88,10 +126,9 @@ def _e4m3_values(lo, hi, NT: tl.constexpr):
 
 @triton.jit
 def _fp4_values(codes, t, NT: tl.constexpr):
-    """[NT, 4] code words (inputs 32q..32q+31 of one row, the low nibble first) and the group's
-    shift [NT] -> [NT, 32] float32: the e4m3 values of the re-encoding."""
-    nib = (codes[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-    nib = tl.reshape(nib, (NT, 32)).to(tl.int16)
+    """[NT, 4] code words (inputs 32q..32q+31 of one row, decode order) and the group's shift [NT] ->
+    [NT, 32] float32: the e4m3 values of the re-encoding."""
+    nib = tl.reshape(word_codes(codes), (NT, 32))
     return code_e4m3(nib, tl.broadcast_to(t.to(tl.int16)[:, None], (NT, 32))).to(tl.float32)
 
 
@@ -110,17 +147,29 @@ def _mma_emulated(wn, w8, x, NW: tl.constexpr):
 
 
 @triton.jit
-def _sums_fp4(codes_n, codes_8, t_n, t_8, act_lo, act_hi, el, NW: tl.constexpr, PRMT: tl.constexpr):
+def _sums_fp4(codes_n, codes_8, t_n, t_8, act_lo, act_hi, b0, b1, b2, b3, el, NW: tl.constexpr,
+              PRMT: tl.constexpr):
     """One FP4 block's [32 * NW, 4] sums from the code words of rows n / n + 8 ([32 * NW, 4]: lane q's
-    inputs) and their groups' shifts t ([32 * NW])."""
+    inputs) and their groups' shifts t ([32 * NW]); b0-b3: the activations as `_act_f16` gives them
+    (compiled), else act_lo / act_hi are used."""
     if PRMT:
+        high = (el & 1) == 1
         t = tl.where(el < 2, t_n[:, None], t_8[:, None])
-        lut = tl.inline_asm_elementwise(_LUT_ASM, "=r,=r,r,r", [t], dtype=tl.uint32, is_pure=True, pack=2)
-        d = tl.inline_asm_elementwise(_FP4_BLOCK, _FP4_ARGS, [codes_n, codes_8, lut, act_lo, act_hi],
+        lut = t * tl.where(high, _F16_B_STEP, _F16_A_STEP) + tl.where(high, _F16_B, _F16_A)
+        d = tl.inline_asm_elementwise(_FP4_BLOCK, _FP4_ARGS, [codes_n, codes_8, lut, b0, b1, b2, b3],
                                       dtype=tl.uint32, is_pure=True, pack=4)
         return d.to(tl.float32, bitcast=True)
     return _mma_emulated(_fp4_values(codes_n, t_n, 32 * NW), _fp4_values(codes_8, t_8, 32 * NW),
                          _e4m3_values(act_lo, act_hi, 32 * NW), NW)
+
+
+@triton.jit
+def _act_f16(act_lo, act_hi, PRMT: tl.constexpr):
+    """The FP4 block's f16 activation pairs (four [32 * NW, 4] words: steps 0-3), compiled only."""
+    if PRMT:
+        return tl.inline_asm_elementwise(_ACT_F16, _ACT_ARGS, [act_lo, act_hi],
+                                         dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=4)
+    return act_lo, act_lo, act_lo, act_lo
 
 
 @triton.jit
@@ -199,8 +248,11 @@ def _expert_sums(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, w_ptr, p_ptr, g_ptr
                                                                             kn, el)
                 n_lo, n_hi, n_sx, n_sa, n_sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kn, el)
             ea, eb = _block_exp(sa), _block_exp(sb)
-            acc_a += _sums_fp4(ca_n, ca_8, ta_n - ea, ta_8 - ea, act_lo, act_hi, el, NW, PRMT) * (sa * sx)
-            acc_b += _sums_fp4(cb_n, cb_8, tb_n - eb, tb_8 - eb, act_lo, act_hi, el, NW, PRMT) * (sb * sx)
+            f0, f1, f2, f3 = _act_f16(act_lo, act_hi, PRMT)
+            da = _sums_fp4(ca_n, ca_8, ta_n - ea, ta_8 - ea, act_lo, act_hi, f0, f1, f2, f3, el, NW, PRMT)
+            db = _sums_fp4(cb_n, cb_8, tb_n - eb, tb_8 - eb, act_lo, act_hi, f0, f1, f2, f3, el, NW, PRMT)
+            acc_a += da * (sa * sx)
+            acc_b += db * (sb * sx)
             if not PREFETCH:
                 na_n, na_8, nb_n, nb_8, sa_n, sa_8, sb_n, sb_8 = _fp4_codes(pa, pb, ga, gb, 8 * words4, 8 * groups,
                                                                             kn, el)
@@ -338,14 +390,14 @@ def mma_w13(xq: torch.Tensor, xs: torch.Tensor, w13: Experts, s13: torch.Tensor,
 
 def mma_w2(aq: torch.Tensor, a_s: torch.Tensor, w2: Experts, s2: torch.Tensor, order: torch.Tensor,
            sched: torch.Tensor, n_tiles: int, *, out_dtype: torch.dtype, num_warps: int = 4,
-           prefetch: bool = False) -> torch.Tensor:
+           prefetch: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """`moe_w2` on FP8 activations (aq [n, I] in sorted row order, scales a_s [n, I/128]): y [n, D]
-    out_dtype in (token, slot) order."""
+    out_dtype in (token, slot) order (into `out` if given)."""
     n, I = aq.shape
     E1, D, _ = w2.shape
     weights = _check_experts(w2, s2, (E1, D, I), "mma_w2: w2")
     _check("mma_w2", D, I, num_warps, aq)
-    y = torch.empty((n, D), dtype=out_dtype, device=aq.device)
+    y = w2_output(out, n, D, out_dtype, aq.device)
     if n == 0:
         return y
     _mma_w2_kernel[(n_tiles, D // (32 * num_warps))](

@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from deepinfer_kernels.fp4_experts import Fp4Experts, fp4_tile
+from deepinfer_kernels.fp4_experts import Fp4Experts, fp4_tile, to_word_order
 from deepinfer_kernels.moe import fused_moe
 from deepinfer_kernels.moe_routing import route_topk
 
@@ -62,7 +62,7 @@ def test_decoded_tiles_are_the_re_encoded_bytes(kdev, n, k, spread, decoder):
     out = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=kdev)
     nbk = triton.cdiv(k, 128)
     _decode[(triton.cdiv(n, 64), triton.cdiv(k, block_k))](
-        codes.to(kdev), groups.to(kdev), e8m0_to_float(s8).to(kdev), out, n, k, NB_K=nbk, BLOCK_N=64,
+        to_word_order(codes).to(kdev), groups.to(kdev), e8m0_to_float(s8).to(kdev), out, n, k, NB_K=nbk, BLOCK_N=64,
         BLOCK_K=block_k, PRMT=decoder == "prmt")
     got, want = out.cpu().view(torch.uint8), q.view(torch.uint8)
     bad = (got != want).nonzero()
@@ -95,7 +95,7 @@ def stacked_experts(D: int, I: int, seed: int):
         packed = torch.stack([m[1].view(torch.uint8) for m in fp4]).view(E, *rows, *fp4[0][1].shape)
         groups = torch.stack([m[2].view(torch.uint8) for m in fp4]).view(E, *rows, *fp4[0][2].shape)
         fp8_form += [w, s]
-        fp4_form += [Fp4Experts(packed.contiguous(), groups.contiguous(), w[E:].contiguous()), s]
+        fp4_form += [Fp4Experts(to_word_order(packed), groups.contiguous(), w[E:].contiguous()), s]
     return fp8_form, fp4_form
 
 

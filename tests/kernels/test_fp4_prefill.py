@@ -43,10 +43,29 @@ def test_prefill_sizes_give_the_fp8_experts_bits(kdev, monkeypatch, qat, dtype, 
 
 
 def test_the_heuristic_decodes_in_chunks_only_above_its_rows():
-    """`FP8_CHUNK_ROWS` (192 mean rows per expert: V4-Flash prefills above ~7k tokens); the mma.sync
+    """`FP8_CHUNK_ROWS` (48 mean rows per expert: V4-Flash prefills above ~1.8k tokens); the mma.sync
     kernels up to 16; the FP4 tensor-core tiles between."""
     assert moe_tile_config(16384, 7, 257, fp4=True)["fp8_chunks"]
-    assert "fp8_chunks" not in moe_tile_config(4096, 7, 257, fp4=True)
+    assert moe_tile_config(4096, 7, 257, fp4=True)["fp8_chunks"]
+    assert "fp8_chunks" not in moe_tile_config(1024, 7, 257, fp4=True)
     assert moe_tile_config(512, 7, 257, fp4=True) == {"mma_warps": 4, "mma_prefetch": False}
     assert "fp8_chunks" not in moe_tile_config(4096, 7, 257)
     assert "fp8_chunks" not in invariant_moe_config(4096, 7, 257)
+
+
+def test_expert_outputs_write_into_a_given_output_or_refuse_it(kdev):
+    """`out`: the chunks write their pairs into one tensor; rows of ids outside every expert (-1) keep
+    what was there; a tensor of the wrong shape is refused by name."""
+    D, I, T = 128, 128, 6
+    _, fp4_form = stacked_experts(D, I, seed=9)
+    w13, s13, w2, s2 = [_to(t, kdev) for t in fp4_form]
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(9)).to(kdev)
+    ids = torch.tensor([[0, 2, E]] * T, dtype=torch.int32, device=kdev)
+    ids[0, 1] = -1
+    kw = dict(n_clamped=E, swiglu_limit=0.0, quant_in=True, quant_mid=True, compute_dtype=torch.float32)
+    out = torch.full((T, K + 1, D), 7.0, device=kdev)
+    got = moe.expert_outputs(x, ids, torch.ones(T, K + 1, device=kdev), w13, s13, w2, s2, out=out, **kw)
+    assert got.data_ptr() == out.data_ptr()
+    assert (out[0, 1] == 7.0).all() and not (out[1, 1] == 7.0).all()
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        moe.expert_outputs(x, ids, torch.ones(T, K + 1, device=kdev), w13, s13, w2, s2, out=out[:, :2], **kw)

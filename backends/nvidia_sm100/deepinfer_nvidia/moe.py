@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from deepinfer_kernels.fp4_experts import GROUP, Fp4Experts
+from deepinfer_kernels.fp4_experts import GROUP, Fp4Experts, to_word_order
 
 from deepinfer_core.ops.portable_moe import PortableMoE
 from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block
@@ -80,7 +80,7 @@ def _expert_fp8(lin) -> tuple[torch.Tensor, torch.Tensor] | None:
 def _stack_experts(linears: list[tuple], I: int, D: int, n_fp4: int) -> dict[str, torch.Tensor] | None:
     """The MoE's stacked expert buffers from its experts' (w1, w3, w2) linears: w13 [E1, 2, I, D] /
     w2 [E1, D, I] e4m3 with float32 128x128 block scales (`nv_w13`, `nv_s13`, `nv_w2`, `nv_s2`); with
-    `n_fp4`, experts below it stay FP4 (`nv_w13_codes` [n_fp4, 2, I, D/2] / `nv_w13_groups`
+    `n_fp4`, experts below it stay FP4 (`nv_w13_codes` [n_fp4, 2, I, D/2] in `to_word_order` / `nv_w13_groups`
     [n_fp4, 2, I, D/32] uint8, likewise `nv_w2_*`), their block scales those of the exact FP8
     re-encoding, and `nv_w13` / `nv_w2` hold the experts from n_fp4 on. None: an expert is not
     servable as FP8."""
@@ -101,8 +101,8 @@ def _stack_experts(linears: list[tuple], I: int, D: int, n_fp4: int) -> dict[str
             if enc is None:
                 return None
             out[f"nv_s{name[1:]}"][index].copy_(enc[1])
-            if i < n_fp4:       # the checkpoint's bytes as they are; the FP8 tile is rebuilt in registers
-                out[f"nv_{name}_codes"][index].copy_(lin.weight.view(torch.uint8))
+            if i < n_fp4:       # the checkpoint's codes (bits reordered in each word); FP8 is rebuilt in registers
+                out[f"nv_{name}_codes"][index].copy_(to_word_order(lin.weight.view(torch.uint8)))
                 out[f"nv_{name}_groups"][index].copy_(lin.scale.view(torch.uint8))
             else:
                 out[f"nv_{name}"][(index[0] - n_fp4, *index[1:])].copy_(enc[0])
