@@ -31,7 +31,8 @@ FAMILIES = [   # (family, regex on the kernel name), first match wins
     ("indexer", r"_score|_select|indexer"),
     ("compressor + state writes", r"_pool|compress|_write_rows|_tails|_ring"),
     ("MoE routing/schedule", r"route|_schedule|sort|radix"),
-    ("MoE GEMMs + combine", r"_moe|_w13|_w2|_gemv|combine"),
+    # _decode_kernel: FP4 experts decoded to FP8 a chunk at a time (prefill)
+    ("MoE GEMMs + combine", r"_moe|_w13|_w2|_gemv|combine|_decode_kernel"),
     ("FP8 linear GEMM", r"_fp8_gemm|_w8a16|_sum_splits|_act_quant"),
     ("mHC", r"_mhc|_mix|_coeff|_collapse|_post"),
     ("fused norm / RoPE / quant", r"_norm_rope|_rms_norm|_rope_inplace"),
