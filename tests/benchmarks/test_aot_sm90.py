@@ -37,10 +37,7 @@ def test_w2_compiles_for_sm90_and_is_described():
 def test_the_swapped_probe_feeds_decoded_fp4_weights_to_wgmma():
     """With the weights as the dot's first operand, the FP4 decode reaches Hopper's wgmma (e4m3 x e4m3,
     the tokens as its N = 16) instead of the f16 mma.sync the grouped GEMMs compile to at 16 rows."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "swap_ab", "--configs", "4x3", "--variants",
-                        "fp4 prmt"], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _aot("--kernels", "swap_ab", "--configs", "4x3", "--variants", "fp4 prmt")
     assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in r.stdout, r.stdout
     assert re.search(r"HMMA 0\b", r.stdout), r.stdout
 
@@ -48,10 +45,7 @@ def test_the_swapped_probe_feeds_decoded_fp4_weights_to_wgmma():
 def test_the_swapped_kernels_compile_to_wgmma():
     """The swap_ab forms (weights first) of w13 and w2 compile for sm_90 to wgmma e4m3, FP8 and FP4
     experts alike."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "w13,w2", "--configs", "4x4", "--variants",
-                        "fp8,fp4 prmt", "--swap"], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _aot("--kernels", "w13,w2", "--configs", "4x4", "--variants", "fp8,fp4 prmt", "--swap")
     assert r.stdout.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3") == 4, r.stdout
 
 
@@ -59,12 +53,9 @@ def test_the_fp8_gemm_split_stride_stays_specialised_so_its_stores_vectorise():
     """fp8_gemm passes a split stride that is always a multiple of 16 (`split_partials`), so the kernel
     keeps Triton's divisibility specialisation of it; compiled without it (`--unspecialise stride_cs`,
     what do_not_specialize did), the epilogue's global stores become 2-byte scalars."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     stores = {}
     for extra in ([], ["--unspecialise", "stride_cs"]):
-        r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "fp8_gemm", "--configs", "8x3", "--block-m",
-                            "128", *extra], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
+        r = _aot("--kernels", "fp8_gemm", "--configs", "8x3", "--block-m", "128", *extra)
         assert "wgmma" in r.stdout, r.stdout
         stores[bool(extra)] = int(re.search(r"STG (\d+)", r.stdout)[1])
     assert 0 < stores[False] * 4 <= stores[True], stores
@@ -76,10 +67,7 @@ def test_the_attention_kernel_compiles_for_sm90_over_bf16_and_packed_fp8_pools()
     whose key tiles are built per 64-dim group (`_load_packed`). Under Triton 3.6 (the H200's) the earlier
     per-element exponent gather compiled to 320 of them at this tile; the Triton 3.9 that CI installs
     compiles that form without them too, so this checks the tool and today's kernel, not the regression."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "attention", "--kv", "bf16,fp8", "--block-m", "64",
-                        "--configs", "8x2"], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _aot("--kernels", "attention", "--kv", "bf16,fp8", "--block-m", "64", "--configs", "8x2")
     narrow = [int(n) for n in re.findall(r"LDS/STS of 1-2 B (\d+)", r.stdout)]
     assert len(narrow) == 2 and narrow[0] == 0 and narrow[1] <= 16, r.stdout
 
@@ -87,11 +75,7 @@ def test_the_attention_kernel_compiles_for_sm90_over_bf16_and_packed_fp8_pools()
 def test_the_cuda_core_moe_kernels_keep_the_fp4_decode_out_of_shared_memory():
     """moe_gemv's w13 and w2 with FP4 experts, one row per program: no MMA, and no 1-2 byte shared
     accesses (the layout conversions a 3-D broadcast over the rows had put in the K loop)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "aot_sm90.py", "--kernels", "gemv13,gemv2", "--configs", "4x1", "--block-m",
-                        "1", "--variants", "fp4 prmt"], cwd=BENCH, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _aot("--kernels", "gemv13,gemv2", "--configs", "4x1", "--block-m", "1", "--variants", "fp4 prmt")
     traffic = re.findall(r"STS (\d+), STSM \d+, BAR \d+, HMMA (\d+), STG \d+, LDS/STS of 1-2 B (\d+)", r.stdout)
     assert len(traffic) == 2, r.stdout
     for sts, hmma, narrow in traffic:
