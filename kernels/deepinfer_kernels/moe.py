@@ -131,8 +131,8 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """`fused_moe` before its combine (arguments as there): y [T, K1, D] in `compute_dtype` (`out` if
     given: a contiguous tensor of that shape and dtype), the weighted output of each (token, slot)'s
-    expert. An expert-parallel rank calls it on the (row, slot)
-    pairs it received (K1 = 1) and on the shared expert alone, and combines across ranks itself.
+    expert. An expert-parallel rank calls it on the (row, slot) pairs it received (K1 = 1) and on the
+    shared expert alone, and combines across ranks itself.
     An id outside [0, E1) (-1: a pair another rank computes) sorts outside every expert's rows: no
     tile computes it and its y entry is left unwritten. `config` None: the tile heuristic for T * K1
     rows over E1 experts."""

@@ -12,10 +12,10 @@ Numerics: the activations come in as float32 values with their QAT scale applied
 (`fp8_quant.act_quant_values`: e4m3 x 2^s, exact), every product of an e4m3 weight and such a value
 is exact in float32, and the weight block's scale (a power of two) multiplies each 128-deep block's
 partial sums, exactly. Each lane accumulates elementwise over the K loop and a fixed pairwise tree
-sums the lanes at the end (`_tree_sum`): an order that does not depend on how Triton lays out the tiles, so FP4 experts give
-exactly the bits of their FP8 re-encoding here (the tensor-core tiles cannot promise that: their
-dots' operand layouts differ between the two forms). The sums' order differs from the tensor-core
-tiles', so the two paths agree to float32 rounding, not bit for bit.
+sums the lanes at the end (`_tree_sum`): an order that does not depend on how Triton lays out the
+tiles, so FP4 experts give exactly the bits of their FP8 re-encoding here (the tensor-core tiles
+cannot promise that: their dots' operand layouts differ between the two forms). The sums' order
+differs from the tensor-core tiles', so the two paths agree to float32 rounding, not bit for bit.
 
 `gemv_w13` runs the tensor-core epilogue's steps up to its act_quant and writes w2's input
 unquantised; the caller quantises it with `fp8_quant.act_quant_values` (the epilogue's exact steps; the
