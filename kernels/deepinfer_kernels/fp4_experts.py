@@ -9,9 +9,12 @@ Element (n, k) of an expert is v * 2^(g - 127), v its e2m1 value and g its group
 exponent - 6, as the re-encoding picks it), so its e4m3 value is v * 2^(g - 127 - S): exact
 wherever the re-encoding is (the loader takes S from it and keeps FP8 where it fails).
 
-The codes are resident in the decode order (`to_word_order`, done once at load): each 32-bit word
-holds the same eight inputs as the checkpoint's word (k..k+7, two per byte) with its bits moved so
-that the byte-permute decode needs 7 instructions per word instead of 13 (`decode_ptx`).
+The codes are resident in their own order (`to_resident`, done once at load). Each 32-bit word holds
+the same eight inputs as the checkpoint's word (k..k+7, two per byte) with its bits moved so that the
+byte-permute decode needs 7 instructions per word instead of 13 (`decode_ptx`, `to_word_order`). The
+words are tiled 16 rows x 128 inputs (1 KB, `code_row`), as a warp's MMA fragments read them: a
+warp's 16-byte loads of one block cover 512 contiguous bytes, where rows K/2 bytes apart cost a
+DRAM page per 64 bytes. The scale bytes are tiled the same way (64 bytes a tile, `group_row`).
 """
 from __future__ import annotations
 
@@ -24,6 +27,13 @@ import triton
 import triton.language as tl
 
 GROUP = 32          # inputs per UE8M0 scale byte
+TILE_N = 16         # rows per resident tile (one warp's MMA rows n, n + 8)
+TILE_K = 128        # inputs per resident tile (the quantisation block)
+
+
+def fp4_fits(N: int, K: int) -> bool:
+    """Whether an [N, K] expert matrix can be resident as FP4 tiles (V4's always can)."""
+    return N % TILE_N == 0 and K % TILE_K == 0
 
 
 @dataclass(frozen=True)
@@ -31,8 +41,8 @@ class Fp4Experts:
     """One stacked expert weight (w13 [E1, 2, I, D] or w2 [E1, D, I] in the FP8 form's terms) whose
     first E4 experts are FP4 and the rest (the shared expert) FP8."""
 
-    packed: torch.Tensor        # [E4, *rows, N, K // 2] uint8: the e2m1 codes in `to_word_order`
-    groups: torch.Tensor        # [E4, *rows, N, K // 32] uint8: the UE8M0 scale bytes
+    packed: torch.Tensor        # [E4, *rows, N, K // 2] uint8: the e2m1 codes, `to_resident` order
+    groups: torch.Tensor        # [E4, *rows, N, K // 32] uint8: the UE8M0 scale bytes, `to_resident` order
     fp8: torch.Tensor           # [E1 - E4, *rows, N, K] float8_e4m3fn: the experts kept FP8
 
     def __post_init__(self) -> None:
@@ -45,6 +55,9 @@ class Fp4Experts:
                 or not (p.is_contiguous() and g.is_contiguous() and f.is_contiguous())):
             raise ValueError(f"Fp4Experts: codes {tuple(p.shape)} / scale bytes {tuple(g.shape)} do not fit "
                              f"the FP8 experts {tuple(f.shape)} (contiguous, K a multiple of {GROUP})")
+        if not fp4_fits(f.shape[-2], K):
+            raise ValueError(f"Fp4Experts: [N, K] = [{f.shape[-2]}, {K}] cannot be resident as FP4 tiles (N a "
+                             f"multiple of {TILE_N}, K of {TILE_K})")
 
     @property
     def num_fp4(self) -> int:
@@ -77,6 +90,36 @@ def to_word_order(codes: torch.Tensor) -> torch.Tensor:
         code = words >> (4 * j)        # the checkpoint's nibble j is input j
         out |= ((code & 7) << MAG_SHIFT[j]) | (((code >> 3) & 1) << SIGN_SHIFT[j])
     return out.view(torch.uint8).view(codes.shape)
+
+
+def to_resident(codes: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint code bytes [..., N, K/2] and scale bytes [..., N, K/32] to the resident order (same
+    shapes): words in `to_word_order`, tiles of 16 rows x 128 inputs one after another along K, then
+    along N; inside a tile the rows n % 16 < 8, then the rest, each row's 4 groups of 16 bytes (scale
+    bytes: 4 per row) in turn. `code_row` / `group_row` address them."""
+    *lead, N, H = codes.shape
+    if groups.shape != (*lead, N, 2 * H // GROUP) or groups.dtype != torch.uint8 or not fp4_fits(N, 2 * H):
+        raise ValueError(f"to_resident: codes {tuple(codes.shape)} and scale bytes {tuple(groups.shape)} "
+                         f"{groups.dtype} must be [..., N, K/2] / [..., N, K/32] uint8, N a multiple of "
+                         f"{TILE_N} and K of {TILE_K}")
+    words = to_word_order(codes).reshape(*lead, N // TILE_N, 2, 8, H // 64, 64)
+    tiled = words.movedim(-2, -4).contiguous().view(codes.shape)
+    g = groups.reshape(*lead, N // TILE_N, 2, 8, 2 * H // TILE_K, 4)
+    return tiled, g.movedim(-2, -4).contiguous().view(groups.shape)
+
+
+@triton.jit
+def code_row(n, K):
+    """Byte offset of row n's codes in a resident [N, K/2] matrix: its code byte h (inputs 2h, 2h + 1)
+    lies (h // 64) * 1024 + h % 64 further."""
+    return (n // 16) * (K * 8) + ((n % 16) // 8) * 512 + (n % 8) * 64
+
+
+@triton.jit
+def group_row(n, K):
+    """Offset of row n's scale bytes in a resident [N, K/32] matrix: its byte G (inputs 32G..32G + 31)
+    lies (G // 4) * 64 + G % 4 further."""
+    return (n // 16) * (K // 2) + ((n % 16) // 8) * 32 + (n % 8) * 4
 
 
 @triton.jit
@@ -166,21 +209,23 @@ _DECODE_WORDS_ASM = tl.constexpr("{\n.reg .b32 a, s, o, ev, od;" + decode_ptx("$
 @triton.jit
 def _load_codes(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 ROW_MASK: tl.constexpr):
-    """The code bytes [BLOCK_N, BLOCK_K // 2] of a tile and each group's shift t = g - 127 - S
-    [BLOCK_N, BLOCK_K // 32] against the outputs' float32 128x128 block scales 2^S (`scale`).
-    ROW_MASK (compiled one-group tiles: k0 a multiple of 32, as K is, so the tile is all in or all
-    out): mask the rows only, so that each thread loads a whole 16-byte row, as the byte permutes
-    need (the interpreter takes no scalar mask)."""
+    """The code bytes [BLOCK_N, BLOCK_K // 2] of a tile (k0 a multiple of BLOCK_K, a power of two up to
+    128: inside one resident tile along K) and each group's shift t = g - 127 - S [BLOCK_N, BLOCK_K // 32]
+    against the outputs' float32 128x128 block scales 2^S (`scale`). ROW_MASK (compiled one-group
+    tiles: the tile is all in or all out along K): mask the rows only, so that each thread loads a
+    whole 16-byte row, as the byte permutes need (the interpreter takes no scalar mask)."""
+    tl.static_assert(BLOCK_K <= 128, "a tile of codes lies inside one resident tile along K")
     offs_h = tl.arange(0, BLOCK_K // 2)
-    half_k = tl.multiple_of(K // 2, 16)
     if ROW_MASK:
         h_ok = tl.broadcast_to(n_ok[:, None] & (k0 < K), (BLOCK_N, BLOCK_K // 2))
     else:
         h_ok = n_ok[:, None] & (offs_h < (K - k0) // 2)[None, :]
-    b = tl.load(p_ptr + offs_n[:, None] * half_k + k0 // 2 + offs_h[None, :], mask=h_ok, other=0)
-    offs_g = tl.arange(0, BLOCK_K // 32)
-    g_ok = n_ok[:, None] & (offs_g < (K - k0) // 32)[None, :]
-    g = tl.load(g_ptr + offs_n[:, None] * (K // 32) + k0 // 32 + offs_g[None, :], mask=g_ok, other=127)
+    col = tl.multiple_of((k0 // 128) * 1024 + (k0 % 128) // 2, BLOCK_K // 2)
+    b = tl.load(p_ptr + code_row(offs_n, K)[:, None] + col + offs_h[None, :], mask=h_ok, other=0)
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    g_ok = n_ok[:, None] & (offs_g < K // 32)[None, :]
+    g = tl.load(g_ptr + group_row(offs_n, K)[:, None] + ((offs_g // 4) * 64 + offs_g % 4)[None, :], mask=g_ok,
+                other=127)
     block_exp = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF          # S + 127
     return b, tl.where(g_ok, g.to(tl.int32) - block_exp[:, None], 0)
 
@@ -197,7 +242,7 @@ def fp4_tile(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BL
 def fp4_rows(p_ptr, g_ptr, offs_n, n_ok, k0, K, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              PRMT: tl.constexpr = False):
     """The [BLOCK_N, BLOCK_K] e4m3 weights (outputs offs_n, inputs k0..k0+BLOCK_K) of one expert whose
-    codes start at p_ptr ([N, K/2] bytes, decode order) and scale bytes at g_ptr ([N, K/32]);
+    codes start at p_ptr ([N, K/2] bytes) and scale bytes at g_ptr ([N, K/32]), both resident;
     `scale` [BLOCK_N]: the outputs' float32 128x128 block scales 2^S.
 
     PRMT (compiled kernels on sm_89+): a lookup table per group (`_LUT_ASM`) and byte permutes
@@ -239,18 +284,20 @@ def code_e4m3(codes, t):
 
 @triton.jit
 def _decode_kernel(p_ptr, g_ptr, s_ptr, out_ptr, N, K, NB_N, NB_K, PRMT: tl.constexpr):
-    """One 128x128 block of matrix m as its e4m3 re-encoding: [128 rows, 16 code words] loaded four
-    consecutive words (one group) per thread, the lookup table built per word (two multiply-adds
-    where no value is subnormal, cheaper than handing a group's table to its four words), two output
-    words per code word."""
+    """One 128x128 block of matrix m as its e4m3 re-encoding: [128 rows, 16 code words] (eight whole
+    resident tiles) loaded four consecutive words (one group) per thread, the lookup table built per
+    word (two multiply-adds where no value is subnormal, cheaper than handing a group's table to its
+    four words), two output words per code word."""
     pid, kb = tl.program_id(0), tl.program_id(1)
     m = (pid // NB_N).to(tl.int64)
     offs_n = (pid % NB_N) * 128 + tl.arange(0, 128)
-    offs_w = kb * 16 + tl.arange(0, 16)                    # code words of the block (8 inputs each)
-    ok = (offs_n < N)[:, None] & (offs_w < K // 8)[None, :]
-    words = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + m * N * (K // 8) + offs_n[:, None] * (K // 8)
-                    + offs_w[None, :], mask=ok, other=0)
-    g = tl.load(g_ptr + m * N * (K // 32) + offs_n[:, None] * (K // 32) + offs_w[None, :] // 4, mask=ok, other=0)
+    offs_w = tl.arange(0, 16)                             # code words of the block (8 inputs each)
+    ok = (offs_n < N)[:, None] & (kb * 16 + offs_w < K // 8)[None, :]
+    row_w = code_row(offs_n, K) // 4 + kb * 256
+    words = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + m * N * (K // 8) + row_w[:, None] + offs_w[None, :],
+                    mask=ok, other=0)
+    g = tl.load(g_ptr + m * N * (K // 32) + (group_row(offs_n, K) + kb * 64)[:, None] + offs_w[None, :] // 4,
+                mask=ok, other=0)
     block_exp = (tl.load(s_ptr + (m * NB_N + pid % NB_N) * NB_K + kb).to(tl.int32, bitcast=True) >> 23) & 0xFF
     t = g.to(tl.int32) - block_exp
     out32 = out_ptr.to(tl.pointer_type(tl.int32)) + m * N * (K // 4) + offs_n[:, None] * (K // 4)

@@ -128,14 +128,16 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Ex
 def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w13: Experts, s13: torch.Tensor,
                    w2: Experts, s2: torch.Tensor, *, n_clamped: int, swiglu_limit: float, quant_in: bool,
                    quant_mid: bool, compute_dtype: torch.dtype, config: dict | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None,
+                   x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`fused_moe` before its combine (arguments as there): y [T, K1, D] in `compute_dtype` (`out` if
     given: a contiguous tensor of that shape and dtype), the weighted output of each (token, slot)'s
     expert. An expert-parallel rank calls it on the (row, slot) pairs it received (K1 = 1) and on the
     shared expert alone, and combines across ranks itself.
     An id outside [0, E1) (-1: a pair another rank computes) sorts outside every expert's rows: no
     tile computes it and its y entry is left unwritten. `config` None: the tile heuristic for T * K1
-    rows over E1 experts."""
+    rows over E1 experts. `x_quant`: `act_quant(x)` where the caller has it already (the FP8 chunks
+    quantise x once for all of them)."""
     if x.dim() != 2:
         raise ValueError(f"expert_outputs: x must be [T, D], got {tuple(x.shape)}")
     T, D = x.shape
@@ -169,7 +171,7 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
     if "mma_warps" in cfg:      # FP8 activations on mma.sync fragments built in registers
         sched = expert_schedule(sorted_ids, E1, (MMA_ROWS, MMA_ROWS))
         tiles, warps, ahead = max_tiles(n, E1, MMA_ROWS), cfg["mma_warps"], cfg.get("mma_prefetch", False)
-        a = mma_w13(*act_quant(x), w13, s13, order, route_w, sched, tiles, k1=K1, n_clamped=n_clamped
+        a = mma_w13(*(x_quant or act_quant(x)), w13, s13, order, route_w, sched, tiles, k1=K1, n_clamped=n_clamped
                     if swiglu_limit > 0 else 0, limit=swiglu_limit, compute_dtype=compute_dtype, x_dtype=x.dtype,
                     num_warps=warps, prefetch=ahead)
         y = mma_w2(*act_quant(a), w2, s2, order, sched, tiles, out_dtype=compute_dtype, num_warps=warps,
@@ -188,7 +190,7 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
                     block_n=cfg["block_n2"], num_warps=cfg["num_warps2"], stages=cfg.get("gemv_stages", 1), out=y_rows)
         return y.view(T, K1, D)
     if quant_in:
-        xq, xs = act_quant(x)
+        xq, xs = x_quant or act_quant(x)
     else:
         xq, xs = x.to(compute_dtype), None
     bm1, bm2 = cfg["block_m1"], cfg["block_m2"]
@@ -214,6 +216,7 @@ def _by_fp8_chunks(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
     _, _, I, D = w13.shape
     chunk = max(1, FP8_CHUNK_BYTES // (3 * I * D))
     y = out if out is not None else torch.empty((*ids.shape, D), dtype=compute_dtype, device=x.device)
+    x_quant = act_quant(x) if kw["quant_in"] else None
     for first, end in [(e, min(e + chunk, E4)) for e in range(0, E4, chunk)] + [(E4, E1)]:
         if end <= first:
             continue
@@ -224,5 +227,5 @@ def _by_fp8_chunks(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1
             c13, c2 = w13.fp8, w2.fp8
         expert_outputs(x, torch.where(inside, ids - first, -1), route_w, c13, s13[first:end], c2, s2[first:end],
                        n_clamped=min(max(n_clamped - first, 0), end - first), config=tiles, compute_dtype=compute_dtype,
-                       out=y, **kw)
+                       out=y, x_quant=x_quant, **kw)
     return y

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp4_experts import code_e4m3, decode_ptx, word_codes
+from .fp4_experts import code_e4m3, code_row, decode_ptx, group_row, word_codes
 from .moe_gemm import TL_DTYPES, Experts, _check_experts, _find_tile, _interpreted, _round, swiglu, w2_output
 from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
 
@@ -200,12 +200,13 @@ def _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kb, el):
 
 
 @triton.jit
-def _fp4_codes(pa, pb, ga, gb, r8w, r8g, kb, el):
-    """Block kb's code words of rows n / n + 8 of both row sets and their raw scale bytes."""
-    return (tl.load(pa[:, None] + kb * 16 + el), tl.load(pa[:, None] + r8w + kb * 16 + el),
-            tl.load(pb[:, None] + kb * 16 + el), tl.load(pb[:, None] + r8w + kb * 16 + el),
-            tl.load(ga + kb * 4).to(tl.int32), tl.load(ga + r8g + kb * 4).to(tl.int32),
-            tl.load(gb + kb * 4).to(tl.int32), tl.load(gb + r8g + kb * 4).to(tl.int32))
+def _fp4_codes(pa, pb, ga, gb, kb, el):
+    """Block kb's code words of rows n / n + 8 of both row sets and their raw scale bytes (resident
+    tiles: a block's 1 KB of codes and 64 scale bytes, rows n + 8 in the second half)."""
+    return (tl.load(pa[:, None] + kb * 256 + el), tl.load(pa[:, None] + 128 + kb * 256 + el),
+            tl.load(pb[:, None] + kb * 256 + el), tl.load(pb[:, None] + 128 + kb * 256 + el),
+            tl.load(ga + kb * 64).to(tl.int32), tl.load(ga + 32 + kb * 64).to(tl.int32),
+            tl.load(gb + kb * 64).to(tl.int32), tl.load(gb + 32 + kb * 64).to(tl.int32))
 
 
 @triton.jit
@@ -231,21 +232,19 @@ def _expert_sums(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, w_ptr, p_ptr, g_ptr
     q = tl.arange(0, 32 * NW) % 4
     acc_a = tl.zeros((32 * NW, 4), tl.float32)
     acc_b = tl.zeros((32 * NW, 4), tl.float32)
-    words4 = tl.multiple_of(K // 8, 16)            # code words per row (K a multiple of 128)
-    words8 = tl.multiple_of(K // 4, 32)            # FP8 weight words per row
-    groups = tl.multiple_of(K // 32, 4)            # scale bytes per row
+    words8 = tl.multiple_of(K // 4, 32)            # FP8 weight words per row (K a multiple of 128)
     act_lo, act_hi, sx, sa, sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, 0, el)
     if W4 and e < E4:
-        pa = p_ptr.to(tl.pointer_type(tl.uint32)) + row * words4 + q * 4
-        ga = g_ptr + row * groups + q
-        pb = pa + row_b * words4
-        gb = ga + row_b * groups
-        ca_n, ca_8, cb_n, cb_8, ta_n, ta_8, tb_n, tb_8 = _fp4_codes(pa, pb, ga, gb, 8 * words4, 8 * groups, 0, el)
+        # rows n (row % 16 < 8) start a resident tile's row; row_b a multiple of 16 rows: whole tiles
+        pa = p_ptr.to(tl.pointer_type(tl.uint32)) + code_row(row, K) // 4 + q * 4
+        ga = g_ptr + group_row(row, K) + q
+        pb = pa + code_row(row_b, K) // 4
+        gb = ga + group_row(row_b, K)
+        ca_n, ca_8, cb_n, cb_8, ta_n, ta_8, tb_n, tb_8 = _fp4_codes(pa, pb, ga, gb, 0, el)
         for kb in tl.range(0, N_KG):
             kn = tl.minimum(kb + 1, N_KG - 1)
             if PREFETCH:
-                na_n, na_8, nb_n, nb_8, sa_n, sa_8, sb_n, sb_8 = _fp4_codes(pa, pb, ga, gb, 8 * words4, 8 * groups,
-                                                                            kn, el)
+                na_n, na_8, nb_n, nb_8, sa_n, sa_8, sb_n, sb_8 = _fp4_codes(pa, pb, ga, gb, kn, el)
                 n_lo, n_hi, n_sx, n_sa, n_sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kn, el)
             ea, eb = _block_exp(sa), _block_exp(sb)
             f0, f1, f2, f3 = _act_f16(act_lo, act_hi, PRMT)
@@ -254,8 +253,7 @@ def _expert_sums(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, w_ptr, p_ptr, g_ptr
             acc_a += da * (sa * sx)
             acc_b += db * (sb * sx)
             if not PREFETCH:
-                na_n, na_8, nb_n, nb_8, sa_n, sa_8, sb_n, sb_8 = _fp4_codes(pa, pb, ga, gb, 8 * words4, 8 * groups,
-                                                                            kn, el)
+                na_n, na_8, nb_n, nb_8, sa_n, sa_8, sb_n, sb_8 = _fp4_codes(pa, pb, ga, gb, kn, el)
                 n_lo, n_hi, n_sx, n_sa, n_sb = _inputs(x32, ok_in, xs_row, ok_out, sa_ptr, sb_ptr, kn, el)
             ca_n, ca_8, cb_n, cb_8, ta_n, ta_8, tb_n, tb_8 = na_n, na_8, nb_n, nb_8, sa_n, sa_8, sb_n, sb_8
             act_lo, act_hi, sx, sa, sb = n_lo, n_hi, n_sx, n_sa, n_sb

@@ -1,8 +1,8 @@
 """FP4 experts decoded in registers (deepinfer_kernels.fp4_experts) give the FP8 path's bits: the fused
 MoE with routed experts kept as packed e2m1 codes + UE8M0 group scales (the shared expert FP8) equals,
 bit for bit, the same MoE on the load-time FP8 re-encoding of those experts, with QAT (W4A8) and
-without (W4A16), in float32 and bfloat16, for widths that are and are not multiples of 128; the
-decoded tiles equal `fp4_to_fp8_block`'s bytes; malformed FP4 experts are refused by name.
+without (W4A16), in float32 and bfloat16; the decoded tiles equal `fp4_to_fp8_block`'s bytes; the
+resident order holds every code and scale byte once; malformed FP4 experts are refused by name.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from deepinfer_kernels.fp4_experts import Fp4Experts, fp4_tile, to_word_order
+from deepinfer_kernels.fp4_experts import Fp4Experts, fp4_fits, fp4_tile, to_resident, to_word_order
 from deepinfer_kernels.moe import fused_moe
 from deepinfer_kernels.moe_routing import route_topk
 
@@ -47,7 +47,7 @@ DECODERS = ["integer", pytest.param("prmt", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("decoder", DECODERS)
-@pytest.mark.parametrize("n,k,spread", [(200, 320, 10), (128, 128, 10), (128, 256, 13), (256, 512, 14)])
+@pytest.mark.parametrize("n,k,spread", [(208, 384, 10), (128, 128, 10), (128, 256, 13), (256, 512, 14)])
 def test_decoded_tiles_are_the_re_encoded_bytes(kdev, n, k, spread, decoder):
     """spread 13: groups 12+ binades under their block's largest, whose small codes are e4m3 subnormals;
     14: the widest span the re-encoding keeps exact (0.5 at 2^-9, e4m3's smallest subnormal).
@@ -61,8 +61,9 @@ def test_decoded_tiles_are_the_re_encoded_bytes(kdev, n, k, spread, decoder):
         assert (q.view(torch.uint8) & 0x78 == 0).logical_and(q.view(torch.uint8) & 7 != 0).any()   # subnormals
     out = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=kdev)
     nbk = triton.cdiv(k, 128)
+    codes_r, groups_r = to_resident(codes, groups)
     _decode[(triton.cdiv(n, 64), triton.cdiv(k, block_k))](
-        to_word_order(codes).to(kdev), groups.to(kdev), e8m0_to_float(s8).to(kdev), out, n, k, NB_K=nbk, BLOCK_N=64,
+        codes_r.to(kdev), groups_r.to(kdev), e8m0_to_float(s8).to(kdev), out, n, k, NB_K=nbk, BLOCK_N=64,
         BLOCK_K=block_k, PRMT=decoder == "prmt")
     got, want = out.cpu().view(torch.uint8), q.view(torch.uint8)
     bad = (got != want).nonzero()
@@ -72,7 +73,7 @@ def test_decoded_tiles_are_the_re_encoded_bytes(kdev, n, k, spread, decoder):
 
 def stacked_experts(D: int, I: int, seed: int):
     """(FP8 w13, s13, w2, s2) with the routed experts re-encoded from FP4, and the same weights as
-    (Fp4Experts w13, s13, Fp4Experts w2, s2)."""
+    (Fp4Experts w13, s13, Fp4Experts w2, s2): None where D or I is no multiple of 128."""
     gen = torch.Generator().manual_seed(seed)
     mats = {"w13": [], "w2": []}
     for e in range(E + 1):
@@ -95,7 +96,8 @@ def stacked_experts(D: int, I: int, seed: int):
         packed = torch.stack([m[1].view(torch.uint8) for m in fp4]).view(E, *rows, *fp4[0][1].shape)
         groups = torch.stack([m[2].view(torch.uint8) for m in fp4]).view(E, *rows, *fp4[0][2].shape)
         fp8_form += [w, s]
-        fp4_form += [Fp4Experts(to_word_order(packed), groups.contiguous(), w[E:].contiguous()), s]
+        fits = fp4_fits(*w.shape[-2:])      # else only the FP8 form (sizes the FP4 tiles do not take)
+        fp4_form += [Fp4Experts(*to_resident(packed, groups), w[E:].contiguous()) if fits else None, s]
     return fp8_form, fp4_form
 
 
@@ -117,8 +119,8 @@ def _to(t, dev):
     return t.to(dev)
 
 
-@pytest.mark.parametrize("qat,dtype,D,I", [(True, torch.float32, 256, 128), (False, torch.float32, 160, 96),
-                                           (True, torch.bfloat16, 128, 160), (False, torch.bfloat16, 128, 128)])
+@pytest.mark.parametrize("qat,dtype,D,I", [(True, torch.float32, 256, 128), (False, torch.float32, 128, 256),
+                                           (True, torch.bfloat16, 128, 128), (False, torch.bfloat16, 128, 128)])
 def test_fp4_experts_give_the_re_encoded_bits(kdev, qat, dtype, D, I):
     fp8_form, fp4_form = stacked_experts(D, I, seed=D + I)
     x = torch.randn(11, D, generator=torch.Generator().manual_seed(3))
@@ -138,6 +140,10 @@ def test_malformed_fp4_experts_are_refused():
         Fp4Experts(codes, groups[..., :3], shared)
     with pytest.raises(ValueError, match="uint8 codes"):
         Fp4Experts(codes.view(torch.int8), groups, shared)
+    with pytest.raises(ValueError, match=r"\[N, K\] = \[120, 128\] cannot be resident as FP4 tiles"):
+        Fp4Experts(*(t[:, :, :120].contiguous() for t in (codes, groups, shared)))
+    with pytest.raises(ValueError, match="N a multiple of 16 and K of 128"):
+        to_resident(torch.zeros(16, 80, dtype=torch.uint8), torch.zeros(16, 5, dtype=torch.uint8))
     w2 = Fp4Experts(torch.zeros(E, 128, 64, dtype=torch.uint8), torch.zeros(E, 128, 4, dtype=torch.uint8),
                     torch.zeros(1, 128, 128, dtype=torch.float8_e4m3fn))
     x = torch.zeros(2, 256)
@@ -160,7 +166,7 @@ def test_decoding_a_group_at_a_time_stays_close_under_the_interpreter(kdev, monk
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype,D,I", [(torch.float32, 256, 128), (torch.bfloat16, 128, 160)])
+@pytest.mark.parametrize("dtype,D,I", [(torch.float32, 256, 128), (torch.bfloat16, 128, 256)])
 def test_the_swapped_gemms_keep_fp4_equal_to_fp8_and_close_to_the_unswapped_ones(kdev, dtype, D, I):
     """w13 and w2 with the weights as the dots' first operand (`swap_ab1`, `swap_ab2`, QAT): FP4 experts
     still give their re-encoding's bits, and the result is the unswapped one up to the order of the fp32
@@ -181,3 +187,21 @@ def test_the_swapped_gemms_refuse_unquantised_activations(kdev):
     fp8_form, _ = stacked_experts(128, 128, seed=1)
     with pytest.raises(ValueError, match="swap_ab=True needs FP8 activations"):
         moe(torch.randn(3, 128), fp8_form, False, torch.float32, kdev, swap=True)
+
+
+def test_the_resident_order_holds_each_byte_once_where_the_kernels_read_it():
+    """`to_resident` permutes whole words: every checkpoint word (bits in `to_word_order`) and scale byte
+    is found once, at the address the kernels compute (`code_row` / `group_row`, restated here)."""
+    n, k = 48, 384
+    codes, groups = random_fp4(n, k, torch.Generator().manual_seed(11))
+    codes_r, groups_r = to_resident(codes, groups)
+    words = to_word_order(codes).view(torch.int32)             # [n, k / 8]
+    flat_w, flat_g = codes_r.view(torch.int32).reshape(-1), groups_r.reshape(-1)
+    rows = torch.arange(n)[:, None]
+    h = torch.arange(0, k // 2, 4)[None, :]                      # each word's first code byte
+    at = (rows // 16) * (k * 8) + ((rows % 16) // 8) * 512 + (rows % 8) * 64 + (h // 64) * 1024 + h % 64
+    assert torch.equal(flat_w[at // 4], words)
+    G = torch.arange(k // 32)[None, :]
+    assert torch.equal(flat_g[(rows // 16) * (k // 2) + ((rows % 16) // 8) * 32 + (rows % 8) * 4 + (G // 4) * 64
+                              + G % 4], groups)
+    assert fp4_fits(4096, 2048) and not fp4_fits(4096, 2000) and not fp4_fits(4100, 2048)

@@ -18,7 +18,7 @@ from test_moe_mma import wide_experts
 @pytest.mark.parametrize("spread", [None, 14])
 def test_decoded_experts_are_the_re_encoded_bytes(kdev, spread):
     """spread 14: group scales down to e4m3 subnormals in the re-encoding."""
-    fp8_form, fp4_form = stacked_experts(256, 160, seed=2) if spread is None else wide_experts(128, 128, spread, 3)
+    fp8_form, fp4_form = stacked_experts(256, 128, seed=2) if spread is None else wide_experts(128, 128, spread, 3)
     w13, s13, w2, s2 = [_to(t, kdev) for t in fp4_form]
     assert torch.equal(decode_experts(w13, s13, 1, 3).cpu().view(torch.uint8), fp8_form[0][1:3].view(torch.uint8))
     assert torch.equal(decode_experts(w2, s2, 0, E).cpu().view(torch.uint8), fp8_form[2][:E].view(torch.uint8))

@@ -7,6 +7,7 @@ batch order, the fallbacks, and no host synchronisation in `apply` (on a GPU: a 
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -261,6 +262,18 @@ def test_fp4_experts_stay_fp4_and_give_the_re_encoded_bits(kdev, qat):
     got = run(ours, x, tok, kdev)
     assert torch.equal(got, run(fp8, x, tok, kdev))
     assert rel(got, ref(x, tok)) < tolerance(kdev)
+
+
+def test_fp4_experts_that_do_not_tile_are_re_encoded_with_a_warning(kdev, caplog):
+    """I = 160 is no multiple of 128: the resident FP4 tiles cannot hold it, so `fp4_experts` says so and
+    the layer serves the FP8 re-encoding (the same bits as without the option)."""
+    base = make_moe(config(I=160, expert_dtype="fp4"), False, seed=42)
+    with caplog.at_level(logging.WARNING, logger="deepinfer_nvidia.moe"):
+        ours = prepare(copy.deepcopy(base), True, True, fp4_experts=True)
+    assert "[I, D] = [160, 128] cannot stay FP4" in caplog.text
+    assert ours.nv_fused.n_fp4 == 0 and not hasattr(ours, "nv_w13_codes")
+    x, tok = inputs(3, 43)
+    assert torch.equal(run(ours, x, tok, kdev), run(prepare(copy.deepcopy(base), True, True), x, tok, kdev))
 
 
 def test_bf16_compute(kdev):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_kernels.fp4_experts import Fp4Experts, to_word_order
+from deepinfer_kernels.fp4_experts import Fp4Experts, to_resident
 from deepinfer_kernels.moe import expert_outputs, moe_tile_config
 from deepinfer_kernels.moe_mma import mma_w2
 from deepinfer_kernels.moe_routing import route_topk
@@ -64,7 +64,7 @@ def wide_experts(D: int, I: int, spread: int, seed: int):
         packed = torch.stack(codes).view(E, *rows, n, k // 2)
         scales = torch.stack(groups).view(E, *rows, n, k // 32)
         forms["fp8"] += [w8, s8]
-        forms["fp4"] += [Fp4Experts(to_word_order(packed), scales, w8[E:].contiguous()), s8]
+        forms["fp4"] += [Fp4Experts(*to_resident(packed, scales), w8[E:].contiguous()), s8]
     return forms["fp8"], forms["fp4"]
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from deepinfer_kernels.fp4_experts import GROUP, Fp4Experts, to_word_order
+from deepinfer_kernels.fp4_experts import GROUP, Fp4Experts, fp4_fits, to_resident
 
 from deepinfer_core.ops.portable_moe import PortableMoE
 from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block
@@ -80,8 +80,8 @@ def _expert_fp8(lin) -> tuple[torch.Tensor, torch.Tensor] | None:
 def _stack_experts(linears: list[tuple], I: int, D: int, n_fp4: int) -> dict[str, torch.Tensor] | None:
     """The MoE's stacked expert buffers from its experts' (w1, w3, w2) linears: w13 [E1, 2, I, D] /
     w2 [E1, D, I] e4m3 with float32 128x128 block scales (`nv_w13`, `nv_s13`, `nv_w2`, `nv_s2`); with
-    `n_fp4`, experts below it stay FP4 (`nv_w13_codes` [n_fp4, 2, I, D/2] in `to_word_order` / `nv_w13_groups`
-    [n_fp4, 2, I, D/32] uint8, likewise `nv_w2_*`), their block scales those of the exact FP8
+    `n_fp4`, experts below it stay FP4 (`nv_w13_codes` [n_fp4, 2, I, D/2] / `nv_w13_groups`
+    [n_fp4, 2, I, D/32] uint8 in `to_resident` order, likewise `nv_w2_*`), their block scales those of the exact FP8
     re-encoding, and `nv_w13` / `nv_w2` hold the experts from n_fp4 on. None: an expert is not
     servable as FP8."""
     E1, nbi, nbd = len(linears), triton.cdiv(I, BLOCK), triton.cdiv(D, BLOCK)
@@ -101,9 +101,10 @@ def _stack_experts(linears: list[tuple], I: int, D: int, n_fp4: int) -> dict[str
             if enc is None:
                 return None
             out[f"nv_s{name[1:]}"][index].copy_(enc[1])
-            if i < n_fp4:       # the checkpoint's codes (bits reordered in each word); FP8 is rebuilt in registers
-                out[f"nv_{name}_codes"][index].copy_(to_word_order(lin.weight.view(torch.uint8)))
-                out[f"nv_{name}_groups"][index].copy_(lin.scale.view(torch.uint8))
+            if i < n_fp4:       # the checkpoint's codes and scale bytes, reordered; FP8 is rebuilt in registers
+                codes, groups = to_resident(lin.weight.view(torch.uint8), lin.scale.view(torch.uint8))
+                out[f"nv_{name}_codes"][index].copy_(codes)
+                out[f"nv_{name}_groups"][index].copy_(groups)
             else:
                 out[f"nv_{name}"][(index[0] - n_fp4, *index[1:])].copy_(enc[0])
     return out
@@ -171,8 +172,12 @@ class NvidiaMoEMethod:
         if q1 != q3 or len({dt1, dt3, dt2}) != 1:
             log.warning("MoE layer %s: w1/w3/w2 numerics differ; portable MoE", moe.layer_id)
             return
-        n_fp4 = len(moe.experts) if self.fp4_experts and D % GROUP == 0 and I % GROUP == 0 and all(
-            lin.fmt == "fp4" for trio in linears[:-1] for lin in trio) else 0
+        keep_fp4 = self.fp4_experts and all(lin.fmt == "fp4" for trio in linears[:-1] for lin in trio)
+        if keep_fp4 and not (fp4_fits(I, D) and fp4_fits(D, I)):
+            log.warning("MoE layer %s: FP4 experts of [I, D] = [%d, %d] cannot stay FP4 (multiples of 128 wanted); "
+                        "re-encoded to FP8", moe.layer_id, I, D)
+            keep_fp4 = False
+        n_fp4 = len(moe.experts) if keep_fp4 else 0
         buffers = _stack_experts(linears, I, D, n_fp4)
         if buffers is None:      # nothing freed yet: the portable method takes the layer as loaded
             log.warning("MoE layer %s: expert weights not servable as FP8 (%s); portable MoE", moe.layer_id, w1.fmt)
