@@ -16,7 +16,7 @@ import pathlib
 import statistics
 
 import torch
-from deepinfer_kernels.fp4_experts import Fp4Experts, to_word_order
+from deepinfer_kernels.fp4_experts import Fp4Experts, to_resident
 from deepinfer_kernels.moe import fused_moe, moe_tile_config, route_topk
 from roofline import Peaks
 
@@ -44,7 +44,7 @@ def random_experts(E: int, D: int, I: int, spread: int, gen: torch.Generator, de
         w8 = torch.stack(q).view(E + 1, *rows, n, k)
         s8 = torch.stack(s).view(E + 1, *rows, *s[0].shape)
         forms["fp8"] += [w8, s8]
-        forms["fp4"] += [Fp4Experts(to_word_order(codes), groups, w8[E:].contiguous()), s8]
+        forms["fp4"] += [Fp4Experts(*to_resident(codes, groups), w8[E:].contiguous()), s8]
     return forms
 
 
