@@ -3,7 +3,7 @@
 HBM bandwidth and FP8 FLOP rate against the measured peaks, next to torch's bf16 matmul of the
 same shape. Prints a table and writes benchmarks/results/fp8_gemm_<gpu>.json.
 
-    python benchmarks/bench_fp8_gemm.py [--peak-bw 4.8e12] [--peak-fp8 1.58e15]
+    python benchmarks/bench_fp8_gemm.py [--rows 1,16,64,256,4096,16384] [--peak-bw 4.8e12] [--peak-fp8 1.58e15]
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peak-bw", type=float, default=4.8e12, help="HBM bytes/s (H200 datasheet 4.8e12)")
     ap.add_argument("--peak-fp8", type=float, default=1.58e15, help="FP8 FLOP/s (2x the measured bf16 790e12)")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated M values")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
@@ -47,7 +48,7 @@ def main() -> None:
         qw = (torch.randn(N, K, device="cuda", generator=g) * 0.05).to(torch.float8_e4m3fn)
         sw = torch.rand(N // 128, K // 128, device="cuda", generator=g) + 0.5
         wb = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16)
-        for M in ROWS:
+        for M in map(int, args.rows.split(",")):
             x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
             qa, sa = act_quant(x)
             t_gemm = bench(lambda: fp8_gemm(qa, sa, qw, sw))
