@@ -514,6 +514,7 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/fp4_moe_bench.py --batches 8,64,256 --reps 10 --gemv-rows 1 --gemv-tiles 32/32/2/1 "
     "--mma-tiles 4/0,2/0,4/1": Skip(GPU + " (times the fused MoE compiled)"),
     "python benchmarks/profile_step.py --decode 1x4k,64x4k --prefill 4k --fp4-experts --label _fp4f16": Skip(GPU),
+    "python benchmarks/profile_step.py --decode 1x4k,64x4k,256x4k --prefill 4k --fp4-experts --label _tiled": Skip(GPU),
     "python benchmarks/decode_experts_bench.py": Skip(GPU),
     "python benchmarks/aot_sm90.py": Skip(
         "compiles six kernel variants for sm_90 (~1 min of CPU); tests/benchmarks/test_aot_sm90.py compiles two"),
