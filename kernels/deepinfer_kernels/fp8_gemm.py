@@ -103,10 +103,12 @@ def sum_splits(partials: torch.Tensor, stride: int, c: torch.Tensor, splits: int
 
 
 def split_k(N: int, K: int, cfg: dict, M: int, num_sms: int) -> int:
-    """GEMMs with few output tiles (wkv: N=512 -> 8 tiles for 132 SMs at decode; 16 tiles of wq_a at 256
-    rows) split K so that every SM streams weights. Up to 64 rows (one row tile) the split depends on N
-    and K only, so a row's summation order does not change with the batch there."""
-    tiles = triton.cdiv(N, cfg["BLOCK_N"]) * (1 if M <= 64 else triton.cdiv(M, cfg["BLOCK_M"]))
+    """Decode GEMMs with few output tiles (wkv: N=512 -> 8 tiles for 132 SMs) split K so that every
+    SM streams weights. The split depends on N and K only for all M <= 64, so a row's summation order
+    does not change with the batch there."""
+    if M > 64:
+        return 1
+    tiles = triton.cdiv(N, cfg["BLOCK_N"])
     n_kg = triton.cdiv(K, BLOCK_K)
     if tiles >= num_sms // 2:
         return 1
