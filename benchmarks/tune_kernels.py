@@ -6,7 +6,7 @@ For each kernel and shape, every tile configuration of a small grid is compiled 
 `benchmarks/results/tune_<GPU>.json`. The chosen tiles are then written into the kernels' own
 `tile_config` heuristics by hand (never autotuned inside a served step).
 
-    python benchmarks/tune_kernels.py [--only attention,moe,fp8_gemm,pointwise] [--quick] [--tag NAME]
+    python benchmarks/tune_kernels.py [--only attention,moe,fp8_gemm,fp8_gemm_mid,pointwise] [--quick] [--tag NAME]
 """
 from __future__ import annotations
 
@@ -136,23 +136,40 @@ def tune_moe(dev, quick: bool) -> list[dict]:
 
 
 # ---- FP8 GEMM ----------------------------------------------------------------------------------
+FP8_LAYERS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192)}
+
+
 def tune_fp8_gemm(dev, quick: bool) -> list[dict]:
-    from deepinfer_kernels.fp8_gemm import fp8_gemm, tile_config
-    from deepinfer_kernels.fp8_quant import act_quant
-    layers = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192)}
+    """Prefill sizes: tile shapes, no split."""
     configs = grid(BLOCK_M=[64, 128], BLOCK_N=[64, 128], num_warps=[4, 8], num_stages=[3, 4, 5])
+    return _time_fp8_gemm(dev, (4096, 16384) if not quick else (4096,), [(c, 1) for c in configs])
+
+
+def tune_fp8_gemm_mid(dev, quick: bool) -> list[dict]:
+    """128-512 rows (large decode batches, short prefill chunks), where the default 128x128 tiles leave
+    wq_a 16 and wkv 8 output tiles at 256 rows: tile shapes x split-K counts."""
+    configs = grid(BLOCK_M=[64, 128], BLOCK_N=[64, 128], num_warps=[4, 8], num_stages=[3, 4])
+    splits = (1, 2, 4, 8) if quick else (1, 2, 4, 8, 16)
+    return _time_fp8_gemm(dev, (256,) if quick else (128, 256, 512), [(c, n) for c in configs for n in splits])
+
+
+def _time_fp8_gemm(dev, rows: tuple[int, ...], candidates: list[tuple[dict, int]]) -> list[dict]:
+    """Each (tile config, split count) candidate on each V4-Flash linear at each M, the default plan first."""
+    from deepinfer_kernels.fp8_gemm import _num_sms, fp8_gemm, split_k, tile_config
+    from deepinfer_kernels.fp8_quant import act_quant
     out = []
     g = torch.Generator(device=dev).manual_seed(0)
-    for M in ((4096, 16384) if not quick else (4096,)):
-        for lname, (N, K) in layers.items():
+    for M in rows:
+        for lname, (N, K) in FP8_LAYERS.items():
             qa, sa = act_quant(torch.randn(M, K, device=dev, generator=g).bfloat16())
             qw = (torch.randn(N, K, device=dev, generator=g) * 0.1).to(torch.float8_e4m3fn)
             sw = torch.rand(N // 128, K // 128, device=dev, generator=g) * 0.01
-            default = tile_config(M)
-            for cfg in [default] + [c for c in configs if c != default]:
-                row = dict(kernel="fp8_gemm", shape=f"{lname} M={M} N={N} K={K}", config=cfg, default=cfg == default)
+            default = (tile_config(M), split_k(N, K, tile_config(M), M, _num_sms(dev)))
+            for cfg, splits in [default] + [c for c in candidates if c != default]:
+                row = dict(kernel="fp8_gemm", shape=f"{lname} M={M} N={N} K={K}", config=dict(cfg, splits=splits),
+                           default=(cfg, splits) == default)
                 try:
-                    ms = bench(lambda: fp8_gemm(qa, sa, qw, sw, config=cfg))
+                    ms = bench(lambda: fp8_gemm(qa, sa, qw, sw, config=cfg, splits=splits))
                     row.update(ms=ms, tflops=2 * M * N * K / ms / 1e9)
                 except Exception as exc:
                     row.update(ms=None, error=type(exc).__name__)
@@ -228,14 +245,14 @@ def report(rows: list[dict], top: int = 5) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="attention,moe,fp8_gemm,pointwise")
+    ap.add_argument("--only", default="attention,moe,fp8_gemm,pointwise", help="also: fp8_gemm_mid")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows: list[dict] = []
     for name, fn in (("attention", tune_attention), ("moe", tune_moe), ("fp8_gemm", tune_fp8_gemm),
-                     ("pointwise", tune_pointwise)):
+                     ("fp8_gemm_mid", tune_fp8_gemm_mid), ("pointwise", tune_pointwise)):
         if name in args.only.split(","):
             t0 = time.time()
             part = fn(dev, args.quick)
