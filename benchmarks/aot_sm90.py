@@ -51,8 +51,10 @@ UNSPECIALISED: set[str] = set()     # --unspecialise: more i32 arguments compile
 
 
 def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
-    sig = {**sig, **{k: "constexpr" for k in const}}
     names = fn.arg_names
+    if "PDL" in names:          # the launch gate (deepinfer_kernels.pdl) compiled out, as without PDL
+        const = {"PDL": False, **const}
+    sig = {**sig, **{k: "constexpr" for k in const}}
     # the JIT's specialisation on the device: aligned pointers, i32 sizes divisible by 16 (not the counts,
     # not the kernel's do_not_specialize arguments)
     plain = {"E1", "E4", "n_clamped", *fn.do_not_specialize, *UNSPECIALISED}

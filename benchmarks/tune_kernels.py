@@ -137,6 +137,8 @@ def tune_moe(dev, quick: bool) -> list[dict]:
 
 # ---- FP8 GEMM ----------------------------------------------------------------------------------
 FP8_LAYERS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192)}
+# the decode-time FP8 linears beside the attention's: the indexer's wq_b and the shared expert
+FP8_DECODE_LAYERS = dict(FP8_LAYERS, idx_wq_b=(8192, 1024), shared_w1=(2048, 4096), shared_w2=(4096, 2048))
 
 
 def tune_fp8_gemm(dev, quick: bool) -> list[dict]:
@@ -147,20 +149,26 @@ def tune_fp8_gemm(dev, quick: bool) -> list[dict]:
 
 def tune_fp8_gemm_mid(dev, quick: bool) -> list[dict]:
     """128-512 rows (large decode batches, short prefill chunks), where the default 128x128 tiles leave
-    wq_a 16 and wkv 8 output tiles at 256 rows: tile shapes x split-K counts."""
-    configs = grid(BLOCK_M=[64, 128], BLOCK_N=[64, 128], num_warps=[4, 8], num_stages=[3, 4])
-    splits = (1, 2, 4, 8) if quick else (1, 2, 4, 8, 16)
-    return _time_fp8_gemm(dev, (256,) if quick else (128, 256, 512), [(c, n) for c in configs for n in splits])
+    wq_a 16 and wkv 8 output tiles at 256 rows: tile shapes x split-K counts, timed in CUDA graphs (the
+    kernels take 5-50 us, where an eager launch's cost would rank the configs)."""
+    configs = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+               for bm, bn, w, s in ((64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 8, 3), (128, 64, 4, 4),
+                                    (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 4, 3))]
+    splits = (1, 2, 4) if quick else (1, 2, 4, 8)
+    return _time_fp8_gemm(dev, (128, 256, 512), [(c, n) for c in configs for n in splits],
+                          layers=FP8_DECODE_LAYERS, graph=True)
 
 
-def _time_fp8_gemm(dev, rows: tuple[int, ...], candidates: list[tuple[dict, int]]) -> list[dict]:
+def _time_fp8_gemm(dev, rows: tuple[int, ...], candidates: list[tuple[dict, int]], layers: dict = FP8_LAYERS,
+                   graph: bool = False) -> list[dict]:
     """Each (tile config, split count) candidate on each V4-Flash linear at each M, the default plan first."""
+    import triton.testing
     from deepinfer_kernels.fp8_gemm import _num_sms, fp8_gemm, split_k, tile_config
     from deepinfer_kernels.fp8_quant import act_quant
     out = []
     g = torch.Generator(device=dev).manual_seed(0)
     for M in rows:
-        for lname, (N, K) in FP8_LAYERS.items():
+        for lname, (N, K) in layers.items():
             qa, sa = act_quant(torch.randn(M, K, device=dev, generator=g).bfloat16())
             qw = (torch.randn(N, K, device=dev, generator=g) * 0.1).to(torch.float8_e4m3fn)
             sw = torch.rand(N // 128, K // 128, device=dev, generator=g) * 0.01
@@ -169,7 +177,9 @@ def _time_fp8_gemm(dev, rows: tuple[int, ...], candidates: list[tuple[dict, int]
                 row = dict(kernel="fp8_gemm", shape=f"{lname} M={M} N={N} K={K}", config=dict(cfg, splits=splits),
                            default=(cfg, splits) == default)
                 try:
-                    ms = bench(lambda: fp8_gemm(qa, sa, qw, sw, config=cfg, splits=splits))
+                    def run():
+                        return fp8_gemm(qa, sa, qw, sw, config=cfg, splits=splits)
+                    ms = triton.testing.do_bench_cudagraph(run, rep=20) if graph else bench(run)
                     row.update(ms=ms, tflops=2 * M * N * K / ms / 1e9)
                 except Exception as exc:
                     row.update(ms=None, error=type(exc).__name__)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .fp8_quant import _round_to_e4m3_grid
+from .pdl import launch_args, pdl_gate
 
 BLOCK_SIZE = 128          # positions per paged block (deepinfer_core.cache.state_cache.BLOCK_SIZE)
 TILE_ELEMS = 4096         # elements of one [slots, channels] tile: bounds registers at ratio 128
@@ -114,8 +115,10 @@ def _gather_slots(kv_ptr, z_ptr, tkv_ptr, tz_ptr, pos, ok, cols, cmask, row0, st
 @triton.jit(do_not_specialize=["NB"])
 def _compress_kernel(kv_ptr, z_ptr, tkv_ptr, tz_ptr, out_ptr, bseq_ptr, bidx_ptr, cu_ptr, start_ptr, slot_ptr,
                      NB, d, L, s_kv, s_z, s_tkv0, s_tkv1, s_tz0, s_tz1, s_out,
-                     RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+                     RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """BLOCK_B closed blocks x BLOCK_D channels per program."""
+    pdl_gate(PDL)
     i = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     b = tl.load(bidx_ptr + i, mask=i < NB, other=-1)
     valid = b >= 0
@@ -165,7 +168,8 @@ def _closed_blocks(bseq_ptr, bidx_ptr, table_ptr, NB, s_tab, RPB: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["NB", "s_tab"])
 def _write_rows_kernel(rows_ptr, pool_ptr, table_ptr, bseq_ptr, bidx_ptr, NB, d, s_rows, s_p0, s_p1, s_tab,
-                       RPB: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+                       RPB: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     i, b, valid, phys = _closed_blocks(bseq_ptr, bidx_ptr, table_ptr, NB, s_tab, RPB, BLOCK_B)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = valid[:, None] & (cols < d)[None, :]
@@ -212,7 +216,8 @@ def _quant_store_fp8(x_ptr, src_off, dst_ptr, dst16_ptr, dst_off, ok, NOPE: tl.c
 @triton.jit(do_not_specialize=["NB", "s_tab"])
 def _write_rows_fp8_kernel(rows_ptr, pool_ptr, pool16_ptr, table_ptr, bseq_ptr, bidx_ptr, NB, s_rows, s_p0, s_p1,
                            s_tab, RPB: tl.constexpr, BLOCK_B: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
-                           NT_P2: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr):
+                           NT_P2: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     i, b, valid, phys = _closed_blocks(bseq_ptr, bidx_ptr, table_ptr, NB, s_tab, RPB, BLOCK_B)
     _quant_store_fp8(rows_ptr, i.to(tl.int64) * s_rows, pool_ptr, pool16_ptr,
                      phys * s_p0 + (b % RPB).to(tl.int64) * s_p1, valid, NOPE, ROPE, NT_P2, ROPE_P2, PAD)
@@ -234,7 +239,8 @@ def _last_rows(tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, row, T, K):
 @triton.jit(do_not_specialize=["T"])
 def _ring_fp8_kernel(kv_ptr, ring_ptr, ring16_ptr, tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, T, K, s_kv,
                      s_r0, s_r1, BLOCK_T: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
-                     NT_P2: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr):
+                     NT_P2: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     keep, slot, p = _last_rows(tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, row, T, K)
     _quant_store_fp8(kv_ptr, row.to(tl.int64) * s_kv, ring_ptr, ring16_ptr, slot * s_r0 + (p % K) * s_r1, keep,
@@ -244,9 +250,10 @@ def _ring_fp8_kernel(kv_ptr, ring_ptr, ring16_ptr, tseq_ptr, pos_ptr, cu_ptr, st
 @triton.jit(do_not_specialize=["T"])
 def _scatter_last_kernel(src_a, dst_a, src_b, dst_b, tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, T, D, K,
                          s_sa, s_da0, s_da1, s_sb, s_db0, s_db1,
-                         TWO: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                         TWO: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     """Token rows -> dst[slot, p % K] for the rows whose p is among the last K new positions of their
     sequence; BLOCK_T rows x BLOCK_C channels per program."""
+    pdl_gate(PDL)
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     keep, slot, p = _last_rows(tseq_ptr, pos_ptr, cu_ptr, start_ptr, slot_ptr, row, T, K)
     r = row.to(tl.int64)[:, None]
@@ -382,7 +389,7 @@ def compress_blocks(kv: torch.Tensor, z: torch.Tensor, tail_kv: torch.Tensor, ta
         _compress_kernel[grid](kv, z, tail_kv, tail_z, out, blk_seq, blk_idx, cu_seqlens, seq_start, slots,
                                nb, d, L, kv.stride(0), z.stride(0), tail_kv.stride(0), tail_kv.stride(1),
                                tail_z.stride(0), tail_z.stride(1), out.stride(0),
-                               RATIO=ratio, OVERLAP=c == 2, BLOCK_B=bb, BLOCK_D=bd)
+                               RATIO=ratio, OVERLAP=c == 2, BLOCK_B=bb, BLOCK_D=bd, **launch_args(kv))
     return out
 
 
@@ -406,12 +413,12 @@ def write_rows(rows: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor
             bb = _fp8_rows_per_program(fp8)
             _write_rows_fp8_kernel[(triton.cdiv(nb, bb),)](
                 rows, pool, pool.view(torch.bfloat16), block_table, blk_seq, blk_idx, nb, rows.stride(0),
-                pool.stride(0), pool.stride(1), block_table.stride(0), RPB=rpb, BLOCK_B=bb, **fp8)
+                pool.stride(0), pool.stride(1), block_table.stride(0), RPB=rpb, BLOCK_B=bb, **fp8, **launch_args(rows))
     elif nb and d:
         bb, bd = _tile(d, 1, 1024)
         _write_rows_kernel[(triton.cdiv(nb, bb), triton.cdiv(d, bd))](
             rows, pool, block_table, blk_seq, blk_idx, nb, d, rows.stride(0), pool.stride(0), pool.stride(1),
-            block_table.stride(0), RPB=rpb, BLOCK_B=bb, BLOCK_D=bd)
+            block_table.stride(0), RPB=rpb, BLOCK_B=bb, BLOCK_D=bd, **launch_args(rows))
 
 
 def _scatter_last(a: torch.Tensor, dst_a: torch.Tensor, b, dst_b, cu_seqlens, seq_start, slots, token_seq,
@@ -425,7 +432,7 @@ def _scatter_last(a: torch.Tensor, dst_a: torch.Tensor, b, dst_b, cu_seqlens, se
     _scatter_last_kernel[(triton.cdiv(T, bt), triton.cdiv(D, bc))](
         a, dst_a, b, dst_b, token_seq, positions, cu_seqlens, seq_start, slots, T, D, dst_a.shape[1],
         a.stride(0), dst_a.stride(0), dst_a.stride(1), b.stride(0), dst_b.stride(0), dst_b.stride(1),
-        TWO=two, BLOCK_T=bt, BLOCK_C=bc)
+        TWO=two, BLOCK_T=bt, BLOCK_C=bc, **launch_args(a))
 
 
 def update_tails(kv: torch.Tensor, z: torch.Tensor, tail_kv: torch.Tensor, tail_z: torch.Tensor, *,
@@ -458,4 +465,4 @@ def write_ring(kv: torch.Tensor, ring: torch.Tensor, *, cu_seqlens: torch.Tensor
         bt = _fp8_rows_per_program(fp8)
         _ring_fp8_kernel[(triton.cdiv(kv.shape[0], bt),)](
             kv, ring, ring.view(torch.bfloat16), token_seq, positions, cu_seqlens, seq_start, slots, kv.shape[0],
-            ring.shape[1], kv.stride(0), ring.stride(0), ring.stride(1), BLOCK_T=bt, **fp8)
+            ring.shape[1], kv.stride(0), ring.stride(0), ring.stride(1), BLOCK_T=bt, **fp8, **launch_args(kv))

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import _num_sms, _tile_ids, split_partials, sum_splits
+from .pdl import launch_args, pdl_gate
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from . import sparse_attention  # noqa: F401  (installs the interpreter's loop-bound fix)
@@ -29,7 +30,8 @@ FP32_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2
 @triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
 def _dense_gemm_kernel(x_ptr, w_ptr, c_ptr, M, N, K, s_xm, s_xg, s_wg, s_wn, s_cs, s_cm, s_cg,
                        K_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                       GROUP_M: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     pid = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -98,7 +100,7 @@ def dense_gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None =
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), G, splits)
     _dense_gemm_kernel[grid](x, w, dest, M, N, K, x.stride(0), s_xg, s_wg, w.stride(-2), s_cs, G * N, s_cg,
                              per, GROUP_M=8, IEEE=x.dtype == torch.float32,
-                             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg)
+                             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg, **launch_args(x))
     if splits > 1:
         sum_splits(dest, s_cs, c, splits)
     return c

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, pdl_gate
+
 GROUP = 32          # inputs per UE8M0 scale byte
 TILE_N = 16         # rows per resident tile (one warp's MMA rows n, n + 8)
 TILE_K = 128        # inputs per resident tile (the quantisation block)
@@ -283,11 +285,12 @@ def code_e4m3(codes, t):
 
 
 @triton.jit
-def _decode_kernel(p_ptr, g_ptr, s_ptr, out_ptr, N, K, NB_N, NB_K, PRMT: tl.constexpr):
+def _decode_kernel(p_ptr, g_ptr, s_ptr, out_ptr, N, K, NB_N, NB_K, PRMT: tl.constexpr, PDL: tl.constexpr = False):
     """One 128x128 block of matrix m as its e4m3 re-encoding: [128 rows, 16 code words] (eight whole
     resident tiles) loaded four consecutive words (one group) per thread, the lookup table built per
     word (two multiply-adds where no value is subnormal, cheaper than handing a group's table to its
     four words), two output words per code word."""
+    pdl_gate(PDL)
     pid, kb = tl.program_id(0), tl.program_id(1)
     m = (pid // NB_N).to(tl.int64)
     offs_n = (pid % NB_N) * 128 + tl.arange(0, 128)
@@ -327,5 +330,6 @@ def decode_experts(w: Fp4Experts, scales: torch.Tensor, first: int, end: int) ->
     out = torch.empty((end - first, *lead, N, K), dtype=torch.float8_e4m3fn, device=w.packed.device)
     nb_n, nb_k = triton.cdiv(N, 128), triton.cdiv(K, 128)
     _decode_kernel[(M * nb_n, nb_k)](w.packed[first:end], w.groups[first:end], scales[first:end].contiguous(), out,
-                                     N, K, nb_n, nb_k, PRMT=os.environ.get("TRITON_INTERPRET") != "1")
+                                     N, K, nb_n, nb_k, PRMT=os.environ.get("TRITON_INTERPRET") != "1",
+                                     **launch_args(out))
     return out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, pdl_gate
+
 BLOCK_K = 128
 WEIGHT_BLOCK = 128
 
@@ -38,7 +40,8 @@ def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm, stride_cs,
                      N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, WB: tl.constexpr, PRECISE_ACC: tl.constexpr,
-                     KG_PER_SPLIT: tl.constexpr):
+                     KG_PER_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)              # split-K slice: K groups split*KG_PER_SPLIT ..
     pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -73,8 +76,10 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, st
 
 
 @triton.jit(do_not_specialize=["numel"])
-def _sum_splits_kernel(p_ptr, c_ptr, numel, stride_s, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(p_ptr, c_ptr, numel, stride_s, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """c = p[0] + p[1] + ... in this fixed order (torch.sum may reorder by shape); split s at p + s * stride_s."""
+    pdl_gate(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
@@ -99,7 +104,8 @@ def split_partials(c: torch.Tensor, splits: int) -> tuple[torch.Tensor, int]:
 
 def sum_splits(partials: torch.Tensor, stride: int, c: torch.Tensor, splits: int) -> None:
     """c = the splits' partials added in split order (`split_partials`' buffer)."""
-    _sum_splits_kernel[(triton.cdiv(c.numel(), 1024),)](partials, c, c.numel(), stride, SPLITS=splits, BLOCK=1024)
+    _sum_splits_kernel[(triton.cdiv(c.numel(), 1024),)](partials, c, c.numel(), stride, SPLITS=splits, BLOCK=1024,
+    **launch_args(partials))
 
 
 def split_k(N: int, K: int, cfg: dict, M: int, num_sms: int) -> int:
@@ -188,7 +194,7 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), splits)
     _fp8_gemm_kernel[grid](qa, sa, qw, sw, dest, M, N, K, qa.stride(0), qw.stride(0), N, stride_cs, N_KG=n_kg,
                            BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, PRECISE_ACC=precise_acc,
-                           KG_PER_SPLIT=per, **cfg)
+                           KG_PER_SPLIT=per, **cfg, **launch_args(qa))
     if splits > 1:
         sum_splits(dest, stride_cs, c, splits)
     return c
@@ -197,7 +203,9 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_gemm_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_cm, stride_xg, stride_cg,
                        N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, WB: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                       GROUP_M: tl.constexpr, WB: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     pid = tl.program_id(0)
     g = tl.program_id(1)                  # group of a block-diagonal (grouped) product: weight rows g*N..
     pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -258,5 +266,5 @@ def w8a16_gemm(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out_dtype: t
     _w8a16_gemm_kernel[grid](x, qw, sw, c, M, N, K, x.stride(0), qw.stride(0), c.stride(0),
                              x.stride(1) if grouped else 0, c.stride(1) if grouped else 0, N_KG=n_kg,
                              BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, IEEE=x.dtype == torch.float32,
-                             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg)
+                             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg, **launch_args(x))
     return c

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, pdl_gate
+
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 GROUP = 128
@@ -37,7 +39,9 @@ def _round_to_e4m3_grid(v):
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, n_groups,
-                      GROUP_SIZE: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, VALUES: tl.constexpr):
+                      GROUP_SIZE: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, VALUES: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
     offs = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
@@ -63,7 +67,8 @@ def _quantise(x: torch.Tensor, values: bool, name: str) -> tuple[torch.Tensor, t
     s = q if values else torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
     if M:
         _act_quant_kernel[(M, n_groups)](x, q, s, K, x.stride(0), q.stride(0), n_groups,
-                                         GROUP_SIZE=GROUP, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, VALUES=values)
+                                         GROUP_SIZE=GROUP, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, VALUES=values,
+                                         **launch_args(x))
     return q, s
 
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, pdl_gate
+
 SCORE_BLOCK_N = 64     # key rows per scoring program; fixed so scores do not depend on the batch
 SELECT_BLOCK = 1024    # scores per step of the selection passes
 KEY_BLOCK = 128        # positions per paged block (block_table granularity)
@@ -41,7 +43,8 @@ def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, seq_ptr, pos_ptr, s_ptr,
                   stride_qt, stride_qh, stride_wt, stride_wh, stride_kb, stride_kr, stride_bt, stride_st,
                   H: tl.constexpr, D: tl.constexpr, RATIO: tl.constexpr, RPB: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                  BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     t = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -79,7 +82,8 @@ def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, seq_ptr, pos_ptr, s_ptr,
 
 @triton.jit(do_not_specialize=["max_rows", "stride_st"])
 def _select_kernel(s_ptr, pos_ptr, out_ptr, max_rows, stride_st, K: tl.constexpr,
-                   RATIO: tl.constexpr, BLOCK: tl.constexpr, KBLOCK: tl.constexpr):
+                   RATIO: tl.constexpr, BLOCK: tl.constexpr, KBLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     n = tl.minimum(tl.maximum((pos + 1) // RATIO, 0), max_rows).to(tl.int32)
@@ -206,7 +210,7 @@ def _scores(q, w, keys, block_table, token_seq, positions, ratio: int, max_rows:
                         block_table.stride(0), scores.stride(0),
                         H=H, D=D, RATIO=ratio, RPB=KEY_BLOCK // ratio,
                         BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=block_d, BLOCK_N=SCORE_BLOCK_N,
-                        UPCAST=upcast, num_warps=4)
+                        UPCAST=upcast, num_warps=4, **launch_args(q))
     return scores
 
 
@@ -243,5 +247,5 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, block_tab
     scores = _scores(q, w, keys, block_table, token_seq, positions, ratio, max_rows, topk, False)
     _select_kernel[(T,)](scores, positions, idx, max_rows, scores.stride(0), K=topk, RATIO=ratio, BLOCK=block,
                          KBLOCK=min(1024, max(16, triton.next_power_of_2(topk))),
-                         num_warps=4 if block <= 1024 else 8)
+                         num_warps=4 if block <= 1024 else 8, **launch_args(scores))
     return idx

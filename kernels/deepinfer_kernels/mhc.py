@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, pdl_gate
+
 BLOCK_M = 64        # tokens per stage-1 program (fixed: changing it per T would break batch invariance)
 BLOCK_K = 64        # K step of the stage-1 loop
 SPLIT_K = 512       # K slice per stage-1 program: hc*D = 16384 -> 32 slices at V4-Flash width
@@ -58,8 +60,10 @@ def _round_bf16(v):
 @triton.jit(do_not_specialize=["T"])
 def _mix_partials_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, N, stride_xt, stride_fn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, BROADCAST: tl.constexpr):
+                         SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, BROADCAST: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """part[t, s, n] = sum_{k in slice s} x[t, k] * fn[n, k];  sq[t, s] = sum_{k in slice s} x[t, k]^2."""
+    pdl_gate(PDL)
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -142,8 +146,9 @@ def _coefficients(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb
 @triton.jit(do_not_specialize=["T"])
 def _mhc_coeff_kernel(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, K, N, hc_eps,
                       norm_eps, ITERS: tl.constexpr, NSPLIT: tl.constexpr, HC: tl.constexpr,
-                      HC_P: tl.constexpr, BLOCK_T: tl.constexpr, HEAD: tl.constexpr):
+                      HC_P: tl.constexpr, BLOCK_T: tl.constexpr, HEAD: tl.constexpr, PDL: tl.constexpr = False):
     """Stage 2 alone: BLOCK_T tokens' pre, and unless HEAD their post and comb (`_coefficients`)."""
+    pdl_gate(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     _coefficients(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t, T, K, N, hc_eps, norm_eps,
                   ITERS, NSPLIT, HC, HC_P, BLOCK_T, HEAD, True)
@@ -168,8 +173,10 @@ def _collapse_tile(x_ptr, y_ptr, pre, t, d, T, D, stride_xt, stride_xj, stride_y
 
 @triton.jit(do_not_specialize=["T"])
 def _mhc_collapse_kernel(x_ptr, pre_ptr, y_ptr, T, D, stride_xt, stride_xj, stride_yt, HC: tl.constexpr,
-                         HC_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
+                         HC_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Stage 3 alone, on the pre stage 2 stored."""
+    pdl_gate(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     j = tl.arange(0, HC_P)
@@ -183,9 +190,11 @@ def _mhc_collapse_kernel(x_ptr, pre_ptr, y_ptr, T, D, stride_xt, stride_xj, stri
 def _mhc_coeff_collapse_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, y_ptr,
                                T, K, N, D, hc_eps, norm_eps, stride_xt, stride_xj, stride_yt, ITERS: tl.constexpr,
                                NSPLIT: tl.constexpr, HC: tl.constexpr, HC_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                               BLOCK_D: tl.constexpr, HEAD: tl.constexpr, OUT_BF16: tl.constexpr):
+                               BLOCK_D: tl.constexpr, HEAD: tl.constexpr, OUT_BF16: tl.constexpr,
+                               PDL: tl.constexpr = False):
     """Stages 2 and 3 in one launch (FUSE_COEFF): each (token block, D chunk) program sums its tokens'
     partials into pre itself; the first D chunk's programs also store pre, post and comb."""
+    pdl_gate(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     if tl.program_id(1) == 0:
@@ -201,8 +210,9 @@ def _mhc_coeff_collapse_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, pre
 @triton.jit(do_not_specialize=["T"])
 def _mhc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, D, stride_ft, stride_rt, stride_rj,
                      stride_ot, stride_oj, HC: tl.constexpr, HC_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
+                     BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, k, d] = post[t, k] * f[t, d] + sum_j comb[t, j, k] * res[t, j, d] (fp32)."""
+    pdl_gate(PDL)
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     k = tl.arange(0, HC_P)
@@ -271,7 +281,7 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     _mix_partials_kernel[(triton.cdiv(T, BLOCK_M), nsplit)](
         x, fn, part, sq, T, K, N, x.stride(0), fn.stride(0), BLOCK_M=BLOCK_M,
         BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, PRECISION=PRECISION,
-        BROADCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
+        BROADCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, **launch_args(x))
     block_d = min(triton.next_power_of_2(D), COLLAPSE_BLOCK_D)
     hc_p = triton.next_power_of_2(hc)
     stage2 = dict(ITERS=max(iters, 1), NSPLIT=nsplit, HC=hc, HC_P=hc_p, HEAD=head)
@@ -280,14 +290,14 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
         _mhc_coeff_collapse_kernel[collapse_grid](
             x, part, sq, scale, base, pre, post, comb, y, T, K, N, D, hc_eps, norm_eps, x.stride(0), x.stride(1),
             y.stride(0), **stage2, BLOCK_T=EW_BLOCK_T, BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16,
-            num_warps=4)
+            num_warps=4, **launch_args(x))
         return y, post, comb
     _mhc_coeff_kernel[(triton.cdiv(T, BLOCK_T),)](
         part, sq, scale, base, pre, post, comb, T, K, N, hc_eps, norm_eps, **stage2, BLOCK_T=BLOCK_T,
-        num_warps=COEFF_WARPS)
+        num_warps=COEFF_WARPS, **launch_args(part))
     _mhc_collapse_kernel[collapse_grid](
         x, pre, y, T, D, x.stride(0), x.stride(1), y.stride(0), HC=hc, HC_P=hc_p, BLOCK_T=EW_BLOCK_T,
-        BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16, num_warps=4)
+        BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16, num_warps=4, **launch_args(x))
     return y, post, comb
 
 
@@ -335,5 +345,5 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
     _mhc_post_kernel[(triton.cdiv(T, EW_BLOCK_T), triton.cdiv(D, block_d))](
         f, res, post, comb, out, T, D, f.stride(0), res.stride(0), res.stride(1), out.stride(0), out.stride(1),
         HC=hc, HC_P=triton.next_power_of_2(hc), BLOCK_T=EW_BLOCK_T, BLOCK_D=block_d,
-        OUT_BF16=res.dtype == torch.bfloat16, num_warps=4)
+        OUT_BF16=res.dtype == torch.bfloat16, num_warps=4, **launch_args(f))
     return out

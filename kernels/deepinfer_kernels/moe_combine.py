@@ -8,11 +8,13 @@ import triton
 import triton.language as tl
 
 from .moe_gemm import _round
+from .pdl import launch_args, pdl_gate
 
 
 @triton.jit(do_not_specialize=["T"])
 def _moe_combine_kernel(y_ptr, out_ptr, T, D, K1: tl.constexpr, SHARED_LAST: tl.constexpr, BT: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = (rows < T)[:, None] & (offs < D)[None, :]
@@ -37,5 +39,5 @@ def moe_combine(y: torch.Tensor, out_dtype: torch.dtype, shared_last: bool = Tru
         block = min(512, triton.next_power_of_2(D))
         bt = 4096 // block                                 # [bt, block] tiles: 4096 elements a program
         _moe_combine_kernel[(triton.cdiv(T, bt), triton.cdiv(D, block))](
-            y, out, T, D, K1=K1, SHARED_LAST=int(shared_last), BT=bt, BLOCK=block)
+            y, out, T, D, K1=K1, SHARED_LAST=int(shared_last), BT=bt, BLOCK=block, **launch_args(y))
     return out

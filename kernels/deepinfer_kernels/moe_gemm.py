@@ -29,6 +29,7 @@ from .fp4_experts import Fp4Experts, fp4_tile
 from .fp8_quant import AMAX_FLOOR, FP8_MAX, _pow2_ceil, _round_to_e4m3_grid
 from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
 from .moe_swapped import _w2_loop_swapped, _w13_loop_swapped
+from .pdl import launch_args, pdl_gate
 
 BLOCK_K = 128          # = the weight and activation quantisation block
 # globals a kernel reads must be constexpr (compiled Triton refuses plain Python numbers)
@@ -202,7 +203,8 @@ def _moe_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     QAT_IN: tl.constexpr, QAT_OUT: tl.constexpr, CDT: tl.constexpr, XDT: tl.constexpr,
                     IEEE: tl.constexpr, UPCAST: tl.constexpr, PRECISE_ACC: tl.constexpr, W4: tl.constexpr,
-                    SUB: tl.constexpr, PRMT: tl.constexpr, SWAP: tl.constexpr = False):
+                    SUB: tl.constexpr, PRMT: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE1, BLOCK_M)
@@ -274,7 +276,8 @@ def _moe_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    QAT: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                    PRECISE_ACC: tl.constexpr, W4: tl.constexpr, SUB: tl.constexpr,
-                   PRMT: tl.constexpr, SWAP: tl.constexpr = False):
+                   PRMT: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, first, row_end = _find_tile(sched_ptr, t, E1, EB, _TILE2, BLOCK_M)
@@ -398,7 +401,7 @@ def moe_w13(x: torch.Tensor, x_scale: torch.Tensor | None, w13: Experts, s13: to
                           QAT_IN=x_scale is not None, QAT_OUT=quant_out, CDT=TL_DTYPES[compute_dtype],
                           XDT=TL_DTYPES[x_dtype], IEEE=compute_dtype == torch.float32, UPCAST=_interpreted(),
                           PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), SWAP=swap_ab,
-                          num_warps=num_warps, num_stages=num_stages)
+                          num_warps=num_warps, num_stages=num_stages, **launch_args(x))
     return a, a_s
 
 
@@ -448,5 +451,5 @@ def moe_w2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: Experts, s2: torch
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, QAT=a_scale is not None,
                          CDT=TL_DTYPES[cdt], IEEE=cdt == torch.float32, UPCAST=_interpreted(),
                          PRECISE_ACC=precise_acc, SUB=_fp4_sub(), PRMT=not _interpreted(), SWAP=swap_ab,
-                         num_warps=num_warps, num_stages=num_stages)
+                         num_warps=num_warps, num_stages=num_stages, **launch_args(a))
     return y

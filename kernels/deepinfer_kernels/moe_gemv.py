@@ -30,6 +30,7 @@ import triton.language as tl
 from .fp4_experts import fp4_rows
 from .moe_gemm import TL_DTYPES, Experts, _check_experts, _find_tile, _interpreted, _round, swiglu, w2_output
 from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
+from .pdl import launch_args, pdl_gate
 
 BLOCK_K = 128           # the quantisation block
 SUB = 32                # inputs per step: one FP4 scale group
@@ -188,7 +189,9 @@ def _gemv_w13_kernel(x_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_ptr, sche
                      I, D, E1, E4, n_clamped, limit, stride_x, stride_a,
                      K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr,
                      M: tl.constexpr, BLOCK_N: tl.constexpr, QAT_OUT: tl.constexpr, CDT: tl.constexpr,
-                     XDT: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr, STAGES: tl.constexpr):
+                     XDT: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr, STAGES: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     tl.static_assert(M == 1 or M == 2 or M == 4, "rows per program: 1, 2 or 4")
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -239,7 +242,9 @@ def _y_out(y, ok, dest, y_ptr, stride_y, offs_n, BLOCK_N: tl.constexpr):
 @triton.jit
 def _gemv_w2_kernel(a_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_ptr, y_ptr, D, I, E1, E4, stride_a,
                     stride_y, EB: tl.constexpr, N_KG: tl.constexpr, NB_D: tl.constexpr, M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr, STAGES: tl.constexpr):
+                    BLOCK_N: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr, STAGES: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     tl.static_assert(M == 1 or M == 2 or M == 4, "rows per program: 1, 2 or 4")
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -308,7 +313,7 @@ def gemv_w13(x: torch.Tensor, w13: Experts, s13: torch.Tensor, order: torch.Tens
         n_clamped=n_clamped, limit=float(limit), stride_x=x.stride(0), stride_a=a.stride(0), **weights, K1=k1,
         EB=sched.shape[1], N_KG=D // BLOCK_K, NB_I=I // BLOCK_K, M=rows, BLOCK_N=block_n, QAT_OUT=quant_out,
         CDT=TL_DTYPES[compute_dtype], XDT=TL_DTYPES[x_dtype], PRMT=not _interpreted(), STAGES=stages,
-        num_warps=num_warps)
+        num_warps=num_warps, **launch_args(x))
     return a
 
 
@@ -327,5 +332,5 @@ def gemv_w2(a: torch.Tensor, w2: Experts, s2: torch.Tensor, order: torch.Tensor,
     _gemv_w2_kernel[(n_tiles, D // block_n)](
         a_ptr=a, ws_ptr=s2, order_ptr=order, sched_ptr=sched, y_ptr=y, D=D, I=I, E1=E1, stride_a=a.stride(0),
         stride_y=y.stride(0), **weights, EB=sched.shape[1], N_KG=I // BLOCK_K, NB_D=D // BLOCK_K, M=rows,
-        BLOCK_N=block_n, PRMT=not _interpreted(), STAGES=stages, num_warps=num_warps)
+        BLOCK_N=block_n, PRMT=not _interpreted(), STAGES=stages, num_warps=num_warps, **launch_args(a))
     return y

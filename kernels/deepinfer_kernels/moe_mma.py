@@ -34,6 +34,7 @@ import triton.language as tl
 from .fp4_experts import code_e4m3, code_row, decode_ptx, group_row, word_codes
 from .moe_gemm import TL_DTYPES, Experts, _check_experts, _find_tile, _interpreted, _round, swiglu, w2_output
 from .moe_routing import TILE1_BEGIN, TILE2_BEGIN
+from .pdl import launch_args, pdl_gate
 
 BLOCK_K = 128           # the quantisation block
 ROWS = 8                # tile rows (tokens) per program: the MMA's N
@@ -298,7 +299,8 @@ def _mma_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
                     I, D, E1, E4, n_clamped, limit, x_words, stride_a,
                     K1: tl.constexpr, EB: tl.constexpr, N_KG: tl.constexpr, NB_I: tl.constexpr, NW: tl.constexpr,
                     CDT: tl.constexpr, XDT: tl.constexpr, W4: tl.constexpr, PRMT: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     e, pid_n, rows, r_in, ok_in, m_out, ok_out, cols = _tile(sched_ptr, E1, EB, _TILE1, NW)
     if e >= E1:
         return
@@ -324,7 +326,8 @@ def _mma_w13_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, rw_pt
 @triton.jit
 def _mma_w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, g_ptr, order_ptr, sched_ptr, y_ptr, D, I, E1, E4, a_words,
                    stride_y, EB: tl.constexpr, N_KG: tl.constexpr, NB_D: tl.constexpr, NW: tl.constexpr,
-                   W4: tl.constexpr, PRMT: tl.constexpr, PREFETCH: tl.constexpr):
+                   W4: tl.constexpr, PRMT: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     e, pid_n, rows, r_in, ok_in, m_out, ok_out, cols = _tile(sched_ptr, E1, EB, _TILE2, NW)
     if e >= E1:
         return
@@ -382,7 +385,7 @@ def mma_w13(xq: torch.Tensor, xs: torch.Tensor, w13: Experts, s13: torch.Tensor,
         D=D, E1=E1, n_clamped=n_clamped, limit=float(limit), x_words=xq.stride(0) // 4, stride_a=a.stride(0),
         **weights, K1=k1, EB=sched.shape[1], N_KG=D // BLOCK_K, NB_I=I // BLOCK_K, NW=num_warps,
         CDT=TL_DTYPES[compute_dtype], XDT=TL_DTYPES[x_dtype], PRMT=not _interpreted(), PREFETCH=prefetch,
-        num_warps=num_warps)
+        num_warps=num_warps, **launch_args(xq))
     return a
 
 
@@ -401,5 +404,6 @@ def mma_w2(aq: torch.Tensor, a_s: torch.Tensor, w2: Experts, s2: torch.Tensor, o
     _mma_w2_kernel[(n_tiles, D // (32 * num_warps))](
         a_ptr=aq, as_ptr=a_s, ws_ptr=s2, order_ptr=order, sched_ptr=sched, y_ptr=y, D=D, I=I, E1=E1,
         a_words=aq.stride(0) // 4, stride_y=y.stride(0), **weights, EB=sched.shape[1], N_KG=I // BLOCK_K,
-        NB_D=D // BLOCK_K, NW=num_warps, PRMT=not _interpreted(), PREFETCH=prefetch, num_warps=num_warps)
+        NB_D=D // BLOCK_K, NW=num_warps, PRMT=not _interpreted(), PREFETCH=prefetch, num_warps=num_warps,
+        **launch_args(aq))
     return y

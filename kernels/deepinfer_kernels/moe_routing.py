@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, pdl_gate
+
 # rows of the schedule table (each EB int32 wide): row range of every expert, then its tile range
 # for the first GEMM's BLOCK_M and for the second's
 ROW_BEGIN, ROW_END, TILE1_BEGIN, TILE1_END, TILE2_BEGIN, TILE2_END = range(6)
@@ -37,7 +39,9 @@ def _sqrt_softplus(x):
 @triton.jit(do_not_specialize=["T"])
 def _route_kernel(logit_ptr, bias_ptr, tid_ptr, input_ptr, ids_ptr, w_ptr, T, E, stride_l, stride_tid,
                   routed_scale, TOPK: tl.constexpr, K1: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
-                  BT: tl.constexpr, HASH: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr):
+                  BT: tl.constexpr, HASH: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)          # BT tokens per program
     r_ok = rows < T
     offs = tl.arange(0, EB)
@@ -111,7 +115,7 @@ def route_topk(logits: torch.Tensor, topk: int, *, bias: torch.Tensor | None = N
             logits, dummy if hashed else bias.contiguous(), tid2eid if hashed else dummy,
             input_ids if hashed else dummy, ids, w, T, E, logits.stride(0), tid2eid.stride(0) if hashed else 0,
             float(routed_scale), TOPK=topk, K1=K1, EB=EB, KB=triton.next_power_of_2(K1), BT=BT, HASH=hashed,
-            RENORM=bool(renormalize), SHARED=bool(shared_expert))
+            RENORM=bool(renormalize), SHARED=bool(shared_expert), **launch_args(logits))
     return ids, w
 
 
@@ -132,7 +136,8 @@ def _lower_bound(sorted_ptr, target, n, N_ITER: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n"])
 def _schedule_kernel(sorted_ptr, sched_ptr, n, E1, N_ITER: tl.constexpr, EB: tl.constexpr,
-                     BM1: tl.constexpr, BM2: tl.constexpr):
+                     BM1: tl.constexpr, BM2: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     e = tl.arange(0, EB)
     live = e < E1
     begin = _lower_bound(sorted_ptr, e, n, N_ITER)
@@ -172,5 +177,5 @@ def expert_schedule(sorted_ids: torch.Tensor, num_experts: int, block_m: tuple[i
     # but one compiled variant whatever the batch), then rounded up to a multiple of 4
     n_iter = max(16, -(-max(n, 1).bit_length() // 4) * 4)
     _schedule_kernel[(1,)](sorted_ids, sched, n, num_experts, N_ITER=n_iter, EB=EB, BM1=block_m[0],
-                           BM2=block_m[1])
+                           BM2=block_m[1], **launch_args(sorted_ids))
     return sched

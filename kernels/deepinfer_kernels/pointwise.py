@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .fp8_quant import _pow2_ceil, _round_to_e4m3_grid
+from .pdl import launch_args, pdl_gate
 
 FP8_MAX, FP8_FLOOR, FP8_BLOCK = 448.0, 1e-4, 64
 FP4_MAX, FP4_FLOOR, FP4_BLOCK = 6.0, 6.0 * 2.0 ** -126, 32
@@ -117,7 +118,8 @@ def _fake_fp4(y, HB: tl.constexpr, D: tl.constexpr, QB: tl.constexpr):
 # ---- kernels -----------------------------------------------------------------------------------
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     # One row per program, the whole row in one tile: the reduction tree depends on BLOCK and
     # num_warps only (both fixed by N), never on the number of rows -> batch invariant.
     row = tl.program_id(0).to(tl.int64)
@@ -135,7 +137,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, eps, BLOCK: tl.constexpr)
 def _norm_rope_quant_kernel(x_ptr, y_ptr, pos_ptr, f_ptr, w_ptr, H, stride_t, stride_h, eps, had_scale,
                             D: tl.constexpr, LOG_D: tl.constexpr, RH: tl.constexpr, HB: tl.constexpr,
                             NORM: tl.constexpr, INVERSE: tl.constexpr, QUANT: tl.constexpr,
-                            NOPE: tl.constexpr, QB8: tl.constexpr, QB4: tl.constexpr):
+                            NOPE: tl.constexpr, QB8: tl.constexpr, QB4: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     cols = tl.arange(0, D)
@@ -165,7 +168,9 @@ def _norm_rope_quant_kernel(x_ptr, y_ptr, pos_ptr, f_ptr, w_ptr, H, stride_t, st
 
 @triton.jit
 def _rope_inplace_kernel(x_ptr, pos_ptr, f_ptr, H, stride_t, stride_h, rope_off,
-                         RH: tl.constexpr, BLOCK_P: tl.constexpr, HB: tl.constexpr, INVERSE: tl.constexpr):
+                         RH: tl.constexpr, BLOCK_P: tl.constexpr, HB: tl.constexpr, INVERSE: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     cols = tl.arange(0, 2 * BLOCK_P)
@@ -229,7 +234,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, num_warps: in
         block = triton.next_power_of_2(D)
         nw = num_warps or max(1, min(16, block // 512))   # a function of D only (batch invariance)
         _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, D, x2.stride(0), float(eps),
-                                         BLOCK=block, num_warps=nw, enable_fp_fusion=False)
+                                         BLOCK=block, num_warps=nw, enable_fp_fusion=False, **launch_args(x2))
     return y
 
 
@@ -284,7 +289,7 @@ def norm_rope_quant(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
         x, y, positions.contiguous(), inv_freq.contiguous(), w, H, stride_t, stride_h, float(eps), D ** -0.5,
         D=D, LOG_D=D.bit_length() - 1, RH=rh, HB=hb, NORM=_NORMS[norm], INVERSE=bool(inverse),
         QUANT=_QUANTS[quant], NOPE=nope_dim if quant == "fp8_nope" else 0,
-        QB8=min(FP8_BLOCK, D), QB4=min(FP4_BLOCK, D), num_warps=nw, enable_fp_fusion=False)
+        QB8=min(FP8_BLOCK, D), QB4=min(FP4_BLOCK, D), num_warps=nw, enable_fp_fusion=False, **launch_args(x))
     return y
 
 
@@ -304,5 +309,5 @@ def rope_inplace(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     if T and H:
         _rope_inplace_kernel[(T, triton.cdiv(H, hb))](
             x, positions.contiguous(), inv_freq.contiguous(), H, stride_t, stride_h, D - 2 * rh,
-            RH=rh, BLOCK_P=bp, HB=hb, INVERSE=bool(inverse), num_warps=nw, enable_fp_fusion=False)
+            RH=rh, BLOCK_P=bp, HB=hb, INVERSE=bool(inverse), num_warps=nw, enable_fp_fusion=False, **launch_args(x))
     return x

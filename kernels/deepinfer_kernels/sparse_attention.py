@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .compressor import packed_rope_dim
+from .pdl import launch_args, pdl_gate
 
 NEG = tl.constexpr(-1.0e30)   # finite "-inf": masked logits and the empty running max
 LOG2E = 1.4426950408889634
@@ -119,7 +120,9 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, ring16_ptr, sink_ptr, out_ptr, 
                         s_qt, s_qh, s_kv, s_rs, s_rr, s_cb, s_cr, s_bt, s_idx, s_ot, s_oh,
                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RPB: tl.constexpr,
                         COMP: tl.constexpr, CLAMP: tl.constexpr, SPLIT: tl.constexpr,
-                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RING_NOPE: tl.constexpr, COMP_NOPE: tl.constexpr):
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RING_NOPE: tl.constexpr, COMP_NOPE: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     row = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -215,8 +218,9 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, ring16_ptr, sink_ptr, out_ptr, 
 
 @triton.jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, NSPLIT, s_ot, s_oh,
-                    D: tl.constexpr, BLOCK_H: tl.constexpr):
+                    D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """Merge the splits of one (token, head block) in split order, with the sink."""
+    pdl_gate(PDL)
     row = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
@@ -421,8 +425,8 @@ def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start
         comp_strides[2], s_idx, out.stride(0), out.stride(1),
         D=D, BLOCK_H=block_h, BLOCK_N=block_n, RPB=rpb, COMP=mode, CLAMP=mode == 1 and comp_ratio > 0,
         SPLIT=bool(split), UPCAST=interp and dt != torch.float32, IEEE=dt == torch.float32,
-        RING_NOPE=ring_nope, COMP_NOPE=comp_nope, **cfg)
+        RING_NOPE=ring_nope, COMP_NOPE=comp_nope, **cfg, **launch_args(q))
     if split:
         _combine_kernel[(T, n_hb)](ws_acc, ws_ml, sink, out, H, nsplit, out.stride(0), out.stride(1),
-                                   D=D, BLOCK_H=block_h, num_warps=4)
+                                   D=D, BLOCK_H=block_h, num_warps=4, **launch_args(ws_acc))
     return out

@@ -1,0 +1,78 @@
+"""Programmatic dependent launch (`deepinfer_kernels.pdl`): a kernel launched early must wait for its
+predecessor before touching memory, so every kernel that takes the PDL flag opens with `pdl_gate`,
+and every launch in the package passes `launch_args` (the flag and Triton's launch_pdl together).
+The compiled kernel tests run with PDL on (the default on SM90+); these check the contract itself."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import deepinfer_kernels
+from deepinfer_kernels import pdl
+
+SOURCES = sorted(Path(deepinfer_kernels.__file__).parent.glob("*.py"))
+
+
+def _jit_functions(tree: ast.Module):
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+            yield node
+
+
+def _launches(tree: ast.Module):
+    """Calls of the form kernel[grid](...)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+            yield node
+
+
+def _body_without_docstring(fn: ast.FunctionDef) -> list[ast.stmt]:
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return body
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
+def test_kernels_taking_pdl_open_with_the_gate(path):
+    tree = ast.parse(path.read_text())
+    for fn in _jit_functions(tree):
+        if "PDL" not in [a.arg for a in fn.args.args] or fn.name == "pdl_gate":
+            continue
+        first = _body_without_docstring(fn)[0]
+        assert ast.unparse(first) == "pdl_gate(PDL)", f"{path.name}:{fn.name} must open with pdl_gate(PDL)"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
+def test_every_launch_passes_launch_args(path):
+    tree = ast.parse(path.read_text())
+    gated = {fn.name for fn in _jit_functions(tree) if "PDL" in [a.arg for a in fn.args.args]}
+    for call in _launches(tree):
+        name = ast.unparse(call.func.value)
+        spread = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
+        assert any(s.startswith("launch_args(") for s in spread), f"{path.name}: {name}[...] without launch_args"
+        assert name in gated, f"{path.name}: {name} is launched with PDL but takes no PDL flag"
+
+
+def test_off_on_cpu_and_under_the_interpreter():
+    assert pdl.launch_args(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
+
+
+@pytest.mark.gpu
+def test_on_for_sm90_when_asked(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA GPU")
+    x = torch.zeros(1, device="cuda")
+    monkeypatch.setenv("DEEPINFER_PDL", "1")
+    pdl._enabled.cache_clear()
+    assert pdl.launch_args(x)["launch_pdl"] is (torch.cuda.get_device_capability()[0] >= 9)
+    monkeypatch.setenv("DEEPINFER_PDL", "0")
+    pdl._enabled.cache_clear()
+    try:
+        assert pdl.launch_args(x) == {"PDL": False, "launch_pdl": False}
+    finally:
+        monkeypatch.delenv("DEEPINFER_PDL")
+        pdl._enabled.cache_clear()
