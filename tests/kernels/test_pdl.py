@@ -7,10 +7,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import deepinfer_kernels
 import pytest
 import torch
-
-import deepinfer_kernels
 from deepinfer_kernels import pdl
 
 SOURCES = sorted(Path(deepinfer_kernels.__file__).parent.glob("*.py"))
