@@ -154,7 +154,7 @@ def tune_fp8_gemm_mid(dev, quick: bool) -> list[dict]:
     configs = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
                for bm, bn, w, s in ((64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 8, 3), (128, 64, 4, 4),
                                     (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 4, 3))]
-    splits = (1, 2, 4) if quick else (1, 2, 4, 8)
+    splits = (1, 2, 4, 8) if quick else (1, 2, 4, 8, 16)
     return _time_fp8_gemm(dev, (128, 256, 512), [(c, n) for c in configs for n in splits],
                           layers=FP8_DECODE_LAYERS, graph=True)
 
@@ -173,14 +173,17 @@ def _time_fp8_gemm(dev, rows: tuple[int, ...], candidates: list[tuple[dict, int]
             qw = (torch.randn(N, K, device=dev, generator=g) * 0.1).to(torch.float8_e4m3fn)
             sw = torch.rand(N // 128, K // 128, device=dev, generator=g) * 0.01
             default = (tile_config(M), split_k(N, K, tile_config(M), M, _num_sms(dev)))
+            ref = fp8_gemm(qa, sa, qw, sw, config=default[0], splits=default[1]).float()
             for cfg, splits in [default] + [c for c in candidates if c != default]:
                 row = dict(kernel="fp8_gemm", shape=f"{lname} M={M} N={N} K={K}", config=dict(cfg, splits=splits),
                            default=(cfg, splits) == default)
                 try:
                     def run():
                         return fp8_gemm(qa, sa, qw, sw, config=cfg, splits=splits)
+                    # each candidate's product against the default plan's (summation order only)
+                    err = ((run().float() - ref).abs().max() / ref.abs().max()).item()
                     ms = triton.testing.do_bench_cudagraph(run, rep=20) if graph else bench(run)
-                    row.update(ms=ms, tflops=2 * M * N * K / ms / 1e9)
+                    row.update(ms=ms, tflops=2 * M * N * K / ms / 1e9, rel_err_vs_default=err)
                 except Exception as exc:
                     row.update(ms=None, error=type(exc).__name__)
                 out.append(row)
