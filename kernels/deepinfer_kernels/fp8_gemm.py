@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_args, pdl_gate
+from .pdl import launch_args, pdl_gate, prefetch_l2
 
 BLOCK_K = 128
 WEIGHT_BLOCK = 128
@@ -36,15 +36,31 @@ def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
     return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
 
 
+@triton.jit
+def _weights_to_l2(w_ptr, rows, kg0, N_KG: tl.constexpr, BLOCK_K: tl.constexpr, KG: tl.constexpr,
+                   PREFETCH: tl.constexpr):
+    """With PREFETCH: L2 prefetches of weight rows `rows` (element offsets of the rows' starts, already
+    clamped in bounds) over K groups kg0 .. kg0 + KG, one 128-byte line per (row, group, 128 bytes)."""
+    if PREFETCH:
+        LINES: tl.constexpr = BLOCK_K // 128 if BLOCK_K >= 128 else 1
+        for j in range(0, KG, 8):
+            g = tl.minimum(kg0 + j + tl.arange(0, 8), N_KG - 1)
+            for line in tl.static_range(LINES):
+                prefetch_l2(w_ptr + rows[:, None] + (g * BLOCK_K + line * 128)[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm, stride_cs,
                      N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, WB: tl.constexpr, PRECISE_ACC: tl.constexpr,
-                     KG_PER_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_gate(PDL)
+                     KG_PER_SPLIT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     pid = tl.program_id(0)
     split = tl.program_id(1)              # split-K slice: K groups split*KG_PER_SPLIT ..
     pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # the weights are written by no kernel: their slice may stream into L2 before the gate
+    _weights_to_l2(w_ptr, tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64) * stride_wn,
+                   split * KG_PER_SPLIT, N_KG, BLOCK_K, KG_PER_SPLIT, PREFETCH)
+    pdl_gate(PDL)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,6 +102,16 @@ def _sum_splits_kernel(p_ptr, c_ptr, numel, stride_s, SPLITS: tl.constexpr, BLOC
     for s in range(1, SPLITS):
         acc += tl.load(p_ptr + s * stride_s + offs, mask=ok, other=0.0)
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+# With PDL, GEMMs of up to this many rows prefetch their weight slice into L2 before the gate (decode:
+# the weights are most of the bytes; a prefill launch would prefetch each slice once per row tile).
+PREFETCH_MAX_ROWS = 256
+
+
+def _launch_args(t: torch.Tensor, M: int) -> dict:
+    pdl = launch_args(t)
+    return dict(pdl, PREFETCH=pdl["PDL"] and M <= PREFETCH_MAX_ROWS)
 
 
 def split_partials(c: torch.Tensor, splits: int) -> tuple[torch.Tensor, int]:
@@ -194,7 +220,7 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), splits)
     _fp8_gemm_kernel[grid](qa, sa, qw, sw, dest, M, N, K, qa.stride(0), qw.stride(0), N, stride_cs, N_KG=n_kg,
                            BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, PRECISE_ACC=precise_acc,
-                           KG_PER_SPLIT=per, **cfg, **launch_args(qa))
+                           KG_PER_SPLIT=per, **cfg, **_launch_args(qa, M))
     if splits > 1:
         sum_splits(dest, stride_cs, c, splits)
     return c
@@ -204,11 +230,13 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
 def _w8a16_gemm_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_cm, stride_xg, stride_cg,
                        N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, WB: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    pdl_gate(PDL)
+                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     pid = tl.program_id(0)
     g = tl.program_id(1)                  # group of a block-diagonal (grouped) product: weight rows g*N..
     pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    _weights_to_l2(w_ptr, (g * N + tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)).to(tl.int64)
+                   * stride_wn, 0, N_KG, BLOCK_K, N_KG, PREFETCH)
+    pdl_gate(PDL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -266,5 +294,5 @@ def w8a16_gemm(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out_dtype: t
     _w8a16_gemm_kernel[grid](x, qw, sw, c, M, N, K, x.stride(0), qw.stride(0), c.stride(0),
                              x.stride(1) if grouped else 0, c.stride(1) if grouped else 0, N_KG=n_kg,
                              BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, IEEE=x.dtype == torch.float32,
-                             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg, **launch_args(x))
+                             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg, **_launch_args(x, M))
     return c

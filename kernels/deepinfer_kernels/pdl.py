@@ -7,7 +7,9 @@ until the previous kernel has finished and its writes are visible, and only then
 (`benchmarks/pdl_chain.py` measures the saving per boundary).
 
 The contract that keeps this safe: a kernel launched with PDL (`launch_args` on) must call
-`pdl_gate(PDL)` as its first statement, before any load or store, in every program. Each program
+`pdl_gate(PDL)` in every program before any load or store. Only `prefetch_l2` of memory that no kernel
+writes (the weights) may come first: a GEMM then streams its weight slice into L2 while the kernel
+before it still runs. Each program
 then waits for its predecessor's completion, so the guarantee is transitive down the chain, and a
 kernel that follows a non-PDL kernel (torch, cuBLAS) waits at once. `tests/kernels/test_pdl.py`
 checks that every kernel with a PDL parameter opens with the gate.
@@ -35,6 +37,13 @@ def pdl_gate(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 to fetch the 128-byte lines at `ptrs`; nothing is written or waited for."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @functools.lru_cache(maxsize=None)
