@@ -23,6 +23,7 @@ layouts may differ between Triton versions.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -52,8 +53,10 @@ UNSPECIALISED: set[str] = set()     # --unspecialise: more i32 arguments compile
 
 def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
     names = fn.arg_names
-    if "PDL" in names:          # the launch gate (deepinfer_kernels.pdl) compiled out, as without PDL
-        const = {"PDL": False, **const}
+    # constexprs with defaults (the PDL gate and the GEMMs' weight prefetch: off, as without PDL)
+    defaults = {k: p.default for k, p in inspect.signature(fn.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    const = {**defaults, **const}
     sig = {**sig, **{k: "constexpr" for k in const}}
     # the JIT's specialisation on the device: aligned pointers, i32 sizes divisible by 16 (not the counts,
     # not the kernel's do_not_specialize arguments)
