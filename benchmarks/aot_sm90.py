@@ -49,6 +49,8 @@ VARIANTS = {"fp8": (False, False), "fp4 integer": (True, False), "fp4 prmt": (Tr
 
 
 UNSPECIALISED: set[str] = set()     # --unspecialise: more i32 arguments compiled as the JIT's do_not_specialize
+PDL = {"on": False}                 # --pdl: kernels compiled with their launch gate (and the FP8 GEMM's prefetch)
+GLOBAL_ACCESS = re.compile(r"\b(?:ld|st|atom|red)\.(?:\w+\.)*global|\bcp\.async")
 
 
 def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
@@ -57,6 +59,8 @@ def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
     defaults = {k: p.default for k, p in inspect.signature(fn.fn).parameters.items()
                 if p.default is not inspect.Parameter.empty}
     const = {**defaults, **const}
+    if PDL["on"] and "PDL" in names:
+        const["PDL"] = True
     sig = {**sig, **{k: "constexpr" for k in const}}
     # the JIT's specialisation on the device: aligned pointers, i32 sizes divisible by 16 (not the counts,
     # not the kernel's do_not_specialize arguments)
@@ -127,7 +131,7 @@ def fp8_gemm(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
     sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", c_ptr="*bf16", M="i32", N="i32",
                K="i32", stride_am="i32", stride_wn="i32", stride_cm="i32", stride_cs="i32")
     const = dict(N_KG=32, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, WB=128, PRECISE_ACC=32,
-                 KG_PER_SPLIT=32)
+                 KG_PER_SPLIT=32, PREFETCH=PDL["on"])
     return _compile(F._fp8_gemm_kernel, sig, const, warps, stages)
 
 
@@ -175,9 +179,18 @@ def swap_ab(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
     return _compile(_swap_ab_probe, sig, dict(BN=64, BM=block_m, PRMT=prmt), warps, stages)
 
 
+def pdl_gate_order(ptx: str) -> dict:
+    """Where the PDL gate sits in the PTX: `griddepcontrol.wait` must come before the first global load,
+    store or async copy (only L2 prefetches may precede it)."""
+    wait = ptx.find("griddepcontrol.wait")
+    first = GLOBAL_ACCESS.search(ptx)
+    return dict(gated=wait >= 0, wait_first=wait >= 0 and (first is None or wait < first.start()),
+                prefetches_before=ptx.count("prefetch.global.L2", 0, max(wait, 0)))
+
+
 def describe(kernel) -> dict:
     """Registers and local memory (spills) of the cubin, MMA instructions, dot operand kWidths, SASS
-    instruction count."""
+    instruction count, the PDL gate's place."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         open(cubin, "wb").write(kernel.asm["cubin"])
@@ -190,7 +203,8 @@ def describe(kernel) -> dict:
                 mma=sorted(set(re.findall(r"(?:wgmma|mma)\.[\w.]+", kernel.asm["ptx"]))),
                 dot_kwidths=sorted({int(k) for k in re.findall(r"dot_op<\{opIdx = \d, parent = #\w+, kWidth = (\d+)",
                                                                kernel.asm["ttgir"])}),
-                sass_instructions=len(ops), top_sass=Counter(o.split(".")[0] for o in ops).most_common(6),
+                pdl=pdl_gate_order(kernel.asm["ptx"]), sass_instructions=len(ops),
+                top_sass=Counter(o.split(".")[0] for o in ops).most_common(6),
                 traffic={**{k: sum(o.split(".")[0] == k for o in ops) for k in TRAFFIC},
                          "LDS/STS of 1-2 B": sum(o.split(".")[0] in ("LDS", "STS") and o.endswith(("U8", "U16"))
                                                   for o in ops)})
@@ -210,7 +224,10 @@ def main() -> None:
     ap.add_argument("--block-m", type=int, default=16)
     ap.add_argument("--block-n", type=int, default=32, help="--kernels gemv13,gemv2: outputs per program")
     ap.add_argument("--swap", action="store_true", help="compile w13 / w2 with their operands swapped (swap_ab)")
+    ap.add_argument("--pdl", action="store_true", help="compile with the PDL gate (deepinfer_kernels.pdl) and "
+                    "report whether it precedes every global access")
     a = ap.parse_args()
+    PDL["on"] = a.pdl
     UNSPECIALISED.update(filter(None, a.unspecialise.split(",")))
     print(f"Triton {triton.__version__}, target sm_90, BLOCK_M {a.block_m}")
     for name in a.kernels.split(","):
@@ -220,7 +237,8 @@ def main() -> None:
                     warps, stages = (int(x) for x in cfg.split("x"))
                     d = describe(attention(kv == "fp8", warps, stages, a.block_m))
                     print(f"attention {kv} pools, {a.block_m} heads, warps {warps} stages {stages}: regs "
-                          f"{d['registers']} local {d['local_bytes']} B, SASS {d['sass_instructions']}", flush=True)
+                          f"{d['registers']} local {d['local_bytes']} B, SASS {d['sass_instructions']}, pdl {d['pdl']}",
+                          flush=True)
                     print("    " + ", ".join(f"{k} {n}" for k, n in d["traffic"].items()))
             continue
         build = {"w13": partial(w13, swap=a.swap), "w2": partial(w2, swap=a.swap), "swap_ab": swap_ab,
@@ -236,7 +254,7 @@ def main() -> None:
                 d = describe(build(w4, prmt, warps, stages, a.block_m))
                 print(f"{name:>4} {variant:<12} warps {warps} stages {stages}: regs {d['registers']} local "
                       f"{d['local_bytes']} B, dot kWidth {d['dot_kwidths']}, {d['mma']}, SASS {d['sass_instructions']}"
-                      f" {d['top_sass']}", flush=True)
+                      f" {d['top_sass']}, pdl {d['pdl']}", flush=True)
                 print(f"{'':>4} {'':<12} {'':>19}  " + ", ".join(f"{k} {n}" for k, n in d["traffic"].items()))
 
 

@@ -95,3 +95,16 @@ def test_the_mma_kernels_build_their_fragments_in_registers():
     assert len(shared) == 4 and all(int(row[-1]) > 0 for row in shared), r.stdout
     (w13_fp8, w13_fp4, w2_fp8, w2_fp4) = (row[:4] for row in shared)
     assert w13_fp4 == w13_fp8 and w2_fp4 == w2_fp8, r.stdout
+
+
+def test_the_pdl_gate_precedes_every_global_access():
+    """Compiled with PDL (`deepinfer_kernels.pdl`), a kernel's PTX waits for its predecessor before its
+    first global load, store or async copy; the FP8 GEMM's weight prefetches come before the wait."""
+    r = _aot("--pdl", "--kernels", "fp8_gemm,mma13,mma2,w2", "--configs", "4x1", "--variants", "fp8,fp4 prmt")
+    gates = re.findall(r"^\s*(\w+) (fp8|fp4 prmt)\s.*pdl \{'gated': (\w+), 'wait_first': (\w+), "
+                       r"'prefetches_before': (\d+)\}", r.stdout, re.M)
+    assert [(g[0], g[1]) for g in gates] == [("fp8_gemm", "fp8"), ("mma13", "fp8"), ("mma13", "fp4 prmt"),
+                                             ("mma2", "fp8"), ("mma2", "fp4 prmt"), ("w2", "fp8"),
+                                             ("w2", "fp4 prmt")], r.stdout
+    assert all(g[2] == g[3] == "True" for g in gates), r.stdout
+    assert int(gates[0][4]) > 0 and all(int(g[4]) == 0 for g in gates[1:]), r.stdout
