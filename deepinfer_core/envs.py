@@ -158,6 +158,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            minimum=1),
     EnvVar("DEEPINFER_ENFORCE_EAGER", "bool", False,
            "Disable CUDA graphs for the main model (always eager)."),
+    EnvVar("DEEPINFER_PDL", "bool", False,
+           "nvidia backend, SM90 and later: launch every DeepInfer kernel with programmatic dependent "
+           "launch (it starts while its predecessor runs and waits in a gate; the FP8 GEMMs prefetch "
+           "their weights meanwhile). Opt-in: not yet measured on a GPU (README, issue 18)."),
     EnvVar("DEEPINFER_XGRAMMAR_TIMEOUT", "int", 20,
            "Structured outputs: seconds a grammar may take to compile before its request is refused.",
            minimum=1),
@@ -207,6 +211,7 @@ class Settings:
     zero_overhead_scheduling: bool = True
     cpu_kv_cache_bytes: int = 1 << 30
     enforce_eager: bool = False
+    pdl: bool = False
     xgrammar_timeout: int = 20
     xgrammar_cache_limit_bytes: int = 10 << 30
     xgrammar_disable_cache: bool = False

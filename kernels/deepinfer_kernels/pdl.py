@@ -26,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+# DEEPINFER_PDL, declared with the other variables in deepinfer_core/envs.py (this package does not
+# import the core): the same boolean spellings, the same error for anything else
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 _ON = {"PDL": True, "launch_pdl": True}
 _OFF = {"PDL": False, "launch_pdl": False}
 
@@ -46,9 +49,17 @@ def prefetch_l2(ptrs):
                               is_pure=False, pack=1)
 
 
+def requested() -> bool:
+    """DEEPINFER_PDL as a bool (unset or empty: off); ValueError naming the variable otherwise."""
+    raw = os.environ.get("DEEPINFER_PDL", "").strip()
+    if raw.lower() in _TRUE + _FALSE + ("",):
+        return raw.lower() in _TRUE
+    raise ValueError(f"DEEPINFER_PDL={raw!r} is invalid; allowed: 0, 1, true, false, yes, no")
+
+
 @functools.lru_cache(maxsize=None)
 def _enabled(index: int | None) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("DEEPINFER_PDL", "0") != "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" or not requested():
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 

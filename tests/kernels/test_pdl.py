@@ -64,12 +64,28 @@ def test_every_launch_passes_launch_args(path):
     for call in _launches(tree):
         name = ast.unparse(call.func.value)
         spread = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
-        assert any(s.startswith(("launch_args(", "_launch_args(")) for s in spread), f"{path.name}: {name}[...] without launch_args"
+        assert any(s.startswith(("launch_args(", "_launch_args(")) for s in spread), \
+            f"{path.name}: {name}[...] without launch_args"
         assert name in gated, f"{path.name}: {name} is launched with PDL but takes no PDL flag"
 
 
 def test_off_on_cpu_and_under_the_interpreter():
     assert pdl.launch_args(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
+
+
+@pytest.mark.parametrize("raw, want", [("", False), ("0", False), ("no", False), ("1", True), ("TRUE", True)])
+def test_the_variable_reads_like_the_core_table(monkeypatch, raw, want):
+    from deepinfer_core import envs
+    monkeypatch.setenv("DEEPINFER_PDL", raw)
+    assert pdl.requested() is want is envs.get("DEEPINFER_PDL")
+
+
+def test_a_bad_value_names_the_variable_and_the_allowed_values(monkeypatch):
+    from deepinfer_core import envs
+    monkeypatch.setenv("DEEPINFER_PDL", "fast")
+    allowed = envs.ENV_VARS["DEEPINFER_PDL"].allowed()
+    with pytest.raises(ValueError, match=r"DEEPINFER_PDL='fast' is invalid; allowed: " + allowed):
+        pdl.requested()
 
 
 @pytest.mark.gpu
