@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_kernels import pdl
 
 from deepinfer_core import LLM, SamplingParams
 
@@ -15,6 +14,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _generate(tiny_ckpt_dir, monkeypatch, flag: str):
+    # imported here, not at collection: tests/kernels/conftest.py must set TRITON_INTERPRET first
+    from deepinfer_kernels import pdl
+
     monkeypatch.setenv("DEEPINFER_PDL", flag)
     pdl._enabled.cache_clear()
     llm = LLM(model=str(tiny_ckpt_dir), max_num_seqs=16, kv_cache_memory_bytes=1 << 30)
@@ -29,6 +31,7 @@ def _generate(tiny_ckpt_dir, monkeypatch, flag: str):
 
 
 def test_pdl_gives_the_same_bits(tiny_ckpt_dir, monkeypatch):
+    from deepinfer_kernels import pdl
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.fail("PDL needs SM90 or later")
