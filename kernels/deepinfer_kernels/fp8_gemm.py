@@ -40,13 +40,11 @@ def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 def _weights_to_l2(w_ptr, rows, kg0, N_KG: tl.constexpr, BLOCK_K: tl.constexpr, KG: tl.constexpr,
                    PREFETCH: tl.constexpr):
     """With PREFETCH: L2 prefetches of weight rows `rows` (element offsets of the rows' starts, already
-    clamped in bounds) over K groups kg0 .. kg0 + KG, one 128-byte line per (row, group, 128 bytes)."""
+    clamped in bounds) over K groups kg0 .. kg0 + KG; a group of e4m3 weights is one 128-byte line."""
     if PREFETCH:
-        LINES: tl.constexpr = BLOCK_K // 128 if BLOCK_K >= 128 else 1
         for j in range(0, KG, 8):
             g = tl.minimum(kg0 + j + tl.arange(0, 8), N_KG - 1)
-            for line in tl.static_range(LINES):
-                prefetch_l2(w_ptr + rows[:, None] + (g * BLOCK_K + line * 128)[None, :])
+            prefetch_l2(w_ptr + rows[:, None] + (g * BLOCK_K)[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -131,7 +129,7 @@ def split_partials(c: torch.Tensor, splits: int) -> tuple[torch.Tensor, int]:
 def sum_splits(partials: torch.Tensor, stride: int, c: torch.Tensor, splits: int) -> None:
     """c = the splits' partials added in split order (`split_partials`' buffer)."""
     _sum_splits_kernel[(triton.cdiv(c.numel(), 1024),)](partials, c, c.numel(), stride, SPLITS=splits, BLOCK=1024,
-    **launch_args(partials))
+                                                         **launch_args(partials))
 
 
 def split_k(N: int, K: int, cfg: dict, M: int, num_sms: int) -> int:

@@ -9,10 +9,10 @@ until the previous kernel has finished and its writes are visible, and only then
 The contract that keeps this safe: a kernel launched with PDL (`launch_args` on) must call
 `pdl_gate(PDL)` in every program before any load or store. Only `prefetch_l2` of memory that no kernel
 writes (the weights) may come first: a GEMM then streams its weight slice into L2 while the kernel
-before it still runs. Each program
-then waits for its predecessor's completion, so the guarantee is transitive down the chain, and a
-kernel that follows a non-PDL kernel (torch, cuBLAS) waits at once. `tests/kernels/test_pdl.py`
-checks that every kernel with a PDL parameter opens with the gate.
+before it still runs. Each program then waits for its predecessor's completion, so the guarantee is
+transitive down the chain, and a kernel that follows a non-PDL kernel (torch, cuBLAS) waits at once.
+`tests/kernels/test_pdl.py` checks that every kernel with a PDL parameter passes the gate before any
+memory access.
 
 Opt-in for now (DEEPINFER_PDL=1) until it has been measured and the compiled tests have passed with it
 on a GPU; always off under Triton's interpreter, on CPUs and before SM90.
