@@ -7,7 +7,18 @@ true rank when it is not among them. `RequestOutput.prompt_logprobs` has one ent
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+# Request timestamps are epoch seconds read off the monotonic clock: they line up with time.time()
+# as it was when the process started, but a wall-clock step (NTP, a VM's clock sync) in the middle
+# of a request cannot make a latency negative or longer than the run that held it.
+_EPOCH_AT_START = time.time() - time.perf_counter()
+
+
+def timestamp() -> float:
+    """Now, in epoch seconds on the monotonic clock (the clock of every RequestMetrics field)."""
+    return _EPOCH_AT_START + time.perf_counter()
 
 
 @dataclass
@@ -67,7 +78,7 @@ class SpecMetrics:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock timestamps (time.time()) of one request's life."""
+    """Timestamps (`timestamp()`: epoch seconds, monotonic) of one request's life."""
 
     arrival_time: float
     first_token_time: float | None = None

@@ -31,11 +31,10 @@ blocks at once (a token of it still in flight is dropped when it lands).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..api.outputs import RequestMetrics, RequestOutput, SpecMetrics
+from ..api.outputs import RequestMetrics, RequestOutput, SpecMetrics, timestamp
 from ..api.sampling_params import SamplingParams
 from ..contracts import StepRunner, TokenSampler
 from ..ops.sampler import mix_seed
@@ -103,8 +102,8 @@ class Engine(SpeculativeSteps):
         """Validate and queue a request (a ValueError naming the problem leaves the engine as it
         was). `stream`: step() reports its new tokens (and text) every step; else only when done.
         `seed` overrides the default per-request seed (params.seed, else derived from the engine's
-        seed and a request counter)."""
-        arrival = time.time() if arrival_time is None else arrival_time
+        seed and a request counter). `arrival_time`: a `timestamp()` reading (its clock)."""
+        arrival = timestamp() if arrival_time is None else arrival_time
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"add_request: request_id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
@@ -262,7 +261,7 @@ class Engine(SpeculativeSteps):
 
     @staticmethod
     def _mark_scheduled(admitted: list[Sequence]) -> None:
-        now = time.time()
+        now = timestamp()
         for seq in admitted:
             m = seq.request.metrics
             if m.first_scheduled_time is None:
@@ -274,7 +273,7 @@ class Engine(SpeculativeSteps):
         for i, host in step.prompt_logprobs.items():
             self._add_prompt_logprobs(step.chunks[i], host)
         lp_at = {row: j for j, row in enumerate(lp.rows)} if lp is not None else None
-        now = time.time()
+        now = timestamp()
         requests, touched = self._requests, self._touched
         for row, (c, tok) in enumerate(zip(step.sampled, tokens)):
             seq = c.seq
@@ -313,7 +312,7 @@ class Engine(SpeculativeSteps):
         tracked.unfinished -= 1
         self._touched[tracked.request.request_id] = tracked
         if tracked.unfinished == 0:
-            tracked.request.metrics.finished_time = time.time()
+            tracked.request.metrics.finished_time = timestamp()
 
     def _outputs(self) -> list[RequestOutput]:
         outs = []

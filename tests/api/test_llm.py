@@ -1,4 +1,5 @@
 import copy
+import time
 
 import pytest
 import torch
@@ -220,6 +221,20 @@ def test_metrics(make_llm, fake):
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert len(m.token_times) == 4 and m.token_times == sorted(m.token_times)
     assert m.time_to_first_token >= 0 and m.last_token_time == m.token_times[-1]
+
+
+def test_metrics_survive_a_wall_clock_step(make_llm, fake, monkeypatch):
+    """The wall clock jumping (NTP, a VM's clock sync) mid-request moves no latency: every stamp is
+    read off the monotonic clock, so e2e stays inside the generate call that held the request."""
+    llm, _ = make_llm(fake.random_logits)
+    wall, steps = time.time, iter([0.0, -30.0, 5.0, -2.0])
+    monkeypatch.setattr(time, "time", lambda: wall() + next(steps, 60.0))
+    t0 = time.perf_counter()
+    m = run(llm, ids=[[3]], params=S(max_tokens=4, ignore_eos=True))[0].metrics
+    elapsed = time.perf_counter() - t0
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert m.token_times == sorted(m.token_times)
+    assert 0 <= m.finished_time - m.arrival_time <= elapsed
 
 
 def test_decode_sequence_returns_text(make_llm, fake):
