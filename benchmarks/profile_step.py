@@ -124,7 +124,7 @@ def main(argv=None) -> dict:
             wall = cuda_graph_timing(model, batch, clock, reps=10).median_ms
             result["shapes"].append({"shape": f"decode b{b} c{c}", "graph_step_ms": wall,
                                      "kernel_us_by_family": fams, "top_kernels_us": top})
-            del cache, states, batch
+            cache = states = batch = None      # freed before the next shape's cache
             torch.cuda.empty_cache()
         for n in sizes(a.prefill):
             cache = prefill_cache(layout, n, "cuda")
@@ -135,7 +135,7 @@ def main(argv=None) -> dict:
                 model(ForwardBatch.build([ids], [st], "cuda"))
             fams, top = profile(run, reps=2)
             result["shapes"].append({"shape": f"prefill {n}", "kernel_us_by_family": fams, "top_kernels_us": top})
-            del cache
+            cache = None
             torch.cuda.empty_cache()
     for s in result["shapes"]:
         total = sum(s["kernel_us_by_family"].values())

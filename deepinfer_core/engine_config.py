@@ -19,204 +19,125 @@ import sys
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from . import readme_tables
-from .envs import Settings, field_name, read_settings
+from .config_fields import (
+    BOOL,
+    NO_SPECULATIVE,
+    SINGLE_GPU,
+    TABLE_DEFAULTS,
+    UTILIZATION,
+    Rule,
+    Section,
+    choice,
+    dtype_name,
+    env_bool,
+    env_if_set,
+    env_option,
+    is_int,
+    only,
+    option,
+    path_or_none,
+    positive,
+    str_or_none,
+)
+from .envs import read_settings
 
 README_BEGIN = "<!-- options:begin -->"
 README_END = "<!-- options:end -->"
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 LOAD_FORMATS = ("auto", "dummy")
 LAUNCHERS = ("spawn", "torchrun")
-_TABLE_DEFAULTS = Settings()        # the env table's defaults (no environment read)
-DEFAULT_NUM_DRAFTS = _TABLE_DEFAULTS.use_nextn_decode    # DS-DeepInfer's gamma, for checkpoints that draft
-
-
-# ---- validation rules -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Rule:
-    """What a field accepts: `allowed` is shown in errors, --help and the README table."""
-
-    allowed: str
-    ok: Callable[[Any], bool] = lambda v: True
-    convert: Callable[[Any], Any] = lambda v: v
-    why: str = ""                   # appended to the error: why only these values
-
-    def __call__(self, name: str, value: Any) -> Any:
-        if not self.ok(value):
-            why = f" ({self.why})" if self.why else ""
-            raise ValueError(f"{name}={value!r}; allowed: {self.allowed}{why}")
-        return self.convert(value)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _positive(none: str | None = None) -> Rule:
-    """An int >= 1; with `none`, also None meaning `none`."""
-    if none is None:
-        return Rule("an int >= 1", lambda v: _is_int(v) and v >= 1)
-    return Rule(f"an int >= 1, or None ({none})", lambda v: v is None or (_is_int(v) and v >= 1))
-
-
-def _path_or_none(none: str) -> Rule:
-    return Rule(f"a path or repo id (str or os.PathLike), or None ({none})",
-                lambda v: v is None or isinstance(v, (str, os.PathLike)), lambda v: v if v is None else str(v))
-
-
-def _str_or_none(none: str) -> Rule:
-    return Rule(f"a str, or None ({none})", lambda v: v is None or (isinstance(v, str) and v != ""))
-
-
-def _choice(*values: str) -> Rule:
-    return Rule(", ".join(map(repr, values)), lambda v: isinstance(v, str) and v in values)
-
-
-def _env_bool(env: str) -> Rule:
-    return Rule(f"True, False, None (= {env})", lambda v: isinstance(v, bool))
-
-
-def _only(value: Any, why: str) -> Rule:
-    """Options whose other values the engine does not implement yet."""
-    return Rule(repr(value), lambda v: type(v) is type(value) and v == value, why=why)
-
-
-def _dtype(value: Any) -> str:
-    from .plugin_context import (
-        normalize_dtype,  # lazy: plugin_context imports this module
-    )
-    return normalize_dtype(value)
-
-
-BOOL = Rule("True, False", lambda v: isinstance(v, bool))
-UTILIZATION = Rule("a number in (0, 1]", lambda v: not isinstance(v, bool) and isinstance(v, (int, float))
-                   and 0 < v <= 1, float)
-SINGLE_GPU = "multi-GPU is not implemented yet"
-NO_SPECULATIVE = "use num_speculative_tokens (DEEPINFER_USE_NEXTN_DECODE): MTP drafts are the only method yet"
-
-
-def validate_utilization(value: Any) -> float:
-    """`gpu_memory_utilization` as a float in (0, 1], else a ValueError naming it."""
-    return UTILIZATION("gpu_memory_utilization", value)
-
-
-def _opt(default: Any, doc: str, rule: Rule) -> Any:
-    return field(default=default, metadata={"doc": doc, "rule": rule, "env": None, "setting": None})
-
-
-def _env_if_set(env: str, doc: str, rule: Rule) -> Any:
-    """A field filled from `env` only when that variable is set; None otherwise (the default then
-    depends on something resolved later, e.g. the checkpoint)."""
-    return field(default=None, metadata={"doc": doc, "rule": rule, "env": None, "env_if_set": env,
-                                         "setting": field_name(env)})
-
-
-def _env(env: str, doc: str, rule: Rule | None = None, setting: str | None = None) -> Any:
-    """A field filled from the DEEPINFER_* variable `env` when the option is unset or None (`setting`:
-    the `Settings` attribute, when not the variable's own); its default is the env table's."""
-    setting = setting or field_name(env)
-    return field(default=getattr(_TABLE_DEFAULTS, setting),
-                 metadata={"doc": doc, "rule": rule or _env_bool(env), "env": env, "setting": setting})
-
-
-class _Section:
-    """Validates (and normalises) every field with its rule, on construction and on `replace`."""
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            rule = f.metadata.get("rule")
-            if rule is not None:
-                object.__setattr__(self, f.name, rule(f.name, getattr(self, f.name)))
+DEFAULT_NUM_DRAFTS = TABLE_DEFAULTS.use_nextn_decode    # DS-DeepInfer's gamma, for checkpoints that draft
 
 
 # ---- the sections -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ModelOptions(_Section):
+class ModelOptions(Section):
     """The checkpoint, its numerics and where it runs."""
 
-    model: str | None = _env("DEEPINFER_HF_MODEL_DIR", "checkpoint directory, Hugging Face cache snapshot, "
-                             "or repo id in the local HF cache", _path_or_none("= DEEPINFER_HF_MODEL_DIR"))
-    tokenizer: str | None = _opt(None, "tokenizer directory",
-                                 _path_or_none("the model's"))
-    dtype: str = _opt("float32", "compute dtype; 'auto' = bfloat16",
+    model: str | None = env_option("DEEPINFER_HF_MODEL_DIR", "checkpoint directory, Hugging Face cache snapshot, "
+                             "or repo id in the local HF cache", path_or_none("= DEEPINFER_HF_MODEL_DIR"))
+    tokenizer: str | None = option(None, "tokenizer directory",
+                                 path_or_none("the model's"))
+    dtype: str = option("float32", "compute dtype; 'auto' = bfloat16",
                       Rule("'float32', 'bfloat16', 'auto' (= bfloat16), torch.float32, torch.bfloat16",
-                           convert=_dtype))
-    simulate_qat: bool = _opt(True, "reproduce the reference's FP8/FP4 quantisation-aware numerics", BOOL)
-    seed: int = _opt(0, "seeds the requests that set no seed of their own (with a request counter)",
-                     Rule("an int", _is_int))
-    max_model_len: int | None = _opt(None, "maximum prompt + output tokens per request",
-                                     _positive("= the model's max_position_embeddings"))
-    device: str | None = _opt(None, "torch device of the weights and the state cache",
-                              _str_or_none("the detected platform's device"))
-    load_format: str = _opt("auto", "'auto' loads the checkpoint's safetensors; 'dummy' fills random "
+                           convert=dtype_name))
+    simulate_qat: bool = option(True, "reproduce the reference's FP8/FP4 quantisation-aware numerics", BOOL)
+    seed: int = option(0, "seeds the requests that set no seed of their own (with a request counter)",
+                     Rule("an int", is_int))
+    max_model_len: int | None = option(None, "maximum prompt + output tokens per request",
+                                     positive("= the model's max_position_embeddings"))
+    device: str | None = option(None, "torch device of the weights and the state cache",
+                              str_or_none("the detected platform's device"))
+    load_format: str = option("auto", "'auto' loads the checkpoint's safetensors; 'dummy' fills random "
                             "weights of config.json's shape on the device (benchmarks; no weights on disk)",
-                            _choice(*LOAD_FORMATS))
-    batch_invariant: bool = _env("DEEPINFER_BATCH_INVARIANT", "batch-invariant kernels: a request's logits "
+                            choice(*LOAD_FORMATS))
+    batch_invariant: bool = env_option("DEEPINFER_BATCH_INVARIANT", "batch-invariant kernels: a request's logits "
                                  "and tokens do not depend on its batch or its prefill chunking")
-    enforce_eager: bool = _env("DEEPINFER_ENFORCE_EAGER",
+    enforce_eager: bool = env_option("DEEPINFER_ENFORCE_EAGER",
                                "CUDA: never capture decode/verification CUDA graphs")
-    fp4_experts: bool = _opt(False, "nvidia backend: keep the checkpoint's FP4 routed experts FP4 and decode "
+    fp4_experts: bool = option(False, "nvidia backend: keep the checkpoint's FP4 routed experts FP4 and decode "
                              "them in the MoE kernels (same results as the default, their FP8 re-encoding at "
                              "load, with about half the expert bytes; opt-in until it has run compiled on a "
                              "GPU); refused on backends that cannot", BOOL)
 
 
 @dataclass(frozen=True)
-class CacheOptions(_Section):
+class CacheOptions(Section):
     """The paged state cache: its size (the first of these set wins) and its storage."""
 
-    num_cache_blocks: int | None = _opt(None, "an exact number of 128-position blocks (tests, tools)",
-                                        _positive("sized from the byte budget"))
-    kv_cache_memory_bytes: int | None = _opt(
+    num_cache_blocks: int | None = option(None, "an exact number of 128-position blocks (tests, tools)",
+                                        positive("sized from the byte budget"))
+    kv_cache_memory_bytes: int | None = option(
         None, "an explicit state-cache budget in bytes (any device)",
-        _positive("gpu_memory_utilization on CUDA, cpu_kv_cache_bytes on CPU"))
-    gpu_memory_utilization: float = _opt(0.9, "CUDA: the fraction of device memory the engine may use; the "
+        positive("gpu_memory_utilization on CUDA, cpu_kv_cache_bytes on CPU"))
+    gpu_memory_utilization: float = option(0.9, "CUDA: the fraction of device memory the engine may use; the "
                                          "cache gets what is left after the weights, other users and one "
                                          "profiled step's activations", UTILIZATION)
-    cpu_kv_cache_bytes: int = _env("DEEPINFER_CPU_KV_CACHE_BYTES", "the state-cache budget in bytes on the "
+    cpu_kv_cache_bytes: int = env_option("DEEPINFER_CPU_KV_CACHE_BYTES", "the state-cache budget in bytes on the "
                                    "CPU when kv_cache_memory_bytes is unset",
                                    Rule("an int >= 1, or None (= DEEPINFER_CPU_KV_CACHE_BYTES)",
-                                        lambda v: _is_int(v) and v >= 1))
-    kv_cache_dtype: str = _opt("auto", "storage of window and compressed KV rows: 'auto'/'bfloat16' = the "
+                                        lambda v: is_int(v) and v >= 1))
+    kv_cache_dtype: str = option("auto", "storage of window and compressed KV rows: 'auto'/'bfloat16' = the "
                                "model dtype; 'fp8' = e4m3 no-RoPE dims with a power-of-two scale per 64 + "
                                "bf16 RoPE dims (35% fewer cache bytes; lossless with the QAT simulation; "
-                               "needs dtype bfloat16)", _choice(*KV_CACHE_DTYPES))
-    max_backtracking_tokens: int = _env(
+                               "needs dtype bfloat16)", choice(*KV_CACHE_DTYPES))
+    max_backtracking_tokens: int = env_option(
         "DEEPINFER_MAX_BACKTRACKING_TOKENS", "rollback room in the sliding-window rings (tokens a "
         "verification step may reject)",
         Rule("an int >= 0, or None (= max(DEEPINFER_MAX_BACKTRACKING_TOKENS, DEEPINFER_USE_NEXTN_DECODE + 1))",
-             lambda v: _is_int(v) and v >= 0),
+             lambda v: is_int(v) and v >= 0),
         setting="effective_max_backtracking_tokens")
 
 
 @dataclass(frozen=True)
-class SchedulerOptions(_Section):
+class SchedulerOptions(Section):
     """Continuous batching: what one step may hold."""
 
-    max_num_seqs: int = _opt(256, "sequences per step; also the number of state slots (rings, compressor "
-                             "tails)", _positive())
-    max_num_batched_tokens: int = _opt(8192, "tokens per step: decodes plus prefill chunks (longer prompts "
-                                       "are chunked)", _positive())
-    async_scheduling: bool = _env("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "overlap the host work of step N "
+    max_num_seqs: int = option(256, "sequences per step; also the number of state slots (rings, compressor "
+                             "tails)", positive())
+    max_num_batched_tokens: int = option(8192, "tokens per step: decodes plus prefill chunks (longer prompts "
+                                       "are chunked)", positive())
+    async_scheduling: bool = env_option("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "overlap the host work of step N "
                                   "with the device forward of step N+1")
 
 
 @dataclass(frozen=True)
-class ParallelOptions(_Section):
+class ParallelOptions(Section):
     """Data parallelism (engine processes: one GPU each over NCCL, or CPU ranks over gloo; on one host, or
     over several under torchrun) with the routed experts optionally sharded over them (expert parallelism)
     and rebalanced (EPLB); every other size is 1."""
 
-    tensor_parallel_size: int = _opt(1, "devices the weights are split over", _only(1, SINGLE_GPU))
-    pipeline_parallel_size: int = _opt(1, "pipeline stages", _only(1, SINGLE_GPU))
-    data_parallel_size: int = _opt(1, "engine processes (attention data parallel; on this host, or over nodes: "
+    tensor_parallel_size: int = option(1, "devices the weights are split over", only(1, SINGLE_GPU))
+    pipeline_parallel_size: int = option(1, "pipeline stages", only(1, SINGLE_GPU))
+    data_parallel_size: int = option(1, "engine processes (attention data parallel; on this host, or over nodes: "
                                    "launcher), stepping in lockstep; > 1: rank r on GPU r (under torchrun: GPU "
                                    "LOCAL_RANK; NCCL, CUDA graphs off under expert parallelism) or CPU ranks over "
                                    "gloo; MTP speculation only when num_speculative_tokens is set (unset = 0)",
-                                   _positive())
-    engine_process: bool | None = _opt(None, "run the engine (scheduler, model, sampler) in a child process "
+                                   positive())
+    engine_process: bool | None = option(None, "run the engine (scheduler, model, sampler) in a child process "
                                        "while this process keeps the tokenizer and the request front end, so "
                                        "Python work here (an HTTP server's) never holds the GIL the engine's "
                                        "host path needs; None = the server's choice (on for a CUDA device: "
@@ -224,33 +145,33 @@ class ParallelOptions(_Section):
                                        "H200, README Serve), elsewhere only when data_parallel_size > 1 (its "
                                        "ranks are always processes)", Rule("True, False or None",
                                                                      lambda v: v is None or isinstance(v, bool)))
-    launcher: str = _opt("spawn", "how the data_parallel_size ranks start: 'spawn' = this process starts them on "
+    launcher: str = option("spawn", "how the data_parallel_size ranks start: 'spawn' = this process starts them on "
                          "this host; 'torchrun' = one torchrun process per rank (any number of nodes, the same "
                          "command on every one, WORLD_SIZE = data_parallel_size): global rank 0 is the front end "
                          "(its engine in a child process), every other rank runs its engine inside LLM(...), "
                          "which then exits that process (code after LLM(...) runs on rank 0 only)",
-                         _choice(*LAUNCHERS))
-    enable_expert_parallel: bool = _opt(False, "shard the routed experts over the data_parallel_size ranks "
+                         choice(*LAUNCHERS))
+    enable_expert_parallel: bool = option(False, "shard the routed experts over the data_parallel_size ranks "
                                         "(each loads only its own); False replicates them on every rank", BOOL)
-    enable_eplb: bool = _opt(False, "expert-parallel load balancing: count each expert's routed tokens and "
+    enable_eplb: bool = option(False, "expert-parallel load balancing: count each expert's routed tokens and "
                              "periodically move the hot experts' replicas (needs enable_expert_parallel)", BOOL)
-    num_redundant_experts: int = _opt(0, "extra physical expert slots holding replicas of hot experts, rounded "
+    num_redundant_experts: int = option(0, "extra physical expert slots holding replicas of hot experts, rounded "
                                       "up to a multiple of data_parallel_size (needs enable_expert_parallel)",
-                                      Rule("an int >= 0", lambda v: _is_int(v) and v >= 0))
-    enable_ep_cuda_graphs: bool = _opt(False, "GPU ranks with expert parallelism: decode steps replay CUDA "
+                                      Rule("an int >= 0", lambda v: is_int(v) and v >= 0))
+    enable_ep_cuda_graphs: bool = option(False, "GPU ranks with expert parallelism: decode steps replay CUDA "
                                        "graphs holding fixed-size expert exchanges (the ranks agree on one "
                                        "batch bucket per step); False runs them eagerly. Not yet run on GPUs",
                                        BOOL)
-    eplb_window_size: int = _opt(1000, "EPLB: the load statistics cover this many recent steps", _positive())
-    eplb_step_interval: int = _opt(3000, "EPLB: steps between two rearrangements", _positive())
-    eplb_stat_interval: int = _opt(128, "EPLB: steps between two balance readings (moe_lb = sum over steps and "
+    eplb_window_size: int = option(1000, "EPLB: the load statistics cover this many recent steps", positive())
+    eplb_step_interval: int = option(3000, "EPLB: steps between two rearrangements", positive())
+    eplb_stat_interval: int = option(128, "EPLB: steps between two balance readings (moe_lb = sum over steps and "
                                    "layers of the busiest rank's tokens / the ranks' mean, >= 1; logged and in "
-                                   "each rank's stats)", _positive())
-    expert_parallel_size: int = _opt(1, "devices the routed experts are split over",
-                                     _only(1, "set enable_expert_parallel instead: the experts are then split "
+                                   "each rank's stats)", positive())
+    expert_parallel_size: int = option(1, "devices the routed experts are split over",
+                                     only(1, "set enable_expert_parallel instead: the experts are then split "
                                               "over the data_parallel_size ranks"))
-    context_parallel_size: int = _opt(1, "devices a long prompt is split over", _only(1, SINGLE_GPU))
-    engram_parallel_size: int = _opt(1, "DS-DeepInfer's engram parallelism", _only(1, SINGLE_GPU))
+    context_parallel_size: int = option(1, "devices a long prompt is split over", only(1, SINGLE_GPU))
+    engram_parallel_size: int = option(1, "DS-DeepInfer's engram parallelism", only(1, SINGLE_GPU))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -288,18 +209,18 @@ class ParallelOptions(_Section):
 
 
 @dataclass(frozen=True)
-class SpeculativeOptions(_Section):
+class SpeculativeOptions(Section):
     """Speculative decoding with the checkpoint's MTP block as the drafter: gamma drafts per step, all
     verified, or (enable_mtp_varlen) as many as the confidences and the step times make worth it."""
 
-    num_speculative_tokens: int | None = _env_if_set(
+    num_speculative_tokens: int | None = env_if_set(
         "DEEPINFER_USE_NEXTN_DECODE", "draft tokens verified per request per step (gamma, MTP-gamma); 0 = "
         "no speculation", Rule("an int >= 0, or None (= DEEPINFER_USE_NEXTN_DECODE when set, else "
                                f"{DEFAULT_NUM_DRAFTS} when the checkpoint has mtp.* tensors, else 0)",
-                               lambda v: v is None or (_is_int(v) and v >= 0)))
-    speculative_config: dict[str, Any] | None = _opt(None, "vLLM's speculative-decoding settings",
-                                                     _only(None, NO_SPECULATIVE))
-    confidence_head_temperature: tuple[float, ...] | None = _env_if_set(
+                               lambda v: v is None or (is_int(v) and v >= 0)))
+    speculative_config: dict[str, Any] | None = option(None, "vLLM's speculative-decoding settings",
+                                                     only(None, NO_SPECULATIVE))
+    confidence_head_temperature: tuple[float, ...] | None = env_if_set(
         "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "DSpark confidence head calibration temperature(s): one, or "
         "one per draft position", Rule("None (= DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE when set, else the "
                                        "checkpoint's dspark_confidence_temperatures, else 1.0), or a tuple of numbers "
@@ -307,14 +228,14 @@ class SpeculativeOptions(_Section):
                                        lambda v: v is None or isinstance(v, (tuple, list)) and len(v) > 0 and all(
                                            isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
                                            for x in v), lambda v: v if v is None else tuple(v)))
-    enable_mtp_varlen: bool = _env("DEEPINFER_ENABLE_MTP_VARLEN", "confidence-scheduled verification: the "
+    enable_mtp_varlen: bool = env_option("DEEPINFER_ENABLE_MTP_VARLEN", "confidence-scheduled verification: the "
                                    "drafts verified per step follow the drafter's confidences and the step times "
                                    "profiled at start-up (False: every draft)",
-                                   _env_bool("DEEPINFER_ENABLE_MTP_VARLEN"))
+                                   env_bool("DEEPINFER_ENABLE_MTP_VARLEN"))
 
 
 @dataclass(frozen=True)
-class ObservabilityOptions(_Section):
+class ObservabilityOptions(Section):
     """No option yet: the engine logs no periodic stats (vLLM's disable_log_stats=False is refused)."""
 
 
@@ -368,7 +289,7 @@ def option_fields() -> Iterator[tuple[str, str | None, dataclasses.Field, Any]]:
 
 # ---- the config -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class EngineConfig(_Section):
+class EngineConfig(Section):
     """Every engine option, resolved. Build it with `from_options`; `replace` for a changed copy."""
 
     model: ModelOptions = field(default_factory=ModelOptions)
@@ -377,7 +298,7 @@ class EngineConfig(_Section):
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     observability: ObservabilityOptions = field(default_factory=ObservabilityOptions)
-    decode_sequence: bool = _opt(False, "DS-DeepInfer compat: generate returns one string per prompt", BOOL)
+    decode_sequence: bool = option(False, "DS-DeepInfer compat: generate returns one string per prompt", BOOL)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -440,10 +361,10 @@ class EngineConfig(_Section):
             parts.setdefault(section, {})[name] = value
         top = parts.pop(None, {})
         drafts = parts["speculative"].get("num_speculative_tokens")
-        if _is_int(drafts) and drafts >= 0 and options.get("max_backtracking_tokens") is None:
+        if is_int(drafts) and drafts >= 0 and options.get("max_backtracking_tokens") is None:
             # the room the env table reserves follows DEEPINFER_USE_NEXTN_DECODE; an option's gamma too
             cache = parts["cache"]        # (a bad value is refused by the section's validation)
-            if _is_int(cache["max_backtracking_tokens"]):
+            if is_int(cache["max_backtracking_tokens"]):
                 cache["max_backtracking_tokens"] = max(cache["max_backtracking_tokens"], drafts + 1)
         return cls(**{s: cls_(**parts.get(s, {})) for s, cls_ in SECTIONS.items()}, **top)
 

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from ..engine_config import validate_utilization
+from ..config_fields import validate_utilization
 from ..envs import ENV_VARS
 from .state_cache import CacheLayout
 

@@ -193,7 +193,10 @@ def test_build_context_holds_the_config():
     from deepinfer_core.cache import budget
     from deepinfer_core.plugin_context import BuildContext
     assert isinstance(BuildContext(model_config=None, platform=None).options, EngineConfig)
-    assert budget.validate_utilization is ec.validate_utilization
+    from deepinfer_core import config_fields
+    # the cache budget validates with the very rule the option's field declares
+    rule = {f.name: f for f in dataclasses.fields(ec.CacheOptions)}["gpu_memory_utilization"].metadata["rule"]
+    assert budget.validate_utilization is config_fields.validate_utilization and rule is config_fields.UTILIZATION
 
 
 # ---- CLI and README ---------------------------------------------------------------------------------

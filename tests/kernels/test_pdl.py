@@ -1,7 +1,8 @@
 """Programmatic dependent launch (`deepinfer_kernels.pdl`): a kernel launched early must wait for its
 predecessor before touching memory, so every kernel that takes the PDL flag opens with `pdl_gate`,
 and every launch in the package passes `launch_args` (the flag and Triton's launch_pdl together).
-The compiled kernel tests run with PDL on (the default on SM90+); these check the contract itself."""
+PDL is opt-in (DEEPINFER_PDL=1); these check the contract itself, and on a GPU that a chain of real
+kernels gives the same bits with it on as off."""
 from __future__ import annotations
 
 import ast
@@ -103,3 +104,47 @@ def test_on_for_sm90_when_asked(monkeypatch):
     finally:
         monkeypatch.delenv("DEEPINFER_PDL")
         pdl._enabled.cache_clear()
+
+
+def _gemm_chain(x: torch.Tensor, weights: list, pdl_on: bool, monkeypatch) -> torch.Tensor:
+    """act_quant -> fp8_gemm (split-K partials + their sum where it splits) -> act_quant -> ...,
+    captured in a CUDA graph with PDL on or off, replayed once."""
+    from deepinfer_kernels.fp8_gemm import fp8_gemm
+    from deepinfer_kernels.fp8_quant import act_quant
+    monkeypatch.setenv("DEEPINFER_PDL", "1" if pdl_on else "0")
+    pdl._enabled.cache_clear()
+
+    def chain():
+        h = x
+        for qw, sw in weights:
+            h = fp8_gemm(*act_quant(h), qw, sw)
+        return h
+
+    chain()                         # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    graph.replay()
+    torch.cuda.synchronize()
+    pdl._enabled.cache_clear()
+    return out.clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_a_chain_of_real_kernels_gives_the_same_bits_with_pdl(monkeypatch, rows):
+    """The gate (and the GEMM's L2 prefetch ahead of it) changes when a kernel starts, never what it
+    reads: wkv-, wq_a- and wo_b-like weights (split-K and not) chained through act_quant."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.fail("needs an SM90+ CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(1024, 4096), (512, 1024), (4096, 512)]
+    weights = [((torch.randn(n, k, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn),
+                torch.rand((n + 127) // 128, (k + 127) // 128, device="cuda", generator=g) * 0.01 + 0.001)
+               for n, k in shapes]
+    x = torch.randn(rows, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    plain = _gemm_chain(x, weights, False, monkeypatch)
+    with_pdl = _gemm_chain(x, weights, True, monkeypatch)
+    assert torch.isfinite(plain.float()).all()
+    assert torch.equal(with_pdl, plain)
