@@ -8,10 +8,14 @@ import statistics
 
 from roofline import Peaks, StepRoofline
 
+# Issue 18's targets (examples/sweep/run_sweep.sh's must-show), judged on the measured model, as the
+# issue states them: the decode step against its own roofline (batch -> at most this many times it),
+# the 16k prefill's FLOP rate against the FP8 peak, and the speed-up over transformers where it ran.
 TARGETS = {
-    "decode_roofline_x": 1.5,       # decode step within 1.5x of its HBM roofline (batch 1, 64, 256)
+    "decode_roofline_x": {1: 2.0, 8: 1.6, 64: 1.5, 256: 1.5},
     "prefill_fp8_frac": 0.40,       # prefill of 16k tokens at >= 40 % of the FP8 tensor-core peak
-    "hf_speedup": 10.0,             # every shape >= 10x faster than transformers
+    "prefill_hf_tokens": 4096,      # the prefill compared with transformers
+    "hf_speedup": 10.0,             # prefill 4k, and decode wherever transformers fits, >= 10x faster
 }
 
 
@@ -67,35 +71,41 @@ def _verdict(name: str, target: str, values: list[tuple[str, float]], passes, wo
 
 
 def verdicts(decode: list[dict], prefill: list[dict]) -> list[dict]:
-    """The issue's targets. Roofline and FP8-peak targets are judged at full depth (the extrapolated
-    43-layer step against the 43-layer roofline: in a 4-layer model the LM head is half the bytes);
-    the measured model's own figures are given as `info`. transformers is compared on the measured
-    model (both ran it)."""
-    xr, fr, sp = TARGETS["decode_roofline_x"], TARGETS["prefill_fp8_frac"], TARGETS["hf_speedup"]
+    """Issue 18's targets (`TARGETS`), on the measured model; each roofline and FP8-peak verdict
+    also gives the full-depth (43-layer) extrapolation as `info`."""
+    fr, sp, hf_tokens = TARGETS["prefill_fp8_frac"], TARGETS["hf_speedup"], TARGETS["prefill_hf_tokens"]
     out = []
-    for name, batches in (("decode batch 1 within 1.5x of its HBM roofline", {1}),
-                          ("decode batch 64 and 256 within 1.5x of their rooflines", {64, 256})):
+    by_limit: dict[float, list[int]] = {}
+    for b, x in TARGETS["decode_roofline_x"].items():
+        by_limit.setdefault(x, []).append(b)
+    for xr, batches in by_limit.items():
         rows = [r for r in decode if _ok(r) and r["batch"] in batches]
-        vals = [(f"b{r['batch']} c{r['context']}", r["full_x_roofline"]) for r in rows]
-        v = _verdict(name, f"full-depth step time / roofline <= {xr}", vals, lambda x: x <= xr, max,
-                     lambda w: f"{w:.2f}x the roofline: " + (f"{w / xr:.2f}x over the target" if w > xr
-                                                              else f"{xr / w:.2f}x headroom"))
-        v["info"] = {f"b{r['batch']} c{r['context']} measured model": r["x_roofline"] for r in rows}
+        vals = [(f"b{r['batch']} c{r['context']}", r["x_roofline"]) for r in rows]
+        names = " and ".join(f"{b}" for b in batches)
+        v = _verdict(f"decode batch {names} within {xr}x of the roofline", f"step time / roofline <= {xr}", vals,
+                     lambda x, xr=xr: x <= xr, max,
+                     lambda w, xr=xr: f"{w:.2f}x the roofline: " + (f"{w / xr:.2f}x over the target" if w > xr
+                                                                    else f"{xr / w:.2f}x headroom"))
+        v["info"] = {f"b{r['batch']} c{r['context']} full depth": r.get("full_x_roofline") for r in rows}
         out.append(v)
     rows = [r for r in prefill if _ok(r)]
-    vals = [(f"{r['tokens']} tokens", r["full_fp8_peak_frac"]) for r in rows if r["tokens"] == 16384]
-    v = _verdict("prefill 16k tokens >= 40% of FP8 peak", f"full-depth FLOP rate / FP8 peak >= {fr}", vals,
+    vals = [(f"{r['tokens']} tokens", r["fp8_peak_frac"]) for r in rows if r["tokens"] == 16384]
+    v = _verdict(f"prefill 16k tokens >= {fr:.0%} of FP8 peak", f"FLOP rate / FP8 peak >= {fr}", vals,
                  lambda x: x >= fr, min,
                  lambda w: f"{w:.1%} of FP8 peak: " + (f"short by {fr / w:.2f}x" if w < fr else f"{w / fr:.2f}x above"))
-    v["info"] = {**{f"{r['tokens']} tokens": r["full_fp8_peak_frac"] for r in rows},
-                 **{f"{r['tokens']} tokens measured model": r["fp8_peak_frac"] for r in rows}}
+    v["info"] = {**{f"{r['tokens']} tokens": r["fp8_peak_frac"] for r in rows},
+                 **{f"{r['tokens']} tokens full depth": r.get("full_fp8_peak_frac") for r in rows}}
     out.append(v)
-    vals = [(r["label"], r["speedup_vs_hf"]) for r in decode + prefill if _ok(r) and r.get("speedup_vs_hf")]
-    v = _verdict("every shape >= 10x faster than transformers", f"transformers time / ours >= {sp}", vals,
-                 lambda x: x >= sp, min,
-                 lambda w: f"{w:.1f}x: " + (f"short by {sp / w:.2f}x" if w < sp else f"{w / sp:.2f}x above"))
-    v["not_compared"] = [r["label"] for r in decode + prefill if not r.get("speedup_vs_hf")]
-    out.append(v)
+
+    def margin(w: float) -> str:
+        return f"{w:.1f}x: " + (f"short by {sp / w:.2f}x" if w < sp else f"{w / sp:.2f}x above")
+    for name, shapes in ((f"prefill {hf_tokens // 1024}k >= {sp:.0f}x faster than transformers",
+                          [r for r in prefill if r["tokens"] == hf_tokens]),
+                         (f"decode >= {sp:.0f}x faster than transformers where it fits", decode)):
+        vals = [(r["label"], r["speedup_vs_hf"]) for r in shapes if _ok(r) and r.get("speedup_vs_hf")]
+        v = _verdict(name, f"transformers time / ours >= {sp}", vals, lambda x: x >= sp, min, margin)
+        v["not_compared"] = [r["label"] for r in shapes if not r.get("speedup_vs_hf")]
+        out.append(v)
     return out
 
 

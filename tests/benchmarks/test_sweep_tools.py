@@ -146,6 +146,33 @@ def test_plot_degrades_to_a_message_without_matplotlib(tmp_path, monkeypatch):
     assert msg.startswith("not drawn: matplotlib is not installed") and not (tmp_path / "x.png").exists()
 
 
+def test_verdicts_judge_issue_18s_targets_on_the_measured_model():
+    """b1 <= 2x, b8 <= 1.6x, b64 and b256 <= 1.5x of the measured model's roofline (the full-depth
+    ratio only as info), prefill 16k >= 40% of the FP8 peak, prefill 4k and decode >= 10x transformers."""
+    from sweep_report import verdicts
+
+    def dec(b, x, full, hf=None):
+        return {"status": "ok", "batch": b, "context": 4096, "label": f"decode b{b}", "x_roofline": x,
+                "full_x_roofline": full, **({"speedup_vs_hf": hf} if hf else {})}
+
+    def pre(n, frac, hf=None):
+        return {"status": "ok", "tokens": n, "label": f"prefill {n}", "fp8_peak_frac": frac,
+                "full_fp8_peak_frac": frac * 1.1, **({"speedup_vs_hf": hf} if hf else {})}
+    vs = verdicts([dec(1, 1.9, 3.0, hf=25.0), dec(8, 1.7, 1.2, hf=9.0), dec(64, 1.4, 1.0), dec(256, 1.6, 1.0)],
+                  [pre(4096, 0.2, hf=12.0), pre(16384, 0.41, hf=3.0)])
+    got = {v["target"]: (v["pass"], v.get("worst_at")) for v in vs}
+    assert got == {
+        "decode batch 1 within 2.0x of the roofline": (True, "b1 c4096"),
+        "decode batch 8 within 1.6x of the roofline": (False, "b8 c4096"),
+        "decode batch 64 and 256 within 1.5x of the roofline": (False, "b256 c4096"),
+        "prefill 16k tokens >= 40% of FP8 peak": (True, "16384 tokens"),
+        "prefill 4k >= 10x faster than transformers": (True, "prefill 4096"),
+        "decode >= 10x faster than transformers where it fits": (False, "decode b8"),
+    }
+    assert vs[0]["info"] == {"b1 c4096 full depth": 3.0}
+    assert vs[5]["not_compared"] == ["decode b64", "decode b256"]
+
+
 # ---- end to end --------------------------------------------------------------------------------
 
 SMOKE = ["--device", "cpu", "--tiny", "--layers", "1", "--vocab", "1024", "--dtype", "float32",
@@ -167,7 +194,9 @@ def _check(result: dict, path: Path) -> dict:
         ex = r["extrapolated"]
         assert ex["full_ms"] > r["step_ms"] - ex["embed_head_ms"] and len(r["split"]["layers_ms"]) == 1
     assert data["decode"][0]["output_tok_s"] == pytest.approx(1e3 / data["decode"][0]["tpot_ms"])
-    assert [v["target"].split()[0] for v in data["verdicts"]] == ["decode", "decode", "prefill", "every"]
+    assert [v["target"].split()[:2] for v in data["verdicts"]] == [
+        ["decode", "batch"], ["decode", "batch"], ["decode", "batch"], ["prefill", "16k"], ["prefill", "4k"],
+        ["decode", ">="]]
     has_mpl = importlib.util.find_spec("matplotlib") is not None
     assert data["plot"].startswith("wrote") == has_mpl, data["plot"]
     assert path.with_suffix(".png").exists() == has_mpl
@@ -192,7 +221,7 @@ def test_sweep_end_to_end_without_transformers(tmp_path):
     data = _check(result, Path(result["json_path"]))
     assert data["hf"]["status"] == "not run: --no-hf"
     assert all("speedup_vs_hf" not in r for r in data["decode"])
-    assert data["verdicts"][3]["pass"] is None
+    assert data["verdicts"][4]["pass"] is None and data["verdicts"][5]["pass"] is None
 
 
 def test_sweep_with_fp4_experts_counts_the_checkpoints_expert_bytes(tmp_path):
