@@ -63,9 +63,8 @@ def only(value: Any, why: str) -> Rule:
 
 
 def dtype_name(value: Any) -> str:
-    from .plugin_context import (
-        normalize_dtype,  # lazy: plugin_context imports this module
-    )
+    # lazy: plugin_context imports engine_config, which imports this module
+    from .plugin_context import normalize_dtype
     return normalize_dtype(value)
 
 

@@ -1,6 +1,7 @@
 """The CLI's prompts: `--prompt`, `--prompt-token-ids` and `--prompts-file` in command-line order, a
 prompts file being plain text (one prompt per non-blank line) or JSONL (one object per line with
-"prompt" and/or "prompt_token_ids"). Every problem is a `UsageError` naming the flag, file and line."""
+"prompt" and/or "prompt_token_ids"). Every problem is a `UsageError` naming the flag (and, for a
+prompts file, the file and line)."""
 from __future__ import annotations
 
 import json
