@@ -454,6 +454,7 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/tune_kernels.py": Skip(GPU),
     "python benchmarks/tune_kernels.py --only fp8_gemm_mid": Skip(GPU),
     "python benchmarks/pdl_chain.py": Skip(GPU),
+    "python benchmarks/bench_fp8_gemm.py": Skip(GPU),
     'python benchmarks/aot_sm90.py --pdl --kernels fp8_gemm,mma13,mma2,w2 --configs 4x1 --variants "fp8,fp4 prmt"':
         Skip("compiles for sm_90 (CPU, ~20 s); tests/benchmarks/test_aot_sm90.py runs it"),
     "DEEPINFER_ACCELERATOR=nvidia ./build.sh --test": Skip("installs the nvidia backend; " + GPU),
