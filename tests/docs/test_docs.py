@@ -1,178 +1,51 @@
-"""README.md's commands and Python snippets run as written, so a newcomer's clone works as it says.
+"""Every command and Python block of the user docs runs as written (or is skipped with the reason
+CI cannot run it), so a newcomer's clone works as the docs say; and the README stays a user's page.
 
-What is collected from README.md:
-- every line of a ```bash / ```sh / ```shell / ```console block, and of a ``` block without a
-  language when one of its lines looks like a command (see `COMMAND`; a directory tree does not);
-- every inline code span of the prose that looks like a command (`python ...`, `./build.sh ...`,
-  `VAR=value python ...`), also when it wraps a line;
-- every ```python block, whole.
+Which pages and what is collected: tests/docs/docs_snippets.py. Each shell command must be in
+`TABLE`, keyed by its text as written (less a trailing `# comment`): `Run` (executed, must exit 0
+unless the entry expects otherwise, and its check looks at what the docs promise) or `Skip` with
+the reason it cannot run in CI. Each Python block must match exactly one key of `PYTHON` (a
+substring of the block). Anything unclassified fails `test_every_docs_command_is_classified`,
+naming the page and line; an entry no longer on any page fails `test_the_table_has_no_stale_entries`.
 
-Each shell command must be in `TABLE`, keyed by its text as written (less a trailing `# comment`):
-`Run` (executed, must exit 0 unless the entry expects otherwise, and its check looks at what the
-README promises) or `Skip` with the reason it cannot run in CI. Each Python block must match exactly
-one key of `PYTHON` (a substring of the block). Anything unclassified fails
-`test_every_readme_command_is_classified`, naming the line to classify; an entry no longer in the
-README fails `test_the_table_has_no_stale_entries`.
-
-How they run: from the repository root, in a subprocess (`bash -c` for shell lines, the Python
-blocks on `python -` stdin), with a fresh temporary HOME and XDG_CACHE_HOME (so the bundled tiny
-model is built into an empty user cache, as on a newcomer's machine, and no Hugging Face cache of
-this machine is seen), no other DEEPINFER_* / HF_* variables and DEEPINFER_ACCELERATOR=cpu; `python`
-is this interpreter. One substitution: the README's checkpoint path /tmp/tiny-v4 (written by its
-`make_tiny_checkpoint` line, read by the Python blocks) is replaced, in every command and block
-alike, by a path in this run's temporary directory, so that parallel runs cannot collide. A command
-with optional arguments in brackets (`cmd [--off]`) runs the expansions its entry lists.
-The first command (which builds the bundled model) and the checkpoint maker run first, then the
-rest, two at a time. The checks never depend on the random model's text or on floating-point
-rounding: only on formats, grammars, exit codes and counts that hold on any machine.
+The first command of README.md (which builds the bundled model) and the checkpoint maker run
+first, then the rest, two at a time. A command with optional arguments in brackets
+(`cmd [--off]`) runs the expansions its entry lists. The checks never depend on the random
+model's text or on floating-point rounding: only on formats, grammars, exit codes and counts that
+hold on any machine.
 """
 
 from __future__ import annotations
 
 import ast
-import itertools
 import json
-import os
 import re
-import subprocess
-import sys
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
-TINY = "/tmp/tiny-v4"  # the README's checkpoint path, replaced by a temporary one
-TIMEOUT_S = 600
-WORKERS = 2
-
-# A command: optional VAR=value assignments, then python/pip/pytest/bash/sh or a ./script.
-COMMAND = re.compile(
-    r"^(?:[A-Z][A-Z0-9_]*=(?:\"[^\"]*\"|'[^']*'|\S*)\s+)*(?:python3?|pip3?|pytest|bash|sh|\./\S+)(?:\s|$)"
+from docs_snippets import (
+    OPTIONAL,
+    REPO,
+    TINY,
+    Check,
+    Job,
+    Result,
+    Run,
+    Skip,
+    Snippet,
+    all_snippets,
+    clean_env,
+    execute,
+    expansions,
+    markdown_pages,
+    page_snippets,
+    scanned_pages,
 )
-SHELL_LANGS = {"bash", "sh", "shell", "console"}
-FENCE = re.compile(r"^\s*```\s*([\w+-]*)\s*$")  # opens a block (with its language, if any)
-CLOSE = re.compile(r"^\s*```\s*$")
-OPTIONAL = re.compile(r" \[([^\]]+)\]")  # `cmd [--off]`: an optional argument
 
-
-# ---- README parsing ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Snippet:
-    kind: str  # "shell" or "python"
-    text: str  # a shell command without its trailing comment, or a whole Python block
-    line: int  # where it starts in README.md
-
-
-def strip_comment(line: str) -> str:
-    """`cmd args  # comment` -> `cmd args` (a # inside quotes or a word is kept)."""
-    quote = None
-    for i, ch in enumerate(line):
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i].rstrip()
-    return line.rstrip()
-
-
-def normalize(command: str) -> str:
-    return " ".join(command.split())
-
-
-def readme_snippets(text: str) -> list[Snippet]:
-    lines = text.splitlines()
-    found: list[Snippet] = []
-    prose: list[tuple[int, str]] = []
-    i = 0
-    while i < len(lines):
-        fence = FENCE.match(lines[i])
-        if not fence:
-            prose.append((i + 1, lines[i]))
-            i += 1
-            continue
-        lang, start, body = fence.group(1).lower(), i + 1, []
-        i += 1
-        while i < len(lines) and not CLOSE.match(lines[i]):
-            body.append((i + 1, lines[i]))
-            i += 1
-        assert i < len(lines), f"README.md:{start}: code block never closed"
-        i += 1
-        if lang == "python":
-            found.append(Snippet("python", "\n".join(t for _, t in body) + "\n", start + 1))
-        elif lang in SHELL_LANGS or (not lang and any(COMMAND.match(t.strip()) for _, t in body)):
-            pending, first = "", 0
-            for n, t in body:
-                if not pending and (not t.strip() or t.strip().startswith("#")):
-                    continue
-                first = first or n
-                if t.rstrip().endswith("\\"):  # continued on the next line
-                    pending += t.rstrip()[:-1] + " "
-                    continue
-                found.append(Snippet("shell", normalize(strip_comment(pending + t)), first))
-                pending, first = "", 0
-    # Inline code spans, paragraph by paragraph (a span may wrap onto the next line).
-    paragraph: list[tuple[int, str]] = []
-    for n, t in prose + [(0, "")]:
-        if t.strip():
-            paragraph.append((n, t))
-            continue
-        joined, starts = "", []
-        for pn, pt in paragraph:
-            starts.append((len(joined), pn))
-            joined += pt + " "
-        for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", joined):
-            span = normalize(m.group(1))
-            if COMMAND.match(span):
-                line = max(pn for offset, pn in starts if offset <= m.start())
-                found.append(Snippet("shell", span, line))
-        paragraph = []
-    return sorted(found, key=lambda s: s.line)
-
-
-def expansions(command: str) -> set[str]:
-    """Every command `cmd [--a] [--b]` stands for: each bracketed part left out or kept."""
-    parts = OPTIONAL.split(command)  # text, optional, text, optional, ..., text
-    choices = [[p] if k % 2 == 0 else ["", " " + p] for k, p in enumerate(parts)]
-    return {normalize("".join(c)) for c in itertools.product(*choices)}
-
-
-# ---- what a run gives and the checks -------------------------------------------------------------
-@dataclass
-class Result:
-    command: str  # as run (after the /tmp/tiny-v4 substitution)
-    rc: int | None  # None: timed out
-    stdout: str
-    stderr: str
-    seconds: float
-    tiny: Path  # what /tmp/tiny-v4 became
-    cache: Path  # XDG_CACHE_HOME
-
-    def describe(self) -> str:
-        return (
-            f"$ {self.command}\nexit status {self.rc} after {self.seconds:.0f} s\n"
-            f"--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
-        )
-
-
-Check = Callable[[Result], None]
-
-
-@dataclass(frozen=True)
-class Run:
-    check: Check
-    variants: tuple[str, ...] = ()  # the expansions to run, for a command with [optional] parts
-    status: int = 0  # the exit status the README implies
-
-
-@dataclass(frozen=True)
-class Skip:
-    reason: str
+README = REPO / "README.md"
+CONFIGURATION = REPO / "docs" / "configuration.md"
+WORKERS = 2
 
 
 def completions(out: str) -> list[tuple[str, str, list[int]]]:
@@ -242,6 +115,12 @@ def check_plugins(r: Result) -> None:
     assert re.search(r"^structured_outputs +feature .* loaded", r.stdout, re.MULTILINE)
 
 
+def check_env(r: Result) -> None:
+    """The bug-report summary names the versions, the platform and the active backend."""
+    for what in ("deepinfer-core", "torch", "Python", "cpu"):
+        assert what in r.stdout, (what, r.stdout)
+
+
 def check_make_tiny_checkpoint(r: Result) -> None:
     assert f"to {r.tiny}" in r.stdout and (r.tiny / "config.json").is_file()
     assert list(r.tiny.glob("*.safetensors")) and (r.tiny / "tokenizer.json").is_file()
@@ -288,15 +167,15 @@ def check_deterministic_sampling(r: Result) -> None:
 def check_envs_markdown(r: Result) -> None:
     assert r.stdout.startswith("| variable | type | default |")
     assert "| `DEEPINFER_HF_MODEL_DIR` |" in r.stdout
-    # "Generated from deepinfer_core/envs.py (`python -m deepinfer_core.envs --markdown`)"
-    assert r.stdout.strip() in README.read_text(encoding="utf-8")
+    # docs/configuration.md: "generated by `python -m deepinfer_core.envs --markdown`"
+    assert r.stdout.strip() in CONFIGURATION.read_text(encoding="utf-8")
 
 
 def check_options_markdown(r: Result) -> None:
     assert r.stdout.startswith("| option | config | default | allowed values | meaning |")
     assert "| `max_num_seqs` | `scheduler.max_num_seqs` |" in r.stdout
-    # "generated from the fields (`python -m deepinfer_core.engine_config --markdown`)"
-    assert r.stdout.strip() in README.read_text(encoding="utf-8")
+    # docs/configuration.md: "generated by `python -m deepinfer_core.engine_config --markdown`"
+    assert r.stdout.strip() in CONFIGURATION.read_text(encoding="utf-8")
 
 
 def check_generate_snippet(r: Result) -> None:
@@ -361,6 +240,19 @@ TABLE: dict[str, Run | Skip] = {
     "DEEPINFER_ACCELERATOR=cpu ./build.sh": Skip(
         "installs packages; CI runs `./build.sh --test` before the tests"
     ),
+    "DEEPINFER_ACCELERATOR=nvidia ./build.sh": Skip("installs the NVIDIA backend; " + GPU),
+    "pip install . ./features/structured_outputs ./features/batch_invariant ./features/dspark": Skip(
+        "installs packages; tests/packaging/test_wheels.py installs every package from its wheel"),
+    "pip install ./kernels ./backends/nvidia_sm100": Skip(
+        "installs packages; tests/packaging/test_wheels.py installs every package from its wheel"),
+    "deepinfer plugins": Run(check_plugins),
+    "deepinfer serve": Skip("a server runs until it is stopped; tests/serve/test_server_dp.py starts "
+                            "`deepinfer serve` and tests it"),
+    "deepinfer generate": Skip("names the command; its runnable form is the generate line above"),
+    "deepinfer chat": Skip("interactive; tests/core/test_cli.py pipes a conversation into it"),
+    "deepinfer bench {throughput,serve,sweep,latency}": Skip(
+        "names the benchmarks; tests/core/test_cli.py runs `deepinfer bench latency` at a tiny size"),
+    "deepinfer env": Run(check_env),
     "python examples/offline_inference.py": Run(check_offline_inference),
     "python examples/structured_outputs.py": Run(check_structured_outputs),
     "python examples/openai_client.py --model /tmp/tiny-v4": Run(check_openai_client),
@@ -596,20 +488,6 @@ PYTHON: dict[str, Check] = {
 
 
 # ---- the runs ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Job:
-    key: str  # TABLE or PYTHON key
-    kind: str
-    text: str  # the command or block as written (an expansion for [optional] parts)
-    line: int
-    check: Check
-    status: int = 0
-
-    @property
-    def id(self) -> str:
-        return f"L{self.line}:{self.key if self.kind == 'python' else self.text}"[:90]
-
-
 def python_key(snippet: Snippet) -> list[str]:
     return [k for k in PYTHON if k in snippet.text]
 
@@ -620,73 +498,15 @@ def jobs(snippets: list[Snippet]) -> list[Job]:
         if s.kind == "python":
             keys = python_key(s)
             if len(keys) == 1:
-                out.append(Job(keys[0], "python", s.text, s.line, PYTHON[keys[0]]))
+                out.append(Job(keys[0], "python", s.text, s.where, PYTHON[keys[0]]))
         elif isinstance(entry := TABLE.get(s.text), Run):
             for text in entry.variants or (s.text,):
-                out.append(Job(s.text, "shell", text, s.line, entry.check, entry.status))
+                out.append(Job(s.text, "shell", text, s.where, entry.check, entry.status))
     return out
 
 
-SNIPPETS = readme_snippets(README.read_text(encoding="utf-8"))
+SNIPPETS = all_snippets()
 JOBS = jobs(SNIPPETS)
-
-
-def clean_env(root: Path) -> dict[str, str]:
-    """A fresh HOME and cache under `root`; `python` on PATH is this interpreter (a wrapper script,
-    since a symlink would lose a virtual environment)."""
-    home, bin_dir = root / "home", root / "bin"
-    home.mkdir()
-    bin_dir.mkdir()
-    for name in ("python", "python3"):
-        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-        (bin_dir / name).chmod(0o755)
-    drop = ("DEEPINFER_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "XDG_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(
-        HOME=str(home),
-        XDG_CACHE_HOME=str(home / ".cache"),
-        DEEPINFER_ACCELERATOR="cpu",
-        PYTHONIOENCODING="utf-8",
-        PATH=os.pathsep.join([str(bin_dir), env.get("PATH", "")]),
-    )
-    return env
-
-
-def execute(job: Job, env: dict[str, str], tiny: Path) -> Result:
-    text = job.text.replace(TINY, str(tiny))
-    argv, stdin = (
-        (["bash", "-c", text], None) if job.kind == "shell" else ([sys.executable, "-"], text)
-    )
-    start = time.monotonic()
-    try:
-        p = subprocess.run(
-            argv,
-            check=False,
-            cwd=REPO,
-            env=env,
-            input=stdin,
-            capture_output=True,
-            text=True,
-            encoding="utf-8",
-            errors="replace",
-            timeout=TIMEOUT_S,
-        )
-        rc, out, err = p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, out, err = (
-            None,
-            str(exc.stdout or ""),
-            f"timed out after {TIMEOUT_S} s\n{exc.stderr or ''}",
-        )
-    return Result(
-        text if job.kind == "shell" else f"python - <<EOF\n{text}EOF",
-        rc,
-        out,
-        err,
-        time.monotonic() - start,
-        tiny,
-        Path(env["XDG_CACHE_HOME"]),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -705,7 +525,7 @@ def results(request, tmp_path_factory) -> dict[Job, Result]:
     ]
     first = [j for j in needed[:1] if j not in maker] + [j for j in maker if j in needed]
     rest = [j for j in needed if j not in first]
-    root = tmp_path_factory.mktemp("readme")
+    root = tmp_path_factory.mktemp("docs")
     env, tiny = clean_env(root), root / "tiny-v4"
     with ThreadPoolExecutor(WORKERS) as pool:
         done = dict(zip(first, pool.map(lambda j: execute(j, env, tiny), first)))
@@ -714,30 +534,30 @@ def results(request, tmp_path_factory) -> dict[Job, Result]:
 
 
 # ---- the tests -----------------------------------------------------------------------------------
-def test_every_readme_command_is_classified():
+def test_every_docs_command_is_classified():
     unclassified = []
     for s in SNIPPETS:
         if s.kind == "python":
             keys = python_key(s)
             if len(keys) != 1:
                 unclassified.append(
-                    f"README.md:{s.line}: Python block matches {len(keys)} keys of PYTHON "
+                    f"{s.where}: Python block matches {len(keys)} keys of PYTHON "
                     f"{keys}: add one substring that identifies it, with its check"
                 )
         elif s.text not in TABLE:
-            unclassified.append(f"README.md:{s.line}: {s.text!r}")
+            unclassified.append(f"{s.where}: {s.text!r}")
         elif isinstance(entry := TABLE[s.text], Run):
             if OPTIONAL.search(s.text) and not entry.variants:
                 unclassified.append(
-                    f"README.md:{s.line}: {s.text!r} has [optional] parts: list the "
+                    f"{s.where}: {s.text!r} has [optional] parts: list the "
                     f"expansions to run in its Run(variants=...)"
                 )
             if bad := [v for v in entry.variants if v not in expansions(s.text)]:
                 unclassified.append(
-                    f"README.md:{s.line}: variants {bad} are not expansions of {s.text!r}"
+                    f"{s.where}: variants {bad} are not expansions of {s.text!r}"
                 )
     assert not unclassified, (
-        "README commands not classified: add each to TABLE in tests/docs/test_readme.py as "
+        "docs commands not classified: add each to TABLE in tests/docs/test_docs.py as "
         "Run(check) (run from the repository root; must exit 0) or Skip('why it cannot run in "
         "CI'):\n  " + "\n  ".join(unclassified)
     )
@@ -749,26 +569,73 @@ def test_the_table_has_no_stale_entries():
     stale = [k for k in TABLE if k not in commands] + [
         k for k in PYTHON if not any(k in b for b in blocks)
     ]
-    assert not stale, f"entries of tests/docs/test_readme.py no longer in README.md: {stale}"
+    assert not stale, f"entries of tests/docs/test_docs.py no longer on any page: {stale}"
+
+
+def test_every_page_is_scanned_and_reachable_from_the_readme():
+    """A new Markdown page is scanned unless listed with a reason; every docs/ page is linked from
+    README.md or from a page the README links to."""
+    pages = markdown_pages()
+    assert "README.md" in scanned_pages() and all(p in pages for p in scanned_pages())
+    docs = [p for p in pages if p.startswith("docs/")]
+    assert docs, "docs/ has no pages"
+    links = re.compile(r"\]\((?:\./)?((?:docs/)?[\w./-]+\.md)(?:#[\w-]*)?\)")
+    reached, frontier = set(), ["README.md"]
+    while frontier:
+        page = frontier.pop()
+        base = Path(page).parent
+        for target in links.findall((REPO / page).read_text(encoding="utf-8")):
+            rel = (base / target).as_posix()
+            rel = str(Path(rel)) if not rel.startswith("..") else rel
+            if rel in pages and rel not in reached:
+                reached.add(rel)
+                frontier.append(rel)
+    assert not [p for p in docs if p not in reached], (
+        f"docs pages no reader can reach from README.md: {[p for p in docs if p not in reached]}")
+
+
+HISTORY = re.compile(r"\b[Ii]ssues? #?\d+|\b[Ss]essions?\b|\bblocked on\b")
+
+
+def test_the_readme_is_a_users_page():
+    """At most ~300 lines, and no development history: issue numbers, sessions, blocked work."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 320, f"README.md has {len(text.splitlines())} lines"
+    found = [f"README.md:{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1)
+             if HISTORY.search(line)]
+    assert not found, "development history in README.md:\n  " + "\n  ".join(found)
+
+
+def test_the_docs_carry_no_development_history():
+    found = []
+    for page in scanned_pages():
+        if page == "CHANGELOG.md" or not (page == "README.md" or page.startswith("docs/")):
+            continue
+        for n, line in enumerate((REPO / page).read_text(encoding="utf-8").splitlines(), 1):
+            if HISTORY.search(line):
+                found.append(f"{page}:{n}: {line.strip()[:120]}")
+    assert not found, "issue numbers or session history in the user docs:\n  " + "\n  ".join(found)
 
 
 def test_the_parser_finds_each_kind_of_command():
     """Fenced lines (comment stripped), blocks without a language, inline spans wrapping a line,
-    Python blocks; a directory tree in a plain block is not a command."""
+    Python blocks; a directory tree in a plain block is not a command, nor a ```text block."""
     text = (
         "x\n```bash\nA=1 python a.py   # note\n\n./b.sh --x \\\n  --y\n```\n"
         "See `python -m c\n--z` and `not a command`.\n"
         "```\npkg/\n  mod.py   python files\n```\n"
         "```\npython d.py [--e]\n```\n"
-        'Held: `X="a b" python f.py`.\n\n'
+        'Held: `X="a b" python f.py`, `deepinfer env`.\n\n'
         "```python\nprint(1)\n```\n"
+        "```text\npython g.py\n```\n"
     )
-    assert [(s.kind, s.text, s.line) for s in readme_snippets(text)] == [
+    assert [(s.kind, s.text, s.line) for s in page_snippets(text, "p.md")] == [
         ("shell", "A=1 python a.py", 3),
         ("shell", "./b.sh --x --y", 5),
         ("shell", "python -m c --z", 8),
         ("shell", "python d.py [--e]", 15),
         ("shell", 'X="a b" python f.py', 17),
+        ("shell", "deepinfer env", 17),
         ("python", "print(1)\n", 20),
     ]
     assert expansions("python d.py [--e] [--f 1]") == {
@@ -780,16 +647,12 @@ def test_the_parser_finds_each_kind_of_command():
 
 
 @pytest.mark.parametrize("job", JOBS, ids=[j.id for j in JOBS])
-def test_readme_command_runs_as_written(job: Job, results):
+def test_docs_command_runs_as_written(job: Job, results):
     r = results[job]
-    assert r.rc == job.status, (
-        f"README.md:{job.line}: expected exit status {job.status}\n{r.describe()}"
-    )
+    assert r.rc == job.status, f"{job.where}: expected exit status {job.status}\n{r.describe()}"
     try:
         job.check(r)
     except AssertionError as exc:
         raise AssertionError(
-            f"README.md:{job.line}: the output is not what the README promises: {exc}\n"
-            f"{r.describe()}"
+            f"{job.where}: the output is not what the docs promise: {exc}\n{r.describe()}"
         ) from None
-
