@@ -1,4 +1,4 @@
-"""The data-parallel serving report of `examples/multi_gpu/run_dp_bench.sh` (issue 20's must-show): one or
+"""The data-parallel serving report of `examples/multi_gpu/run_dp_bench.sh`: one or
 more serve_bench JSONs of one configuration (a run split in parts, e.g. to fit a time limit, is joined
 by concurrency) as one table per concurrency (output tok/s, per GPU, TPOT, TTFT), what each rank holds
 (weights, state cache, device), and with `--compare` a published reference beside ours: their figures,
@@ -24,11 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 HIGH_CONCURRENCY = 256  # rows at or above it are "high concurrency" for a reference's throughput figures
 
-# Published figures only as issue 20 quotes them; nothing here was measured by us.
+# Published figures only, as SGLang reports them; nothing here was measured by us.
 REFERENCES: dict[str, dict[str, Any]] = {
     "sglang-4xh200": {
         "system": "SGLang serving DeepSeek-V4-Flash on 4x H200",
-        "source": "SGLang's published DeepSeek-V4-Flash 4xH200 recipe / blog figures, as quoted in issue 20",
+        "source": "SGLang's published DeepSeek-V4-Flash 4xH200 recipe / blog figures",
         "gpus": 4,
         "output_tok_s_per_gpu_high_concurrency": [467.0, 506.0],
         "tpot_ms_concurrency_1": 3.37,

@@ -1,5 +1,5 @@
 """EPLB placement quality on synthetic V4-like expert loads (CPU, seconds): the load imbalance
-`Σ max rank load / Σ mean rank load` (1.00 = perfect; spec parallelism.md §10) of the static
+`Σ max rank load / Σ mean rank load` (1.00 = perfect; DS-DeepInfer's `moe_lb`) of the static
 placement and of the two policies (`rebalance`, `rebalance_simple`), each planned on one window of
 steps and scored on the next (held out: in-sample figures flatter every policy), overall and for the
 three hash-routed layers alone.

@@ -29,7 +29,7 @@ SETTINGS = ((2, 0), (4, 16), (8, 32))           # (EP size, spare slots)
 
 
 def transfers(old: ExpertPlacement, new: ExpertPlacement, ep: int) -> int:
-    """Expert copies sent between ranks to go from `old` to `new` (spec §6.3 pairing)."""
+    """Expert copies sent between ranks to go from `old` to `new` (DS-DeepInfer's pairing)."""
     return sum(len(plan_transfers(o, n, ep)) for o, n in zip(old.phys_to_log.tolist(), new.phys_to_log.tolist()))
 
 

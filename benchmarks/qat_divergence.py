@@ -1,4 +1,4 @@
-"""Why bf16 and float32 greedy tokens part with the QAT simulation on (issue 16's agreement analysis).
+"""Why bf16 and float32 greedy tokens part with the QAT simulation on.
 
     python benchmarks/qat_divergence.py
 

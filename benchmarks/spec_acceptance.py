@@ -1,4 +1,4 @@
-"""Speculative decoding through the engine on the bundled trained tiny model (issue 17), with its MTP
+"""Speculative decoding through the engine on the bundled trained tiny model, with its MTP
 block (MTP-k) and with its trained DSpark drafter (the DSpark variant of the checkpoint): is it
 lossless, how many tokens does a verify step commit (acceptance length tau = accepted drafts + 1),
 and what does it do to end-to-end speed?

@@ -1,4 +1,4 @@
-"""Sampled speculative decoding is lossless in distribution (issue 17): the first two tokens of a
+"""Sampled speculative decoding is lossless in distribution: the first two tokens of a
 fixed prompt, drawn with MTP speculation over many seeds, follow the target's own distribution.
 
     python benchmarks/spec_distribution.py [--runs 20000] [--control-runs 5000] [--drafts 1]

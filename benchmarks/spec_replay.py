@@ -1,5 +1,5 @@
 """Speculative decoding's own cost and speed-up on the V4-Flash-width dummy model (random weights, cut
-to 4 layers as benchmarks/sweep.py cuts it), with the replay drafter (issue 17): it proposes the
+to 4 layers as benchmarks/sweep.py cuts it), with the replay drafter: it proposes the
 continuation an earlier greedy run of the same prompts produced, each draft right with probability
 --acceptance, so the verify steps run as with a drafter of that quality (drafting itself costs
 nothing here: this measures verification, the scheduler and the host path, not the MTP block).

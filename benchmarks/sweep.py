@@ -376,8 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
             "time (window-only layers at the HCA time)",
             "embed_head_ms = time outside the blocks: embedding, hc_head, LM head and the step's host-side "
             "batch building",
-            "verdicts: issue 18's targets (sweep_report.TARGETS) on the measured model, as the issue states "
-            "them (the full-depth figures are in each roofline and FP8-peak verdict's info); the transformers "
+            "verdicts: the performance targets (sweep_report.TARGETS) on the measured model "
+            "(the full-depth figures are in each roofline and FP8-peak verdict's info); the transformers "
             "comparison uses the measured model; decode step = min(eager, CUDA graph) median"],
         "settings": {k: getattr(a, k) for k in ("warmup", "reps", "max_shape_seconds", "time_budget", "prefill_chunk",
                                                 "cuda_graph", "seed", "dtype", "no_qat", "kv_cache_dtype", "batch_invariant", "expert_dtype",

@@ -1,6 +1,6 @@
 """The sweep's figures from its measurements: per-layer and full-depth (43-layer) extrapolation,
 fractions of the hardware peaks, distance to the roofline, the speed-up over transformers, the
-issue's target verdicts, and the printed tables.
+verdicts on the performance targets, and the printed tables.
 """
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import statistics
 
 from roofline import Peaks, StepRoofline
 
-# Issue 18's targets (examples/sweep/run_sweep.sh's must-show), judged on the measured model, as the
-# issue states them: the decode step against its own roofline (batch -> at most this many times it),
-# the 16k prefill's FLOP rate against the FP8 peak, and the speed-up over transformers where it ran.
+# The performance targets examples/sweep/run_sweep.sh is judged by, on the measured model: the
+# decode step against its own roofline (batch -> at most this many times it), the 16k prefill's
+# FLOP rate against the FP8 peak, and the speed-up over transformers where it ran.
 TARGETS = {
     "decode_roofline_x": {1: 2.0, 8: 1.6, 64: 1.5, 256: 1.5},
     "prefill_fp8_frac": 0.40,       # prefill of 16k tokens at >= 40 % of the FP8 tensor-core peak
@@ -71,8 +71,8 @@ def _verdict(name: str, target: str, values: list[tuple[str, float]], passes, wo
 
 
 def verdicts(decode: list[dict], prefill: list[dict]) -> list[dict]:
-    """Issue 18's targets (`TARGETS`), on the measured model; each roofline and FP8-peak verdict
-    also gives the full-depth (43-layer) extrapolation as `info`."""
+    """The performance targets (`TARGETS`), on the measured model; each roofline and FP8-peak
+    verdict also gives the full-depth (43-layer) extrapolation as `info`."""
     fr, sp, hf_tokens = TARGETS["prefill_fp8_frac"], TARGETS["hf_speedup"], TARGETS["prefill_hf_tokens"]
     out = []
     by_limit: dict[float, list[int]] = {}

@@ -148,7 +148,7 @@ def build_llm(a: argparse.Namespace, spec: ModelSpec, async_mode: bool | None) -
         if spec.load_format == "dummy":
             raise RuntimeError(
                 f"LLM(load_format='dummy') failed on {spec.path} ({type(e).__name__}: {e}). The dummy loader "
-                "(issue 15, item 8) random-fills a config-only directory; if this tree does not have it yet, "
+                "random-fills a config-only directory; if this tree does not have it yet, "
                 "use --model DIR with a checkpoint (python -m deepinfer_core.tools.make_tiny_checkpoint DIR)"
             ) from e
         raise

@@ -31,7 +31,7 @@ class YarnScaling:
 
 @dataclass(frozen=True)
 class DSparkConfig:
-    """The DSpark drafter of a `*-DSpark` / V4-Flash-0731 checkpoint (dspark.md §3.3): its stages are
+    """The DSpark drafter of a `*-DSpark` / V4-Flash-0731 checkpoint: its stages are
     the `num_nextn_predict_layers` blocks stored under `mtp.*`."""
 
     block_size: int                    # gamma the drafter was trained for (dspark_block_size)
@@ -266,7 +266,7 @@ class ModelConfig:
 
 
 def yarn_inv_freq(rope_dim: int, base: float, yarn: YarnScaling) -> list[float]:
-    """Inverse frequencies of one interleaved RoPE table (spec §3.4.3), YaRN when configured."""
+    """Inverse frequencies of one interleaved RoPE table, YaRN when configured."""
     freqs = [1.0 / (base ** (2 * i / rope_dim)) for i in range(rope_dim // 2)]
     if yarn.original_max_position_embeddings <= 0 or yarn.factor == 1.0:
         return freqs

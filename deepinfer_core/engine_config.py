@@ -6,7 +6,7 @@ one-line doc. `from_options` validates each value (a ValueError naming the field
 values), fills the defaults that come from the environment (`envs.read_settings()`, read here once)
 and refuses what the engine does not implement; the result is passed down to the runner and the
 plugins (`BuildContext.options`), so nothing below reads the environment. The CLI's engine flags and
-the README's option table are generated from these fields
+the option table of docs/configuration.md are generated from these fields
 (`python -m deepinfer_core.engine_config --markdown`).
 
 Kept free of torch at module level: `python -m deepinfer_core.generate --help` imports it.
@@ -142,7 +142,7 @@ class ParallelOptions(Section):
                                        "Python work here (an HTTP server's) never holds the GIL the engine's "
                                        "host path needs; None = the server's choice (on for a CUDA device: "
                                        "0.91 against 0.80 of offline throughput at concurrency 256 on the "
-                                       "H200, README Serve), elsewhere only when data_parallel_size > 1 (its "
+                                       "H200), elsewhere only when data_parallel_size > 1 (its "
                                        "ranks are always processes)", Rule("True, False or None",
                                                                      lambda v: v is None or isinstance(v, bool)))
     launcher: str = option("spawn", "how the data_parallel_size ranks start: 'spawn' = this process starts them on "

@@ -161,7 +161,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("DEEPINFER_PDL", "bool", False,
            "nvidia backend, SM90 and later: launch every DeepInfer kernel with programmatic dependent "
            "launch (it starts while its predecessor runs and waits in a gate; the FP8 GEMMs prefetch "
-           "their weights meanwhile). Opt-in: not yet measured on a GPU (README, issue 18)."),
+           "their weights meanwhile). Opt-in: not yet measured on a GPU."),
     EnvVar("DEEPINFER_XGRAMMAR_TIMEOUT", "int", 20,
            "Structured outputs: seconds a grammar may take to compile before its request is refused.",
            minimum=1),

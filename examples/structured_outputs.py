@@ -3,8 +3,8 @@
     python examples/structured_outputs.py                      # bundled tiny model (trained on Shakespeare)
     DEEPINFER_HF_MODEL_DIR=/path/to/DeepSeek-V4-Flash python examples/structured_outputs.py
 
-The tiny model's weights are random, so its text is nonsense, but every output still follows its
-grammar (the README's "Structured outputs" section has the semantics).
+The tiny model's text is rough (a small model trained on Shakespeare), but every output still
+follows its grammar (docs/structured_outputs.md has the semantics).
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """DeepSeek-V4 chat rendering: OpenAI-style messages -> one prompt string.
 
 V4 ships no Jinja template; the official renderer is `encoding/encoding_dsv4.py` in the checkpoint.
-`render_chat` reproduces it byte for byte (the checkpoint's four golden pairs are tests). Section numbers
-below (§) refer to the project's notes on that renderer (chat_format.md in the developers' spec,
-not shipped).
+`render_chat` reproduces it byte for byte (the checkpoint's four golden pairs are tests).
 
 Long prompt texts (tools template, effort prefixes) are checked in the tests against the sha256
 values taken from the reference renderer, so a retyping error cannot slip through.
@@ -28,7 +26,7 @@ TASK_TOKENS = {"action": "<｜action｜>", "query": "<｜query｜>", "authority"
 THINKING_MODES = ("chat", "thinking")
 ROLES = ("system", "user", "developer", "assistant", "tool", "latest_reminder")
 
-# §7.1, unformatted (sha256 09b7269d… in the spec); placeholders filled by _render_tools.
+# The tool definitions block, unformatted (sha256 09b7269d…); _render_tools fills it in.
 TOOLS_TEMPLATE = """## Tools
 
 You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<{dsml_token}tool_calls>" block like the following:
@@ -58,7 +56,7 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
 
 RESPONSE_FORMAT_HEADER = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
-# §5 effort prefixes: P_HIGH (476 bytes, sha256 f7a24f3b…) and P_MAX (528 bytes, sha256 53fb31b8…).
+# Effort prefixes: P_HIGH (476 bytes, sha256 f7a24f3b…) and P_MAX (528 bytes, sha256 53fb31b8…).
 EFFORT_TEXT_HIGH = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve "
@@ -74,7 +72,7 @@ EFFORT_TEXT_MAX = (
     "chain to its root, and resolve the underlying cause rather than any surface symptom.\n"
     "Do not stop reasoning until you have independently verified the solution from multiple angles "
     "and are certain that no assumption remains unchecked and no error remains undiscovered.\n\n")
-# The effort table differs between checkpoints (§5): "preview" = V4-Flash / V4-Pro encoders,
+# The effort table differs between checkpoints: "preview" = V4-Flash / V4-Pro encoders,
 # "0731" = V4-Flash-0731. Keys are the accepted reasoning_effort values.
 EFFORT_PROFILES: dict[str, dict[str | None, str]] = {
     "preview": {None: "", "high": "", "max": EFFORT_TEXT_HIGH},
@@ -122,7 +120,7 @@ def _validate_tools(field: str, tools: Any) -> None:
                          f"({{'type': 'function', 'function': {{...}}}})")
 
 
-# ---- preprocessing (§3) --------------------------------------------------------------------------
+# ---- preprocessing (tool results merged into user turns and sorted) ------------------------------
 def _attach_tools(messages: list[dict], tools: list) -> list[dict]:
     """Put request-level tools on the leading system/developer message, else on a new empty system
     message at index 0 (vLLM's convention; tools on a user message would not be rendered)."""
@@ -195,7 +193,7 @@ def _last_user_index(turns: list[dict]) -> int:
     return max((i for i, t in enumerate(turns) if t["role"] in ("user", "developer")), default=-1)
 
 
-# ---- per-message rendering (§4, §7) --------------------------------------------------------------
+# ---- per-message rendering (roles, tool calls, tool results) -------------------------------------
 def _to_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
@@ -277,7 +275,7 @@ def _render_message(msg: dict, keep_reasoning: bool) -> str:
 
 
 def _transition(msg: dict, open_thinking: bool) -> str:
-    """Header after a message that is followed by an assistant/reminder or ends the list (§4.7)."""
+    """Header after a message that is followed by an assistant/reminder or ends the list."""
     task = msg.get("task")
     if task == "action":
         return ASSISTANT_TOKEN + (THINK_START if open_thinking else THINK_END) + TASK_TOKENS[task]
@@ -296,10 +294,10 @@ def render_chat(messages: list[dict], thinking_mode: str = "chat", reasoning_eff
     """Render `messages` (OpenAI format plus V4's `developer`, `latest_reminder`, `task`, `wo_eos`,
     `reasoning_content`) into the DeepSeek-V4 prompt string.
 
-    `tools` (OpenAI format) go onto the leading system/developer message (§11). With
+    `tools` (OpenAI format) go onto the leading system/developer message, as vLLM puts them. With
     `add_generation_prompt=False` nothing follows the last message (no `<｜Assistant｜>` header).
-    `drop_thinking` drops earlier reasoning in thinking mode when no tools are defined (§6).
-    `effort_profile` picks the checkpoint's effort table (§5): "preview" or "0731".
+    `drop_thinking` drops earlier reasoning in thinking mode when no tools are defined.
+    `effort_profile` picks the checkpoint's effort table: "preview" or "0731".
     """
     _check_choice("thinking_mode", thinking_mode, THINKING_MODES)
     _check_choice("effort_profile", effort_profile, list(EFFORT_PROFILES))
@@ -319,13 +317,13 @@ def render_chat(messages: list[dict], thinking_mode: str = "chat", reasoning_eff
     _sort_tool_results(turns)
     thinking = thinking_mode == "thinking"
     drop = thinking and drop_thinking and not any(t.get("tools") for t in turns)
-    if drop:   # developer turns before the last user turn vanish entirely (§6)
+    if drop:   # developer turns before the last user turn vanish entirely
         last = _last_user_index(turns)
         turns = [t for i, t in enumerate(turns) if t["role"] != "developer" or i >= last]
     last_user = _last_user_index(turns)
 
     out = [BOS_TOKEN] if add_bos_token else []
-    if thinking:                               # effort prefix goes before message 0 (§4.1)
+    if thinking:                               # effort prefix goes before message 0
         out.append(EFFORT_PROFILES[effort_profile][reasoning_effort])
     for i, msg in enumerate(turns):
         prev_has_task = i > 0 and turns[i - 1].get("task") is not None
@@ -349,7 +347,7 @@ def chat_prompts(conversations: Any, thinking_mode: str = "chat", reasoning_effo
 
 
 def encode_chat_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    """Token ids of a rendered prompt; no second BOS when the text already starts with BOS (§8)."""
+    """Token ids of a rendered prompt; no second BOS when the text already starts with BOS."""
     if tokenizer is None:
         raise ValueError("chat: the checkpoint has no tokenizer files; pass LLM(tokenizer=...)")
     bos = getattr(tokenizer, "bos_token", None)

@@ -107,8 +107,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **options: Any):
-        """`options`: the fields of `EngineConfig` by name (`deepinfer_core/engine_config.py`, the README
-        table), plus the vLLM / DS-DeepInfer spellings it accepts with the values this engine implements."""
+        """`options`: the fields of `EngineConfig` by name (`deepinfer_core/engine_config.py`, the
+        table in docs/configuration.md), plus the vLLM / DS-DeepInfer spellings it accepts with the
+        values this engine implements."""
         config = EngineConfig.from_options(model=model, **options)   # validated, env defaults filled once
         if config.model.model is None:      # the bundled trained tiny model (built on first use)
             from ..tools.bundled_model import bundled_tiny_model_dir

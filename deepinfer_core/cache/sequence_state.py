@@ -1,4 +1,4 @@
-"""One sequence's view of the V4 decode state (spec deepseek_v4.md §5): window ring, compressor
+"""One sequence's view of the V4 decode state: window ring, compressor
 tails (per-sequence, in the sequence's state *slot*) and compressed rows / indexer keys (paged,
 addressed through the sequence's block table). The tensors are views into `StateCache` pools.
 
@@ -119,7 +119,7 @@ class SequenceState:
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the tokens at positions >= `num_tokens` (speculative drafts a verification rejected):
-        the state is then exactly the state after position num_tokens - 1 (spec deepseek_v4.md §5.4).
+        the state is then exactly the state after position num_tokens - 1.
         Rings and compressor tails are sized window + backtrack and c*ratio + backtrack slots, so the
         rejected tokens' writes never overwrote an entry a later query reads (visibility is by
         position); the compressed rows and indexer keys they completed are uncounted here and

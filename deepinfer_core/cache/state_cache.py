@@ -168,7 +168,7 @@ class StateCache:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def reset_slots(self, slots: list[int]) -> None:
-        """Fresh tails (kv 0, z -inf) for new owners of these slots: one op per pool (spec §5.1)."""
+        """Fresh tails (kv 0, z -inf) for new owners of these slots: one op per pool."""
         idx = to_device(slots, torch.long, self.device)
         for pools in self.comp + self.index:
             if pools is not None:
@@ -177,7 +177,7 @@ class StateCache:
 
     def bind(self, slot: int, block_ids: list[int], fresh: bool = True) -> SequenceState:
         """A sequence's state over slot `slot` and the given blocks; `fresh` resets the tails (z = -inf)
-        so nothing leaks from the slot's previous owner (spec §5.1)."""
+        so nothing leaks from the slot's previous owner."""
         table = BlockTable(block_ids, self.device)
         layers = []
         for i, r in enumerate(self.layout.ratios):

@@ -1,5 +1,5 @@
 """V4 attention: q LoRA + per-head norm, shared K=V, partial RoPE, window + compressed KV with a
-learned sink, inverse RoPE, grouped low-rank output projection (spec deepseek_v4.md §3.4).
+learned sink, inverse RoPE, grouped low-rank output projection.
 
 The modules here hold the weights and do the per-token math on the flat batch. Everything that
 touches per-sequence state (compressor tails, compressed rows, indexer top-k, the window ring,

@@ -1,4 +1,4 @@
-"""The DSpark drafter's module graph (dspark.md §3.3-§4), as stored under `mtp.*` in DeepSeek's
+"""The DSpark drafter's module graph, as stored under `mtp.*` in DeepSeek's
 `*-DSpark` and V4-Flash-0731 checkpoints.
 
 Stages `mtp.0 .. mtp.{n-1}` are full V4 blocks with window-only attention (no compressor, no indexer)

@@ -1,6 +1,6 @@
 """V4 MoE: sqrt-softplus scores, bias for selection only (or a token-id hash table), renormalised
-top-k weights times the routed scale, SwiGLU-clamped routed experts, one unclamped shared expert
-(spec deepseek_v4.md §3.5). The MoE method (`deepinfer_moe_method`) does routing, dispatch,
+top-k weights times the routed scale, SwiGLU-clamped routed experts, one unclamped shared expert.
+The MoE method (`deepinfer_moe_method`) does routing, dispatch,
 expert compute and combine; these modules hold the weights.
 """
 from __future__ import annotations

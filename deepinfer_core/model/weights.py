@@ -1,7 +1,7 @@
 """Checkpoint loading: resolve a model path locally, then stream safetensors shards into buffers.
 
 The model's `state_dict(keep_vars=True)` names are exactly the official checkpoint tensor names, with
-the checkpoint dtypes and shapes (spec §6), so loading is a strict name-by-name match. All problems
+the checkpoint dtypes and shapes, so loading is a strict name-by-name match. All problems
 are collected from the shard headers first and raised as one `CheckpointError` before any buffer
 is touched; then shards are opened one at a time (memory-mapped) so peak memory stays near one
 shard plus the model.
@@ -29,7 +29,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 # Copies of the shared embedding/head inside MTP blocks (later checkpoints); the model reuses the
-# main ones, so these are skipped (spec §6.3).
+# main ones, so these are skipped.
 IGNORED_PATTERN = re.compile(r"^mtp\.\d+\.(emb\..+|head\.weight)$")
 
 # Other spellings of a tensor the model names one way: DS-DeepInfer's V4.1 DSpark names for the

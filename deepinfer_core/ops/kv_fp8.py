@@ -1,4 +1,5 @@
-"""FP8 storage of V4 KV rows (DeepSeek's "MODEL1" format, spec deepseek_v4.md §5.1, kernels.md).
+"""FP8 storage of V4 KV rows (DeepSeek's "MODEL1" format, the one FlashMLA's V4
+kernels read).
 
 A KV row of width D = nope + rope is stored as one uint8 row of `kv_row_bytes(D, rope)` bytes:
 

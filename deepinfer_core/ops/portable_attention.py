@@ -4,7 +4,7 @@ top-k blocks, and run one joint softmax over [window tokens | compressed rows] w
 One code path for every chunk shape: a sequence contributes `n` new tokens starting at position
 `s` (prefill from zero, chunked prefill, decode and verification are all this). Visibility is by
 position: query t sees window positions (t-W, t], CSA blocks picked by the indexer among
-b < (t+1)//4, and every HCA block b < (t+1)//128 (spec §3.4, §5.4).
+b < (t+1)//4, and every HCA block b < (t+1)//128.
 
 A uint8 ring is a kv_fp8 ring of packed rows (`ops.kv_fp8`): read through `unpack_kv_fp8`, written
 through `pack_kv_fp8`; its RoPE width follows from the row size.

@@ -2,7 +2,7 @@
 loading; at run time fake-quantise the input (QAT simulation) and do a plain matmul.
 
 FP8 x UE8M0 and FP4 x UE8M0 values are exactly representable in bf16, so dequantising loses
-nothing; only the summation order differs from the reference kernels (spec §3.3).
+nothing; only the summation order differs from the reference kernels.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Portable manifold-constrained hyper-connections (spec deepseek_v4.md §3.2), all in fp32."""
+"""Portable manifold-constrained hyper-connections (mHC), all in fp32."""
 from __future__ import annotations
 
 import torch

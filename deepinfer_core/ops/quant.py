@@ -1,4 +1,5 @@
-"""Exact FP8 / FP4 numerics of DeepSeek-V4 in plain PyTorch (spec §3.3, §4, §6.4).
+"""Exact FP8 / FP4 numerics of DeepSeek-V4 in plain PyTorch: the QAT simulation of the
+reference kernels and the checkpoint's dequantisation.
 
 Everything here is bit-exact by construction: scales are powers of two built from fp32 bit patterns,
 divisions by a power of two are exact, E4M3 rounding is torch's RNE cast to float8_e4m3fn, and E2M1

@@ -1,11 +1,11 @@
 """Portable sampler: penalties, greedy / temperature / top-k / top-p / min-p, and the counter-based RNG
-of the surface spec §7.3.
+of deterministic sampling.
 
 No RNG state exists anywhere: the uniform that drives a row is a pure function of
 (seed, namespace, position, case), so a seeded request samples the same tokens whatever else is in
 the batch, and whichever order rows come in. Every step below is per row.
 
-Our `combine` (the spec leaves it open; bit-compatibility with DS-DeepInfer is not a goal):
+Our `combine` (our own choice; bit-compatibility with DS-DeepInfer is not a goal):
     key     = seed + (DRAFT_OFFSET if namespace == "draft" else 0)        (mod 2^64)
     counter = (3 * position + case) * GOLDEN                             (mod 2^64)
     x       = splitmix64(splitmix64(key) XOR counter)

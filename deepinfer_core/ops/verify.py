@@ -1,4 +1,5 @@
-"""Lossless verification of draft tokens (dspark.md §6; the groundwork of speculative decoding).
+"""Lossless verification of draft tokens (greedy, or standard speculative sampling;
+the groundwork of speculative decoding).
 
 One verify step runs `[anchor, x_1..x_l]` per request through the target; its target rows 0..l give
 the distributions p_1..p_{l+1} of the positions x_1..x_l and the token after them. Per request:

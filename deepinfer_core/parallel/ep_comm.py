@@ -1,5 +1,5 @@
-"""Expert-parallel dispatch and combine over torch.distributed: the portable all-to-all (spec
-parallelism.md §3.3 "torch fallback"), gloo on CPU and NCCL on GPUs with the same code.
+"""Expert-parallel dispatch and combine over torch.distributed: the portable all-to-all (the
+torch fallback for hosts without DeepEP), gloo on CPU and NCCL on GPUs with the same code.
 
 Flow of one MoE layer on every EP rank:
     res = dispatch(x, topk_ids, topk_weights, slots_per_rank, group)
@@ -12,10 +12,10 @@ Contract:
   slots there) together with, per top-k position, its local slot (or −1) and routing weight.
 * The receiver sees the (token, slot) pairs grouped by local slot ascending, and within a slot by
   (source rank, source token): the layout a grouped GEMM wants; `slot_counts` are its sizes and the
-  EPLB receive counts (§6.1).
+  EPLB receive counts.
 * Combine returns every (token, slot) contribution to its source rank separately (no per-rank partial
   sums) and the source adds them in top-k order k = 0..K−1 in fp32 (fp64 for fp64 input). The result
-  therefore does not depend on the number of EP ranks nor on which rank holds which expert (§7.1),
+  therefore does not depend on the number of EP ranks nor on which rank holds which expert,
   and a world of one (`group=None`, the local path: no collective) gives the same bits as any EP size.
 * Every rank of the group must call dispatch and combine the same number of times in the same order.
   An idle DP rank calls them with T = 0: it sends nothing but still receives and returns others' rows.
@@ -23,7 +23,7 @@ Contract:
   timeout) instead of a hang.
 * Sizes are exchanged first and read on the host (one device-to-host copy per dispatch, which also
   carries the id check; combine has none), so this path is not CUDA-graph safe; decode graphs use the
-  fixed-size exchange of ep_padded.py (§3.3).
+  fixed-size exchange of ep_padded.py.
 
 Seam for faster transports (DeepEP V2/V1, a fused mega-MoE kernel, Ascend): `dispatch` and `combine`
 are the whole interface. A plugin provides the same two functions with the same `DispatchResult`
@@ -234,7 +234,7 @@ def combine(expert_out: torch.Tensor, handle: CombineHandle, init: torch.Tensor 
         raise ValueError(f"init.shape={tuple(init.shape)}: must be [T, D] = [{handle.num_tokens}, {hidden}]")
     else:
         out = init.to(dtype=acc_dtype, device=expert_out.device, copy=True)
-    for k in range(handle.topk):             # fixed order k = 0..K−1 (§7.1): one add per position
+    for k in range(handle.topk):             # fixed order k = 0..K−1: one add per position
         out += back[handle.gather_index[:, k]]
 
     row_bytes = hidden * expert_out.element_size()

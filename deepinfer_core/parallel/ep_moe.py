@@ -1,4 +1,4 @@
-"""Expert-parallel MoE inside the model: the MoE method of an EP rank (spec parallelism.md §3.2, §5, §7).
+"""Expert-parallel MoE inside the model: the MoE method of an EP rank.
 
 One MoE layer on EP rank r (every rank of the EP group, an idle one with T = 0 rows too):
     route locally (the wrapped method's gate: logical top-k, tid2eid on hash layers) ->
@@ -12,7 +12,7 @@ NVIDIA backend's grouped FP8/FP4 GEMMs over the received pairs), else `PortableE
 
 Invariants:
 * Exactly one `dispatch` and one `combine` per layer call, whatever T is (0 included): the EP group's
-  collectives stay in step as long as every rank calls the same layers in the same order (§3.1).
+  collectives stay in step as long as every rank calls the same layers in the same order.
 * Order of additions per token = the wrapped method's: fp32 shared-expert output first, then the routed
   contributions in its order (`sort_by_expert`: the portable loop walks experts ascending, so the top-k
   is sorted by id first; a fused method that sums in route order keeps it). With a row-invariant expert

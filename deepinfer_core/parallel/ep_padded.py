@@ -1,6 +1,6 @@
 """Expert-parallel dispatch and combine of fixed size: no host synchronisation, so a decode step's
-forward, MoE exchanges included, can be captured in a CUDA graph (spec parallelism.md §3.3: a graph
-variant pads every segment to a fixed size).
+forward, MoE exchanges included, can be captured in a CUDA graph (every send
+segment is padded to a fixed size).
 
 Every EP rank passes the same number of rows B (the decode graph's bucket, agreed by the ranks each
 step: `step_vote.py`; the caller routes padding rows nowhere (ids -1: `EPMoEMethod.live_rows`) and drops

@@ -11,7 +11,7 @@ its `cnt[e]` replicas.
   rather than the imbalance of window totals (which can be perfect while every single step is not).
 * `rebalance_simple` ("eplb_global", the public EPLB global policy): plans on window totals.
 
-Determinism (every rank must reach the same maps, §7 of the spec): float64 on CPU, ties made strict
+Determinism (every rank must reach the same maps): float64 on CPU, ties made strict
 by adding `1e-4 * logical_id` to the loads (they are token counts, so this never outweighs one
 token), stable sorts, and argmin/argmax, which return the first (lowest) index on ties. Neither
 policy looks at the current placement (no cost for moving weights).
@@ -30,10 +30,11 @@ TIE_BREAK = 1e-4        # per logical id, added to the loads so that no two expe
 
 
 def rebalance(load: torch.Tensor, num_slots: int, slots_per_rank: int) -> ExpertPlacement:
-    """The "deepinfer" policy (spec §6.2). Replicate: each spare slot goes to the expert whose extra
-    replica minimises the sum over steps of the step's bottleneck `max_e load_t[e] / cnt[e]`. Pack:
-    replicas in descending order of window total, each to the rank (with a free slot) minimising
-    `sum_t max(peak_t, rank_load_t + v_t)`, the lowest rank on ties."""
+    """The "deepinfer" policy (DS-DeepInfer's `rebalance_experts_global`). Replicate: each spare
+    slot goes to the expert whose extra replica minimises the sum over steps of the step's
+    bottleneck `max_e load_t[e] / cnt[e]`. Pack: replicas in descending order of window total, each
+    to the rank (with a free slot) minimising `sum_t max(peak_t, rank_load_t + v_t)`, the lowest
+    rank on ties."""
     with _one_thread():
         return _rebalance(_check_load(load), num_slots, slots_per_rank)
 
@@ -90,7 +91,7 @@ def rank_load(load: torch.Tensor, placement: ExpertPlacement, ep_size: int) -> t
 
 def imbalance(rank_loads: torch.Tensor) -> float:
     """`sum max_rank / sum mean_rank` over all leading dims of [..., ep] (>= 1; 1 = perfect; the
-    spec's `moe_lb`). An all-zero window counts as perfectly balanced."""
+    DS-DeepInfer's `moe_lb`). An all-zero window counts as perfectly balanced."""
     mean = rank_loads.mean(-1).sum().item()
     return rank_loads.amax(-1).sum().item() / mean if mean > 0 else 1.0
 

@@ -1,6 +1,6 @@
 """EPLB while the engine runs: load recording per lockstep iteration, and every `eplb_step_interval`
-iterations a new placement with the expert weights moved between the EP ranks (spec parallelism.md
-§6.1-§6.3). The engine is not stopped: the rearrangement runs between two lockstep iterations, the
+iterations a new placement with the expert weights moved between the EP ranks (as in DS-DeepInfer's
+EPLB). The engine is not stopped: the rearrangement runs between two lockstep iterations, the
 requests in flight keep their state (KV cache, sampler positions), and the next forward routes with
 the new maps.
 
@@ -73,7 +73,7 @@ class RuntimeEPLB:
     window: int
     interval: int
     policy: Callable[[torch.Tensor, int, int], ExpertPlacement] = rebalance
-    stat_interval: int = 128  # balance telemetry: iterations per moe_lb reading (spec §6.1)
+    stat_interval: int = 128  # balance telemetry: iterations per moe_lb reading
     iterations: int = field(default=0, init=False)
     history: list[Rearrangement] = field(default_factory=list, init=False)
     balance: list[float] = field(default_factory=list, init=False)  # moe_lb of each stat_interval period
@@ -119,7 +119,7 @@ class RuntimeEPLB:
         return self.rearrange()
 
     def _read_balance(self) -> None:
-        """Telemetry (spec §6.1): the ranks' tokens per step and layer over the last `stat_interval`
+        """Telemetry: the ranks' tokens per step and layer over the last `stat_interval`
         iterations, gathered on every rank: moe_lb = Σ_(t,l) max_rank / Σ_(t,l) mean_rank (>= 1, 1 =
         perfect; a period in which no token was routed reads 1)."""
         ranks = _all_gather(self._step_tokens, self.control, "balance telemetry")  # [ep, N, L]

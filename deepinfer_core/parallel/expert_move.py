@@ -1,5 +1,5 @@
 """EPLB weight moves: give every physical slot the weights of its logical expert under a new placement,
-over the EP group, while the engine keeps its requests (spec parallelism.md §6.3, P2P path).
+over the EP group, while the engine keeps its requests (DS-DeepInfer's P2P path).
 
 Per MoE layer whose `phys_to_log` changed (every rank decides from the same two maps, so every rank
 takes part in the same exchanges in the same order):
@@ -64,7 +64,7 @@ class MoveStats:
 
 def plan_transfers(old_p2l: Sequence[int], new_p2l: Sequence[int], ep_size: int) -> list[Transfer]:
     """The transfers of one layer, sorted by (expert, src, dst): each rank receives each expert it needs
-    and lacks exactly once, from a rank that holds it under `old_p2l` (spec §6.3 pairing)."""
+    and lacks exactly once, from a rank that holds it under `old_p2l` (DS-DeepInfer's pairing)."""
     if len(old_p2l) != len(new_p2l) or len(old_p2l) % ep_size:
         raise ValueError(
             f"maps of {len(old_p2l)} and {len(new_p2l)} slots; allowed: equal lengths divisible by ep_size={ep_size}"

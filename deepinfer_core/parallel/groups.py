@@ -1,13 +1,14 @@
-"""Rank layout and process groups for DP attention + MoE expert parallelism (spec parallelism.md §2).
+"""Rank layout and process groups for DP attention + MoE expert parallelism.
 
 Invariants:
 * One process per rank. Every rank runs attention on its own sequences (data parallel); when
   `expert_parallel` is on, the routed experts are sharded over the EP group, which spans all ranks
-  (ep == world), so EP rank == global rank. Tensor parallelism is not used for V4 (§2.3): size 1 only.
+  (ep == world), so EP rank == global rank. Tensor parallelism is not used for V4: size 1 only (with
+  one K=V head, every TP rank would hold the whole KV cache).
 * All ranks create the same groups in the same order (torch.distributed requires it), and every device
   group is warmed with one tiny all-reduce right after creation: NCCL communicators of subgroups are
   created lazily, and a first collective inside a CUDA graph or a DeepEP buffer must not be the one that
-  builds them (§2.2).
+  builds them.
 * A world of one needs no torch.distributed at all: the groups are None and the EP layer runs its local
   path (`ep_comm.dispatch(..., group=None)`).
 * Nothing here reads the environment except `ParallelLayout.from_env` and the rendezvous address in
@@ -24,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
-DEFAULT_TIMEOUT_S = 14400.0      # DEEPINFER_GLOO_TIMEOUT default (§11); tests pass 60 s so hangs fail fast
+DEFAULT_TIMEOUT_S = 14400.0      # DEEPINFER_GLOO_TIMEOUT default; tests pass 60 s so hangs fail fast
 DEFAULT_MASTER_ADDR = "localhost"
-DEFAULT_MASTER_PORT = 23333      # DS-DeepInfer's default rendezvous port (§11)
+DEFAULT_MASTER_PORT = 23333      # DS-DeepInfer's default rendezvous port
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

@@ -1,5 +1,5 @@
-"""The ranks' per-step agreement on how the expert-parallel exchanges run (spec parallelism.md
-§3.1(b), in the form this engine needs).
+"""The ranks' per-step agreement on how the expert-parallel exchanges run (DS-DeepInfer's
+step-type vote, in the form this engine needs).
 
 DS-DeepInfer's engines alternate prefill and decode steps and vote on the next step's kind. This
 engine's scheduler mixes prefill chunks and decodes in one step, and in eager mode any forward pairs

@@ -37,7 +37,7 @@ def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool) 
     instead of 1024 B per 512-wide row (35% fewer cache bytes per token for V4-Flash): lossless with
     the QAT simulation, which fake-quantises those rows to exactly these FP8 values before caching, a
     real extra quantisation without it. Not the default yet: the attention kernel's dequantising loads
-    make prefill attention about 2x slower on the H200 (README, benchmarks)."""
+    make prefill attention about 2x slower on the H200 (docs/performance.md)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; allowed: {', '.join(map(repr, KV_CACHE_DTYPES))}")
     if kv_cache_dtype == "fp8" and dtype != torch.bfloat16:

@@ -1,4 +1,4 @@
-"""The verify step-time table VARLEN schedules with (dspark.md §7.4), measured at start-up.
+"""The verify step-time table VARLEN schedules with, measured at start-up.
 
 Per (batch bucket, rows per sequence q = 1..gamma+1): one warm-up and `reps` timed forwards, the
 trimmed mean (min and max dropped). With decode CUDA graphs each shape is its graph's replay (captured

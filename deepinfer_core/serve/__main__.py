@@ -7,10 +7,11 @@ bundled tiny model, as `LLM()`. `--data-parallel-size N [--enable-expert-paralle
 (CPU ranks over gloo, parallel/dp_engine.py), requests placed on the least-loaded rank; with
 `--launcher torchrun` one per torchrun process (the same command on every rank): global rank 0 serves,
 the others run their engines and exit 0 once it stops them.
-The engine runs in one child process on a CUDA device (`--no-engine-process`: a thread here instead):
-there the engine's host path is the bottleneck, and HTTP work in the same process would share its GIL
-(README Serve: 0.91 against 0.80 of offline throughput at concurrency 256 on the H200). On a CPU the
-thread is the default (the model's own compute, not the GIL, bounds it; one process starts faster).
+The engine runs in one child process on a CUDA device (`--no-engine-process`: a thread here
+instead): there the engine's host path is the bottleneck, and HTTP work in the same process would
+share its GIL (docs/serving.md; 0.91 against 0.80 of offline throughput at concurrency 256 on the
+H200). On a CPU the thread is the default (the model's own compute, not the GIL, bounds it; one
+process starts faster).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""V4's own MTP block as a drafter (spec dspark.md §2, deepseek_v4.md §3.6).
+"""V4's own MTP block as a drafter.
 
 The block reads the target's final streams at position t (before hc_head) and the token at t + 1,
 and predicts the token at t + 2. It has a sliding-window attention of its own, so it must see every

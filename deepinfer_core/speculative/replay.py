@@ -1,4 +1,4 @@
-"""A replay drafter, for benchmarks only (issue 17): it proposes the continuation an earlier identical
+"""A replay drafter, for benchmarks only: it proposes the continuation an earlier identical
 greedy run produced, each draft right with a chosen probability per draft position (else a token the
 target will reject), so speculative decoding's own cost and speed-up can be measured on a model whose
 drafter accepts nothing (random weights, e.g. the V4-Flash-width dummy model) at the acceptance a real

@@ -1,10 +1,10 @@
-"""Confidence-scheduled verification (`DEEPINFER_ENABLE_MTP_VARLEN=1`, dspark.md §7): how many of
-its drafts each request verifies this step, from the drafter's confidences and the measured time of
-a verify step.
+"""Confidence-scheduled verification (`DEEPINFER_ENABLE_MTP_VARLEN=1`, DSpark's hardware-aware
+prefix scheduler): how many of its drafts each request verifies this step, from the drafter's
+confidences and the measured time of a verify step.
 
-Objective (§7.1): maximise expected committed tokens per millisecond, `tau / time`, where a request
-verifying l drafts commits `1 + sum_{j<=l} a_j` tokens in expectation, `a_j = c_1 * ... * c_j` its
-cumulative confidence (the chance drafts 1..j all pass).
+Objective (the DSpark paper's): maximise expected committed tokens per millisecond, `tau / time`,
+where a request verifying l drafts commits `1 + sum_{j<=l} a_j` tokens in expectation,
+`a_j = c_1 * ... * c_j` its cumulative confidence (the chance drafts 1..j all pass).
 
 Cost model: our verify steps replay one CUDA graph per (batch bucket, rows per sequence), so every
 sequence of a step feeds the same number of rows, `1 + L` (a request that may accept fewer drafts,
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Measured milliseconds of one verify step per (batch bucket, rows per sequence) (§7.4)."""
+    """Measured milliseconds of one verify step per (batch bucket, rows per sequence)."""
 
     buckets: tuple[int, ...]                  # batch sizes profiled, ascending
     max_rows: int                             # rows per sequence profiled: 1..max_rows
@@ -94,15 +94,16 @@ def choose_length(cumulative_confidences: Sequence[Sequence[float]], times: Step
 
 @dataclass
 class VarlenPolicy:
-    """The scheduler's `draft_length`: the step-time table profiled at start-up, which the choice reads
-    as is. A speculative step's wall time is the table's times a factor (host work, verification,
-    drafting): on the H200 benchmark (`benchmarks/spec_replay.py`) 1.3-1.5x at every batch and
-    length, from 1 to 256 requests, and tokens per ms keep their order under a common factor, so the
-    choice does not depend on it; `scale` (the median measured / table ratio of recent steps) is
-    reported. Two additive corrections were tried and dropped: a constant per step (the median gap,
-    §7.5 simplified) made long verification look cheap and lost a fifth of the throughput at 256
-    requests and acceptance 0.6 (lengths 2-3 against the best static 1); DS-DeepInfer's per-row
-    slope, measured on synchronous steps, drove the length to 0-1 and lost up to a third there."""
+    """The scheduler's `draft_length`: the step-time table profiled at start-up, which the choice
+    reads as is. A speculative step's wall time is the table's times a factor (host work,
+    verification, drafting): on the H200 benchmark (`benchmarks/spec_replay.py`) 1.3-1.5x at every
+    batch and length, from 1 to 256 requests, and tokens per ms keep their order under a common
+    factor, so the choice does not depend on it; `scale` (the median measured / table ratio of
+    recent steps) is reported. Two additive corrections were tried and dropped: a constant per step
+    (the median gap, a simplified form of DS-DeepInfer's online correction) made long verification
+    look cheap and lost a fifth of the throughput at 256 requests and acceptance 0.6 (lengths 2-3
+    against the best static 1); DS-DeepInfer's per-row slope, measured on synchronous steps, drove
+    the length to 0-1 and lost up to a third there."""
 
     times: StepTimes
     max_drafts: int

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20's must-show on DP H200s: the full 43-layer V4-Flash-width model with random weights (FP8 linears,
+# Data-parallel serving on DP H200s: the full 43-layer V4-Flash-width model with random weights (FP8 linears,
 # FP4 routed experts as the checkpoint ships them, kept FP4 by the server: --fp4-experts) served by
 # `python -m deepinfer_core.serve` over DP data-parallel ranks with expert parallelism (rank r on GPU r);
 # benchmarks/serve_bench.py measures output throughput (total and per GPU), TPOT and TTFT at concurrency

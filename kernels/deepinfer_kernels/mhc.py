@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, spec deepseek_v4.md §3.2) as fused Triton kernels.
+"""Manifold-constrained hyper-connections (mHC) as fused Triton kernels.
 Core reference: `deepinfer_core.ops.portable_mhc.PortableMHC` (everything in fp32).
 
 The residual stream x [T, hc, D] is hc times the hidden size, so the kernels are built around reading

@@ -22,11 +22,12 @@ from .moe_mma import ROWS as MMA_ROWS
 from .moe_mma import mma_fits, mma_w2, mma_w13
 from .moe_routing import expert_schedule, max_tiles, route_topk
 
-# The mma.sync kernels (moe_mma, FP8 activations only) by weight form: up to how many mean rows per expert
-# they take the sizes, with which setting. Measured with benchmarks/fp4_moe_bench.py on an H100 (README,
-# "Decode sizes on mma.sync"): with FP4 experts 0.81-0.84x the FP8 tensor-core tiles' time at batch 8-256
-# of V4-Flash (6 rows per expert at 256: 8-row tiles still read most experts once) and on par at batch 1;
-# with FP8 experts within 1-6% of the tensor-core tiles, which they keep.
+# The mma.sync kernels (moe_mma, FP8 activations only) by weight form: up to how many mean rows per
+# expert they take the sizes, with which setting. Measured with benchmarks/fp4_moe_bench.py on an
+# H100 (docs/performance.md, "Decode sizes on mma.sync"): with FP4 experts 0.81-0.84x the FP8
+# tensor-core tiles' time at batch 8-256 of V4-Flash (6 rows per expert at 256: 8-row tiles still
+# read most experts once) and on par at batch 1; with FP8 experts within 1-6% of the tensor-core
+# tiles, which they keep.
 MMA_TILES: dict[str, tuple[float, dict]] = {"fp4": (16.0, dict(mma_warps=4, mma_prefetch=False)), "fp8": (0.0, {})}
 # The CUDA-core kernels (moe_gemv) by weight form: (mean rows per expert up to which, tile config), the
 # first that fits, where the mma.sync kernels do not apply (unquantised activations: FP4 experts without
@@ -44,7 +45,7 @@ GEMV_TILES: dict[str, tuple[tuple[float, dict], ...]] = {
 # through shared memory) take 2.2x the FP8 tiles' time at batch 256 and 4.3x at a 4k prefill. The decode
 # pass moves ~2.3 TB/s on an H200 (benchmarks/decode_experts_bench.py): about 4 ms per V4-Flash layer,
 # against the FP4 tiles' ~18 ms extra over the FP8 ones at a 4k prefill (96 rows per expert, H100), so
-# the chunks pay from about 40 rows per expert on (README).
+# the chunks pay from about 40 rows per expert on (docs/performance.md).
 FP8_CHUNK_ROWS = 48.0
 FP8_CHUNK_BYTES = 1 << 30
 # An override for both forms (benchmarks' --cuda-core-moe ROWS): None = MMA_TILES, then GEMV_TILES; 0 = the

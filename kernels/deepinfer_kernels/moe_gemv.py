@@ -3,10 +3,10 @@ when an expert gets a row or two and the activations are not FP8: FP4 experts wi
 simulation; with it, `moe_mma`'s kernels are faster).
 
 At those sizes the tensor-core tiles pad each expert's one or two rows to 16, and FP4 experts'
-decoded tiles must pass through shared memory into the MMA's operand layout (3x the FP8 path's time,
-README). Here a program takes M rows of one expert (M = 1, 2 or 4) and BLOCK_N outputs; each weight
-is decoded (FP4) or widened (FP8) once in registers and multiplied into its M rows with fused
-multiply-adds: no shared memory in the loop, no padding to 16.
+decoded tiles must pass through shared memory into the MMA's operand layout (3x the FP8 path's time;
+docs/performance.md). Here a program takes M rows of one expert (M = 1, 2 or 4) and BLOCK_N outputs;
+each weight is decoded (FP4) or widened (FP8) once in registers and multiplied into its M rows with
+fused multiply-adds: no shared memory in the loop, no padding to 16.
 
 Numerics: the activations come in as float32 values with their QAT scale applied
 (`fp8_quant.act_quant_values`: e4m3 x 2^s, exact), every product of an e4m3 weight and such a value

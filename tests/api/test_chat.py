@@ -1,7 +1,7 @@
 """DeepSeek-V4 chat rendering (deepinfer_core/api/chat.py) and LLM.chat.
 
-The official goldens must match byte for byte; the other expected strings are the worked examples of
-the V4 chat-format notes (§10), which were checked against the reference encoder.
+The official goldens must match byte for byte; the other expected strings are worked examples
+that were checked against the reference encoder (`encoding_dsv4.py`).
 """
 import copy
 import hashlib
@@ -50,7 +50,7 @@ def test_golden_1_with_tools_argument():
     assert data == before                       # the caller's messages are not mutated
 
 
-def test_long_texts_match_the_spec_hashes():
+def test_long_texts_match_the_reference_hashes():
     assert len(chat.TOOLS_TEMPLATE.encode()) == 1075
     assert sha256(chat.TOOLS_TEMPLATE) == "09b7269daaddbeaf11a3ed55c07b1846c35162b841d8b4301bbe0449879d1fd8"
     assert len(chat.EFFORT_TEXT_HIGH.encode()) == 476
@@ -59,7 +59,7 @@ def test_long_texts_match_the_spec_hashes():
     assert sha256(chat.EFFORT_TEXT_MAX) == "53fb31b8392ec5b4a926481943efc67636748f137c1a49d493a7af4d4fa55d2c"
 
 
-# ---- spec §10 worked examples --------------------------------------------------------------------
+# ---- worked examples, checked against the reference encoder --------------------------------------
 CONV = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "reasoning_content": "Greet back.", "content": "Hello!"},

@@ -1,4 +1,4 @@
-"""examples/multi_gpu/run_dp_bench.sh (issue 20's data-parallel must-show) on the CPU, CI-sized: its
+"""examples/multi_gpu/run_dp_bench.sh (data-parallel serving) on the CPU, CI-sized: its
 dry run prints the 2- and 4-GPU commands, which the benchmark's and the server's own parsers accept;
 the same script path end to end on two CPU ranks with expert parallelism (a 2-layer tiny model with
 FP4 experts, concurrency 1 and 2): every request succeeds and the JSON has each rank's weight and
@@ -43,9 +43,9 @@ def run_script(dp: int, env: dict[str, str], timeout: float) -> subprocess.Compl
 
 
 @pytest.mark.parametrize("dp", [2, 4])
-def test_dry_run_prints_the_must_show_commands(dp):
+def test_dry_run_prints_the_full_size_commands(dp):
     """The serve_bench command parses (serve_bench's resolve, the server's parser for --launch) and is the
-    must-show's: 43 layers, FP4 experts kept FP4, DP ranks with EP, 8k/1k at concurrency 1..512; the
+    full size: 43 layers, FP4 experts kept FP4, DP ranks with EP, 8k/1k at concurrency 1..512; the
     report compares with SGLang's 4xH200 figures only at DP=4."""
     p = run_script(dp, {"DRY_RUN": "1"}, timeout=60)
     assert p.returncode == 0, p.stderr

@@ -146,7 +146,7 @@ def test_plot_degrades_to_a_message_without_matplotlib(tmp_path, monkeypatch):
     assert msg.startswith("not drawn: matplotlib is not installed") and not (tmp_path / "x.png").exists()
 
 
-def test_verdicts_judge_issue_18s_targets_on_the_measured_model():
+def test_verdicts_judge_the_performance_targets_on_the_measured_model():
     """b1 <= 2x, b8 <= 1.6x, b64 and b256 <= 1.5x of the measured model's roofline (the full-depth
     ratio only as info), prefill 16k >= 40% of the FP8 peak, prefill 4k and decode >= 10x transformers."""
     from sweep_report import verdicts

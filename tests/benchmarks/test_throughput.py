@@ -132,7 +132,7 @@ def check_result(r: dict, path: Path) -> dict:
 
 
 def _has_dummy_loader() -> bool:
-    """The dummy loader (issue 15 item 8) is wired into the runner once its source names the format."""
+    """The dummy loader is wired into the runner once its source names the format."""
     src = "".join(p.read_text() for p in (REPO / "deepinfer_core").rglob("*.py")
                   if p.parent.name in ("runner", "model") and p.name != "dummy_weights.py")
     return '"dummy"' in src or "'dummy'" in src

@@ -1,5 +1,5 @@
 """The full DeepSeek-V4 graphs build on the meta device with exactly the checkpoint's tensor names,
-dtypes and shapes (spec deepseek_v4.md §6, §7), and the layer schedule comes from compress_ratios."""
+dtypes and shapes, and the layer schedule comes from compress_ratios."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Bit-exact tests of deepinfer_core.ops.quant against hand-computed values (spec §3.3, §6.4)."""
+"""Bit-exact tests of deepinfer_core.ops.quant against hand-computed values."""
 from __future__ import annotations
 
 import torch

@@ -18,7 +18,7 @@ from deepinfer_core.tools.make_tiny_checkpoint import (
 )
 from deepinfer_core.tools.tiny_config import tiny_compress_ratios, tiny_config_dict
 
-# Official dtype of each tensor family (spec §6), first match wins.
+# Official dtype of each tensor family, first match wins.
 OFFICIAL_DTYPES = [
     (r"\.experts\.\d+\.w[123]\.weight$", "I8"),
     (r"\.scale$", "F8_E8M0"),

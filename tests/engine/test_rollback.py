@@ -1,4 +1,4 @@
-"""Rollback of rejected speculative tokens (deepseek_v4.md §5.4; the groundwork of speculative
+"""Rollback of rejected speculative tokens (the groundwork of speculative
 decoding): a verification chunk [anchor, d_1..d_g] whose drafts after the j-th are rejected, then
 `SequenceState.rollback`, leaves a state that computes exactly what a run that only ever saw
 [anchor, d_1..d_j] computes: the logits of every later step and the live state (window ring entries,

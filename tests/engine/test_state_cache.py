@@ -46,7 +46,7 @@ def test_flash_layout_bytes_by_hand(v4_flash_config):
     # a 128-position block: 32 CSA rows of 512 bf16 + 32 indexer keys of 128 bf16, 1 HCA row of 512
     assert L.block_bytes == 21 * (32 * 512 + 32 * 128) * 2 + 20 * 512 * 2 == 880_640
     per_token = L.block_bytes / 128
-    assert 6_800 < per_token < 6_900    # ~6.9 KB/token with bf16 rows (spec README §2.8: 6.9 GB per 1M)
+    assert 6_800 < per_token < 6_900    # ~6.9 KB/token, bf16 rows: 6.9 GB per 1M tokens
 
 
 def test_flash_kv_fp8_layout_bytes_by_hand(v4_flash_config):

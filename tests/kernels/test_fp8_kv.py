@@ -63,7 +63,7 @@ def special(k: int, nt: int) -> tuple[int, int]:
 
 
 def test_row_bytes_and_rope_inference():
-    assert kv_row_bytes(512, 64) == 584 == 448 + 128 + 7 + 1          # V4-Flash: spec §5.1
+    assert kv_row_bytes(512, 64) == 584 == 448 + 128 + 7 + 1          # V4-Flash's 512-wide rows
     assert kv_row_bytes(128, 64) == 200 and kv_row_bytes(256, 64) == 328 and kv_row_bytes(64, 0) == 72
     for D in (64, 128, 256, 512):
         for r in range(D % 64, D, 64):

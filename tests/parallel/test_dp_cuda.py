@@ -1,4 +1,4 @@
-"""Data parallel + expert parallel on 2-4 GPUs of one host (issue 20): rank r on GPU r, the EP group on
+"""Data parallel + expert parallel on 2-4 GPUs of one host: rank r on GPU r, the EP group on
 NCCL, the vote on its gloo twin. Run on the nvidia-h200-x2 / -x4 kinds:
 `python -m pytest -q -m gpu tests/parallel/test_dp_cuda.py`.
 

@@ -1,4 +1,4 @@
-"""GPU data-parallel ranks, the parts a CPU can check (issue 20): where each rank runs, which backend
+"""GPU data-parallel ranks, the parts a CPU can check: where each rank runs, which backend
 its groups use, the refusals before any rank starts, and the settings a GPU rank applies to itself.
 
 The NCCL runs themselves need 2-4 GPUs (`tests/parallel/test_dp_cuda.py`, marked gpu); they were not run

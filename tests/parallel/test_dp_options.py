@@ -1,4 +1,4 @@
-"""`data_parallel_size` / `enable_expert_parallel` as options of `LLM(...)` and the CLI (issue 20).
+"""`data_parallel_size` / `enable_expert_parallel` as options of `LLM(...)` and the CLI.
 
 Oracle: the same call in one process (data_parallel_size=1). `LLM(..., data_parallel_size=2,
 enable_expert_parallel=True)` runs `generate` and `chat` on DataParallelLLM's two ranks (experts sharded,

@@ -1,4 +1,4 @@
-"""MTP speculative decoding under data parallelism (issue 20).
+"""MTP speculative decoding under data parallelism.
 
 A speculating rank's lockstep iteration makes as many expert-parallel MoE calls as a plain one: one
 verify forward through the main layers; the MTP block drafts with its own experts, locally

@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch/combine over gloo, in real processes (spec parallelism.md §8, T2/T3/T11).
+"""Expert-parallel dispatch/combine over gloo, in real processes.
 
 Oracle: the MoE sum computed in one process, Σ_k w_k·f_{e_k}(x) with f_e(x) = (e+1)·x, in top-k order.
 Each spawned world (2 and 4 ranks) splits the same global batch over its ranks (some ranks get T = 0 or

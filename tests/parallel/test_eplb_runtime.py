@@ -1,4 +1,4 @@
-"""EPLB while the engine runs (spec parallelism.md §6.3, §7.5, §8 T8/T9/T10): expert weight moves and
+"""EPLB while the engine runs: expert weight moves and
 rearrangements inside `DataParallelLLM`'s lockstep loop.
 
 * The transfer plan: every rank receives each expert it needs and lacks exactly once, from a holder,

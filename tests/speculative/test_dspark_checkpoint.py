@@ -1,4 +1,4 @@
-"""DSpark checkpoints (issue 17, item 3's loading part): a tiny checkpoint in the official format with
+"""DSpark checkpoints, loading: a tiny checkpoint in the official format with
 the V4-Flash-0731 DSpark tensor names (mtp.{0,1,2} window-only stages, mtp.0.main_proj FP8 + scale,
 mtp.0.main_norm, mtp.2.markov_head.markov_w1/_w2, mtp.2.confidence_head.proj) loads name by name; DS-
 DeepInfer's V4.1 spellings load into the same buffers; damaged ones and bad dspark_* keys name the

@@ -1,4 +1,4 @@
-"""DSpark drafting through the engine (issue 17, item 3; the drafter comes from the deepinfer-dspark
+"""DSpark drafting through the engine (the drafter comes from the deepinfer-dspark
 feature plugin's `deepinfer_proposer`) on a tiny random DSpark checkpoint (official format,
 V4-Flash-0731 names), float32, batch-invariant ops on the CPU:
 

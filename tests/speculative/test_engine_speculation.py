@@ -1,4 +1,4 @@
-"""MTP speculative decoding through the engine (`LLM.generate`, issue 17) on the bundled trained model,
+"""MTP speculative decoding through the engine (`LLM.generate`) on the bundled trained model,
 float32 on the CPU with batch-invariant ops:
 
 - lossless: greedy outputs with MTP-1 and MTP-3 equal non-speculative ones token for token; seeded

@@ -1,4 +1,4 @@
-"""MTP speculative decoding (issue 17) through the reference loop (`deepinfer_core.speculative`) on
+"""MTP speculative decoding through the reference loop (`deepinfer_core.speculative`) on
 the bundled trained model, float32 on the CPU with batch-invariant ops (a row's result does not
 depend on how many rows share its chunk, so a verify chunk computes what decode steps compute):
 

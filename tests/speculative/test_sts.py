@@ -1,4 +1,4 @@
-"""Sequential temperature scaling (deepinfer_dspark.calibrate, dspark.md §3.6) on synthetic logs: the
+"""Sequential temperature scaling (deepinfer_dspark.calibrate) on synthetic logs: the
 fit recovers the temperature that made a head over-confident, position by position, and lowers the
 cumulative ECE; the logits are recovered exactly from the engine's cumulative confidences."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Confidence-scheduled verification (VARLEN, issue 17): the length rule, its causality (lossless),
+"""Confidence-scheduled verification (VARLEN): the length rule, its causality (lossless),
 the step-time table, the scheduler's rows fed past max_tokens, and greedy outputs through the engine
 equal to non-speculative ones while the verified length follows the confidences."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The DSpark drafter training tool (tools/train_tiny/dspark.py) on the CPU in a few steps, against the
-bundled trained target: the spec's loss through the engine's own block forward, the drafter artifact
-(<= 8 MB, the target's compact vocabulary), and the DSpark checkpoint built from target + drafter,
-which the engine loads and drafts with."""
+"""The DSpark drafter training tool (tools/train_tiny/dspark.py) on the CPU in a few steps, against
+the bundled trained target: the DSpark paper's loss through the engine's own block forward, the
+drafter artifact (<= 8 MB, the target's compact vocabulary), and the DSpark checkpoint built from
+target + drafter, which the engine loads and drafts with."""
 from __future__ import annotations
 
 import json

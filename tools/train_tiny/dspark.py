@@ -1,4 +1,4 @@
-"""Train a DSpark drafter against the trained tiny target (issue 17; dspark.md §3.7) and export it.
+"""Train a DSpark drafter against the trained tiny target and export it.
 
     python -m tools.train_tiny.dspark corpus.npz OUT_DIR [--device cuda] [--minutes 4]
 
@@ -6,7 +6,7 @@ The target is the bundled trained model (deepinfer_core/tools/data, or --target 
 run with the served QAT numerics; the drafter is the engine's own module graph (model/dspark.py: three
 window-only V4 stages with their own MoE, `main_proj`/`main_norm`, the Markov and confidence heads) and
 the plugin's own block forward (deepinfer_dspark.drafter: `block_hidden`, `draft_heads`), trained
-with the spec's objective on random anchors of corpus windows:
+with the DSpark paper's objective on random anchors of corpus windows:
 
     L = 0.1 CE(label) + 0.9 ||p_draft - p_target||_1 + BCE(confidence logit, 1 - 1/2 ||p_draft - p_target||_1)
 
@@ -46,8 +46,8 @@ from . import model as M
 from .export import checkpoint_tensors
 from .train import heldout_starts, learning_rate, optimizer_step, run_parser, windows_at
 
-# the drafter's config keys (dspark.md §3.3), scaled to the tiny target: three stages like V4's, fed by
-# the last three target layers, gamma 5, the real noise token id
+# the drafter's config keys (as in DeepSeek's DSpark checkpoints), scaled to the tiny target: three
+# stages like V4's, fed by the last three target layers, gamma 5, the real noise token id
 DRAFTER_KEYS = dict(num_nextn_predict_layers=3, dspark_block_size=5, dspark_noise_token_id=128799,
                     dspark_target_layer_ids=[5, 6, 7], dspark_markov_rank=64, dspark_n_routed_experts=8,
                     dspark_num_experts_per_tok=2, dspark_target_attn_input=True)

@@ -1,4 +1,4 @@
-"""mHC (manifold-constrained hyper-connections, spec deepseek_v4.md §3.2) on the NVIDIA backend: the
+"""mHC (manifold-constrained hyper-connections) on the NVIDIA backend: the
 same interface and return values as the core's `PortableMHC`, served by the fused Triton kernels in
 `deepinfer_kernels.mhc` (one read of the residual streams for the norm + projection, the 4x4
 softmax/Sinkhorn in registers, and a single elementwise pass for post)."""

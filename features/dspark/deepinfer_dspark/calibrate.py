@@ -1,4 +1,4 @@
-"""Sequential temperature scaling (STS, dspark.md §3.6) for a DSpark checkpoint's confidence head.
+"""Sequential temperature scaling (STS, DSpark paper) for a DSpark checkpoint's confidence head.
 
     python -m deepinfer_dspark.calibrate --model DIR --prompts PROMPTS.json [--tokens 128]
                                          [--temperature 1.0] [--json OUT.json] [--write-config]

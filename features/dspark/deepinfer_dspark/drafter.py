@@ -1,4 +1,4 @@
-"""The DSpark drafter (dspark.md §3), the `deepinfer_proposer` of this feature plugin: a parallel block forward over `[anchor, noise x (gamma-1)]`
+"""The DSpark drafter, the `deepinfer_proposer` of this feature plugin: a parallel block forward over `[anchor, noise x (gamma-1)]`
 through the checkpoint's stages (model/dspark.py), then left-to-right sampling with the Markov head's
 bias, and a confidence per draft for VARLEN.
 
