@@ -71,7 +71,7 @@ def dtype_name(value: Any) -> str:
 BOOL = Rule("True, False", lambda v: isinstance(v, bool))
 UTILIZATION = Rule("a number in (0, 1]", lambda v: not isinstance(v, bool) and isinstance(v, (int, float))
                    and 0 < v <= 1, float)
-SINGLE_GPU = "multi-GPU is not implemented yet"
+SINGLE_GPU = "not implemented; data and expert parallelism are (data_parallel_size, enable_expert_parallel)"
 NO_SPECULATIVE = "use num_speculative_tokens (DEEPINFER_USE_NEXTN_DECODE): MTP drafts are the only method yet"
 
 

@@ -198,6 +198,45 @@ class DraftProposer(Protocol):
     # (pad_slot: the cache's spare slot, which no sequence owns, for padding rows to write into).
 
 
+@runtime_checkable
+class SchedulingPolicy(Protocol):
+    """deepinfer_scheduler_policy: the order in which the scheduler admits waiting requests (the
+    core's is first come, first served). Budgets, cache capacity and preemption stay the core's:
+    a preempted sequence resumes first, whatever its key."""
+
+    name: str
+
+    def admission_key(self, request: Any) -> Any:
+        """A sort key for a request's completions entering the waiting queue: lower keys are
+        admitted first, equal keys in arrival order. Called once per completion, on the host, when
+        it is submitted. `request` is an engine.sequence.Request (`request_id`, `prompt`,
+        `prompt_token_ids`, `params`: SamplingParams, `metrics.arrival_time`); the keys of one
+        policy must compare with each other."""
+
+
+@runtime_checkable
+class DraftVerifier(Protocol):
+    """deepinfer_verifier: the acceptance rule of speculative decoding. The core's
+    (`ops/verify.py`) is lossless: exact greedy and standard speculative sampling."""
+
+    exact_greedy: bool     # greedy rows follow the core's argmax rule, so greedy steps may be
+                           # verified on the device by the core's own kernels (else the host path)
+
+    def verify(self, target_logits: torch.Tensor, num_drafts: Sequence[int], draft_ids: torch.Tensor,
+               draft_probs: torch.Tensor | None, params: Sequence[Any], positions: Sequence[int],
+               seeds: Sequence[int]) -> Any:
+        """An ops.verify.Verdict: drafts accepted per request and the token each adds. Request i's
+        rows of `target_logits` are its num_drafts[i] + 1 verify rows, in request order;
+        `draft_probs` (None when every request is greedy) the distributions the drafts were sampled
+        from; `positions[i]` the position of request i's first draft; `seeds[i]` its seed."""
+
+
+def resolve_scheduling(pm: Any, ctx: Any) -> tuple[SchedulingPolicy, DraftVerifier]:
+    """The scheduling policy and the draft verifier, each checked against its contract."""
+    return (check_contract(pm.scheduler_policy(ctx), SchedulingPolicy, "scheduler policy"),
+            check_contract(pm.verifier(ctx), DraftVerifier, "verifier"))
+
+
 def resolve_proposer(pm: Any, ctx: Any) -> Any:
     """The proposer factory a plugin offers for this checkpoint, or None (the MTP block drafts)."""
     return pm.proposer(ctx)
@@ -221,6 +260,7 @@ class EngineRunner(StepRunner, Protocol):
 
     sampler: TokenSampler
     logits_processors: list        # engine/constraints.py LogitsProcessor objects
+    scheduler_policy: SchedulingPolicy | None    # None: first come, first served
     profile_tokens: int | None     # the largest step the cache's sizing must leave room for
 
     def allocate_cache(self, request: Any) -> Any:

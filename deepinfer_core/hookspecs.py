@@ -94,14 +94,18 @@ def deepinfer_logits_processors(ctx):
 
 @hookspec(firstresult=True)
 def deepinfer_scheduler_policy(ctx):
-    """Return the scheduling policy (admission, ordering, preemption victim choice)."""
+    """Return the `SchedulingPolicy`: the order in which waiting requests are admitted (the core's:
+    first come, first served). Budgets, cache capacity and preemption stay the scheduler's."""
 
 
 @hookspec(firstresult=True)
 def deepinfer_proposer(ctx):
-    """Return the draft-token proposer (MTP, DSpark), or None to disable speculation."""
+    """Return a drafter factory `factory(model, num_drafts, temperatures) -> DraftProposer` for this
+    checkpoint (DSpark), or None: the checkpoint's MTP block drafts (when speculation is on)."""
 
 
 @hookspec(firstresult=True)
 def deepinfer_verifier(ctx):
-    """Return the verifier of draft tokens (acceptance rule, verify-length scheduling)."""
+    """Return the `DraftVerifier`: the acceptance rule of draft tokens (the core's is lossless:
+    exact greedy, standard speculative sampling). How many drafts a step verifies is the engine's
+    (`enable_mtp_varlen`)."""

@@ -1,11 +1,14 @@
-"""Tables the README carries between two marker comments, generated from the code that owns them
-(envs.py: the environment variables; engine_config.py: the engine options), and the small CLI
-each offers (`--markdown`, `--update-readme PATH`). A test per table keeps the README current."""
+"""Tables a docs page carries between two marker comments, generated from the code that owns them
+(envs.py: the environment variables; engine_config.py: the engine options; both in
+docs/configuration.md), and the small CLI each offers (`--markdown`, `--update PATH`). A test per
+table keeps the page current."""
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+
+DOCS_PAGE = "docs/configuration.md"  # the page both tables live in, relative to the repository root
 
 
 def section(text: str, begin: str, end: str) -> str | None:
@@ -31,15 +34,17 @@ def update(path: str | Path, begin: str, end: str, table: str) -> bool:
 
 def cli(prog: str, description: str, render: Callable[[], str], begin: str, end: str,
         argv: list[str] | None, default: Callable[[], int] | None = None) -> int:
-    """`--markdown` prints the table, `--update-readme PATH` rewrites it; with neither, `default()`
-    (or the table when there is no default)."""
+    """`--markdown` prints the table, `--update PATH` (alias `--update-readme`) rewrites it in a
+    docs page; with neither, `default()` (or the table when there is no default)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--markdown", action="store_true", help="print the README table")
-    parser.add_argument("--update-readme", metavar="PATH", help=f"rewrite the table between {begin} and {end}")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--update", "--update-readme", dest="update", metavar="PATH",
+                        help=f"rewrite the table between {begin} and {end} in the docs page PATH "
+                             f"(this one lives in {DOCS_PAGE})")
     args = parser.parse_args(argv)
-    if args.update_readme:
-        changed = update(args.update_readme, begin, end, render())
-        print(f"{args.update_readme}: {'updated' if changed else 'already up to date'}")
+    if args.update:
+        changed = update(args.update, begin, end, render())
+        print(f"{args.update}: {'updated' if changed else 'already up to date'}")
         return 0
     if args.markdown or default is None:
         print(render())

@@ -330,7 +330,8 @@ class LLM:
             cfg = SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
                                   max_model_len=self.config.model.max_model_len)
             engine = self._engine = Engine(
-                self.runner, self.sampler, Scheduler(cfg, allocator), self.tokenizer,
+                self.runner, self.sampler, Scheduler(cfg, allocator, self.runner.scheduler_policy),
+                self.tokenizer,
                 max_model_len=self.config.model.max_model_len, async_scheduling=sched.async_scheduling,
                 seed=self.config.model.seed, logits_processors=self.logits_processors,
                 speculator=self.runner.make_speculator())

@@ -1,4 +1,5 @@
-"""Continuous batching: FCFS admission, chunked prefill under a token budget, prefill and decode
+"""Continuous batching: admission in the scheduling policy's order (first come, first served by
+default; a plugin may offer another through `deepinfer_scheduler_policy`), chunked prefill under a token budget, prefill and decode
 mixed in one step, `max_num_seqs`, and preemption by recompute when the state cache is full.
 
 The scheduler decides *which tokens of which sequences* run next and which slot and blocks of the
@@ -19,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..cache.block_allocator import BlockAllocator
-from .sequence import SeqStatus, Sequence
+from ..contracts import SchedulingPolicy
+from .sequence import Request, SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -104,9 +106,24 @@ class BlockManager:
             seq.slot = -1
 
 
+class FirstComeFirstServed:
+    """The core's scheduling policy: every request the same key, so requests are admitted in the
+    order they arrived."""
+
+    name = "fcfs"
+
+    def admission_key(self, request: Request) -> int:
+        return 0
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator,
+                 policy: SchedulingPolicy | None = None):
         self.config = config
+        self.policy = policy if policy is not None else FirstComeFirstServed()
+        # seq_id -> its place in the waiting queue: (0,) resumes first (a preempted sequence), then
+        # (1, the policy's key) in key order, equal keys in arrival order
+        self._keys: dict[int, tuple] = {}
         self.blocks = BlockManager(allocator, config.block_size)
         # confidence-scheduled verification (speculative/varlen.py): the step's common draft length
         # from the cumulative confidences of the sequences that verify; None verifies every draft
@@ -126,7 +143,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        key = self._keys[seq.seq_id] = (1, self.policy.admission_key(seq.request))
+        i = len(self.waiting)
+        while i and key < self._keys.get(self.waiting[i - 1].seq_id, (0,)):
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or any(not s.finished for s in self.waiting)
@@ -268,7 +289,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.finished:
-                self.waiting.popleft()
+                self._keys.pop(self.waiting.popleft().seq_id, None)
                 continue
             if not seq.ready:
                 skipped.append(self.waiting.popleft())
@@ -278,7 +299,7 @@ class Scheduler:
             n = self._next_chunk(seq, budget)
             if not self.blocks.can_hold(seq, seq.num_computed + n):
                 break
-            self.waiting.popleft()
+            self._keys.pop(self.waiting.popleft().seq_id, None)
             out.admitted.append(seq)
             seq.status = SeqStatus.RUNNING
             self.running[seq.seq_id] = seq
@@ -303,5 +324,6 @@ class Scheduler:
         del self.running[seq.seq_id]
         seq.status, seq.num_computed, seq.draft_ids, seq.draft_conf = SeqStatus.WAITING, 0, [], []
         seq.draft_source = None
+        self._keys[seq.seq_id] = (0,)
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

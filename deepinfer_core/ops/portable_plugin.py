@@ -53,3 +53,15 @@ def deepinfer_pointwise_method(ctx: BuildContext):
 def deepinfer_sampler(ctx: BuildContext):
     from .sampler import Sampler
     return Sampler()
+
+
+@hookimpl(trylast=True)
+def deepinfer_scheduler_policy(ctx: BuildContext):
+    from ..engine.scheduler import FirstComeFirstServed
+    return FirstComeFirstServed()
+
+
+@hookimpl(trylast=True)
+def deepinfer_verifier(ctx: BuildContext):
+    from .verify import ExactVerifier
+    return ExactVerifier()

@@ -94,6 +94,17 @@ def verify(target_logits: torch.Tensor, num_drafts: Sequence[int], draft_ids: to
     return Verdict(accepted, _extra_tokens(probs, draft_probs, end_rows, rejected_at, greedy, row_pos, seeds, dev))
 
 
+class ExactVerifier:
+    """The core's verifier (hook deepinfer_verifier): `verify` above, lossless."""
+
+    exact_greedy = True
+
+    def verify(self, target_logits: torch.Tensor, num_drafts: Sequence[int], draft_ids: torch.Tensor,
+               draft_probs: torch.Tensor | None, params: Sequence[Any], positions: Sequence[int],
+               seeds: Sequence[int]) -> Verdict:
+        return verify(target_logits, num_drafts, draft_ids, draft_probs, params, positions, seeds)
+
+
 def _accepted_prefixes(flags: list[bool], num_drafts: Sequence[int], first: list[int]):
     """Per request: drafts accepted (up to the first rejection), its end row (the correction's or the
     bonus's target row), and the rejected draft's index among all drafts (requests that rejected one)."""

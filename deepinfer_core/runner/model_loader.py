@@ -8,7 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ModelConfig
-from ..contracts import ModelOps, TokenSampler, resolve_model_ops, resolve_proposer, resolve_sampler
+from ..contracts import (
+    DraftVerifier,
+    ModelOps,
+    SchedulingPolicy,
+    TokenSampler,
+    resolve_model_ops,
+    resolve_proposer,
+    resolve_sampler,
+    resolve_scheduling,
+)
 from ..engine_config import EngineConfig
 from ..model import bind_ops, build_model, process_weights
 from ..model.attention import Numerics
@@ -47,6 +56,8 @@ class LoadedModel:
     ops: ModelOps
     logits_processors: list = field(default_factory=list)   # deepinfer_logits_processors, once
     proposer: Any = None        # deepinfer_proposer's drafter factory for this checkpoint, or None
+    scheduler_policy: SchedulingPolicy | None = None    # deepinfer_scheduler_policy
+    verifier: DraftVerifier | None = None               # deepinfer_verifier
 
 
 def engine_config(config: EngineConfig | None, options: dict) -> EngineConfig:
@@ -79,6 +90,7 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, expert
         check_batch_invariant(ops, sampler)
     logits_processors = pm.logits_processors(ctx)
     proposer = resolve_proposer(pm, ctx)
+    scheduler_policy, verifier = resolve_scheduling(pm, ctx)
     check_fp4_experts(ops, ctx)
     skip = None
     if config.model.load_format == "dummy" and expert_shard is None:
@@ -106,4 +118,5 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, expert
     process_weights(model)
     model.to(device)
     return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops,
-                       logits_processors=logits_processors, proposer=proposer)
+                       logits_processors=logits_processors, proposer=proposer,
+                       scheduler_policy=scheduler_policy, verifier=verifier)

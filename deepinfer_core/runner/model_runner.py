@@ -89,6 +89,7 @@ class ModelRunner:
         self.model = self.loaded.model
         self.sampler = self.loaded.sampler      # chosen through deepinfer_sampler, once
         self.logits_processors = self.loaded.logits_processors
+        self.scheduler_policy = self.loaded.scheduler_policy
         self.model_config: ModelConfig = self.model.cfg
         self.device = self.loaded.ctx.device
         self.dtype = self.loaded.ctx.torch_dtype
@@ -236,7 +237,8 @@ class ModelRunner:
                                       DraftProposer, "proposer")
             if self.graphs is not None and callable(getattr(proposer, "use_graphs", None)):
                 proposer.use_graphs(self.graphs.buckets[-1], self.cache.spare_slot)   # its own graphs (optional)
-        return Speculator(self.model, self.num_drafts, graphs, proposer=proposer)
+        return Speculator(self.model, self.num_drafts, graphs, proposer=proposer,
+                          verifier=self.loaded.verifier)
 
     def confidence_temperatures(self) -> tuple[float, ...]:
         """The option (DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE) when set, else the calibration the

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..contracts import DraftProposer
+from ..contracts import DraftProposer, DraftVerifier
 from ..engine.scheduler import ScheduledChunk
 from ..engine.sequence import Sequence
 from ..model.deepseek_v4 import DeepseekV4Model, ModelOutput
@@ -37,7 +37,7 @@ from ..model.forward_batch import ForwardBatch
 from ..ops.penalties import PenaltyState
 from ..ops.sampler import GREEDY_EPS, compute_logprobs
 from ..ops.transfer import to_device, to_host
-from ..ops.verify import verify
+from ..ops.verify import ExactVerifier
 from .device_verdict import mtp_drafts_on_device, verify_on_device
 from .mtp import Drafts, MTPDrafter, draft_confidence, draw
 from .mtp_graphs import MTPGraphs
@@ -80,12 +80,14 @@ class SpecOutcome:
 class Speculator:
     def __init__(self, model: DeepseekV4Model, num_drafts: int,
                  graphs: Callable[[torch.Tensor], MTPGraphs] | None = None, replay: ReplayDrafter | None = None,
-                 proposer: DraftProposer | None = None):
+                 proposer: DraftProposer | None = None, verifier: DraftVerifier | None = None):
         """Drafts with `proposer` (a plugin's, e.g. DSpark) when given, else with the checkpoint's MTP
         block. `graphs`: builds the MTP drafter's CUDA graphs (from the first step's target streams)
         when the runner has decode graphs; None runs it eagerly. `replay`: draft with a ReplayDrafter
-        instead (benchmarks)."""
+        instead (benchmarks). `verifier`: the acceptance rule (deepinfer_verifier; None: the core's);
+        one without the core's exact greedy rule verifies every step on the host."""
         self.replay, self.proposer = replay, proposer
+        self.verifier = verifier if verifier is not None else ExactVerifier()
         self.drafter = MTPDrafter(model, num_drafts) if replay is None and proposer is None else None
         if proposer is not None:
             graphs = None
@@ -115,6 +117,8 @@ class Speculator:
     def device_drafting(self, num_seqs: int, q: int) -> bool:
         """Whether this drafter can draft after a verdict that stays on the device, for a verify step
         of this shape (the replay drafter; the MTP drafter on CUDA graphs that take device positions)."""
+        if not self.verifier.exact_greedy:
+            return False
         if self.replay is not None:
             return True
         graphs = self._graphs
@@ -173,7 +177,7 @@ class Speculator:
         penalised = any(s.penalised for s in seqs)
         if penalised:
             target = self._penalise(target, seqs, slot_list, drafts, ks, penalties)
-        verdict = verify(target, ks, to_device(ids, torch.long, dev), probs, params,
+        verdict = self.verifier.verify(target, ks, to_device(ids, torch.long, dev), probs, params,
                          [c.start + 1 for c in out.verified], [s.seed for s in seqs])
         slots = to_device(slot_list, torch.long, dev)
         last_token.index_copy_(0, slots, verdict.tokens)

@@ -51,6 +51,7 @@ class FakeRunner:
     device = "cpu"
     sampler = Sampler()
     logits_processors: list = []
+    scheduler_policy = None          # first come, first served
     profile_tokens: int | None = None
 
     def __init__(self, fn: Callable[[list[int]], torch.Tensor] = random_logits, vocab: int = VOCAB,

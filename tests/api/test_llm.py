@@ -384,3 +384,20 @@ def test_fp4_experts_is_refused_where_the_backend_cannot_keep_them(tiny_ckpt_dir
     """An option we accept does what it says: the CPU's portable MoE dequantises experts at load."""
     with pytest.raises(ValueError, match=r"fp4_experts=True: .*PortableMoE.*nvidia backend"):
         LLM(model=str(tiny_ckpt_dir), fp4_experts=True)
+
+
+def test_llm_admits_in_the_runners_scheduling_policy_order(make_llm):
+    """The runner's policy (hook deepinfer_scheduler_policy) orders admission: shortest prompt
+    first, one sequence at a time."""
+    class ShortestPromptFirst:
+        name = "shortest-prompt-first"
+
+        def admission_key(self, request):
+            return len(request.prompt_token_ids)
+
+    llm, runner = make_llm(max_num_seqs=1)
+    runner.scheduler_policy = ShortestPromptFirst()
+    outs = llm.generate(prompt_token_ids=[[5] * 9, [5] * 3, [5] * 6],
+                        sampling_params=SamplingParams(max_tokens=2, ignore_eos=True))
+    first = [o.metrics.first_scheduled_time for o in outs]
+    assert sorted(range(3), key=first.__getitem__) == [1, 2, 0]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer_core import engine_config as ec
-from deepinfer_core import envs, generate
+from deepinfer_core import envs, generate, readme_tables
 from deepinfer_core.engine_config import COMPAT_OPTIONS, EngineConfig, option_fields
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def test_every_field_refuses_a_bad_value_naming_the_field(clean_env, name):
     ({"load_format": "pt"}, "load_format='pt'; allowed: 'auto', 'dummy'"),
     ({"async_scheduling": "yes"}, r"async_scheduling='yes'; allowed: True, False, None \(= "
                                   "DEEPINFER_ZERO_OVERHEAD_SCHEDULING\\)"),
-    ({"tensor_parallel_size": 8}, r"tensor_parallel_size=8; allowed: 1 \(multi-GPU is not implemented yet\)"),
+    ({"tensor_parallel_size": 8}, r"tensor_parallel_size=8; allowed: 1 \(not implemented; data and expert parallelism are"),
     ({"data_parallel_size": 0}, "data_parallel_size=0; allowed: an int >= 1"),
     ({"data_parallel_size": 2, "device": "cuda:1"},
      "data_parallel_size=2 with device='cuda:1': rank r runs on GPU r .* allowed with data_parallel_size > 1: "
@@ -222,7 +222,7 @@ def test_cli_flags_reach_the_config(clean_env):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--tensor-parallel-size", "8"], "multi-GPU is not implemented yet"),
+    (["--tensor-parallel-size", "8"], "not implemented; data and expert parallelism are"),
     (["--max-num-seqs", "x"], "'x' is not int"),
     (["--kv-cache-dtype", "fp16"], "allowed: 'auto', 'bfloat16', 'fp8'"),
 ])
@@ -246,11 +246,13 @@ def test_help_and_config_need_no_torch():
 
 
 def test_readme_option_table_is_current():
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    """The tables in docs/configuration.md are the generated ones, and name every option."""
+    page = readme_tables.DOCS_PAGE
+    text = (REPO / page).read_text(encoding="utf-8")
     start, end = text.find(ec.README_BEGIN), text.find(ec.README_END)
-    assert 0 <= start < end, "README.md lacks the <!-- options:begin/end --> markers"
+    assert 0 <= start < end, f"{page} lacks the <!-- options:begin/end --> markers"
     assert text[start + len(ec.README_BEGIN):end].strip() == ec.markdown_table().strip(), \
-        "README option table is stale: run python -m deepinfer_core.engine_config --update-readme README.md"
+        f"{page}'s option table is stale: python -m deepinfer_core.engine_config --update {page}"
     for name in OPTIONS + sorted(COMPAT_OPTIONS):
         assert f"| `{name}` |" in text
 

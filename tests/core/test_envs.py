@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_core import envs
+from deepinfer_core import envs, readme_tables
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,10 +144,12 @@ def test_settings_fields_follow_the_table():
 
 
 def test_readme_table_matches_generated():
-    section = envs.readme_section((REPO / "README.md").read_text(encoding="utf-8"))
-    assert section is not None, "README.md lacks the <!-- envs:begin/end --> markers"
+    """The table in docs/configuration.md is the generated one."""
+    page = readme_tables.DOCS_PAGE
+    section = envs.readme_section((REPO / page).read_text(encoding="utf-8"))
+    assert section is not None, f"{page} lacks the <!-- envs:begin/end --> markers"
     assert section.strip() == envs.markdown_table().strip(), \
-        "README env table is stale: run python -m deepinfer_core.envs --update-readme README.md"
+        f"{page}'s env table is stale: run python -m deepinfer_core.envs --update {page}"
 
 
 def test_cli_markdown_and_update_readme(tmp_path):
@@ -160,3 +162,9 @@ def test_cli_markdown_and_update_readme(tmp_path):
     assert envs.readme_section(readme.read_text()).strip() == envs.markdown_table()
     assert readme.read_text().endswith("tail\n")
     assert envs.update_readme(readme) is False
+    readme.write_text(f"# X\n{envs.README_BEGIN}\nold\n{envs.README_END}\n")
+    for flag, said in (("--update", "updated"), ("--update-readme", "already up to date")):
+        out = subprocess.run([sys.executable, "-m", "deepinfer_core.envs", flag, str(readme)],
+                             cwd=REPO, capture_output=True, text=True, check=True).stdout
+        assert out.strip() == f"{readme}: {said}"
+    assert envs.readme_section(readme.read_text()).strip() == envs.markdown_table()

