@@ -62,11 +62,12 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     fi
 fi
 
-# Editable installs without build isolation need setuptools >= 64 (PEP 660) in this environment;
-# building in place also avoids fetching setuptools for each of the seven distributions.
-if ! "$PYTHON" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" \
+# Installs without build isolation build with this environment's setuptools, which must satisfy the
+# packages' build-system requirement: >= 77 reads their SPDX `license` (PEP 639; 64 brought PEP 660
+# editable installs). Building in place also avoids fetching setuptools for each distribution.
+if ! "$PYTHON" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
         >/dev/null 2>&1; then
-    "${pip[@]}" "setuptools>=64"
+    "${pip[@]}" "setuptools>=77"
 fi
 
 targets=(-e ".${extras}")
@@ -79,10 +80,12 @@ for feature in features/*/; do
     [ -f "$feature/pyproject.toml" ] && targets+=(-e "${feature%/}")
 done
 
-# Only the chosen backend stays installed, so the plugin listing matches this build.
+# Only the chosen backend stays installed, so the plugin listing matches this build; the backends'
+# former distribution names (deepinfer-nvidia-sm100, deepinfer-ascend950) go too: they register the
+# same plugin names as deepinfer-nvidia and deepinfer-ascend.
 stale=()
-for dist in deepinfer-nvidia-sm100 deepinfer-ascend950; do
-    case "$accel:$dist" in nvidia:deepinfer-nvidia-sm100|ascend:deepinfer-ascend950) continue ;; esac
+for dist in deepinfer-nvidia deepinfer-ascend deepinfer-nvidia-sm100 deepinfer-ascend950; do
+    case "$accel:$dist" in nvidia:deepinfer-nvidia|ascend:deepinfer-ascend) continue ;; esac
     if "$PYTHON" -m pip show -q "$dist" >/dev/null 2>&1; then stale+=("$dist"); fi
 done
 if [ "${#stale[@]}" -gt 0 ]; then

@@ -2,7 +2,7 @@
 per prompt position and argmax agreement, for {float32, bfloat16} x {QAT simulation on, off} x
 {portable ops on CUDA, nvidia backend}. Prints a table, writes benchmarks/results/backend_agreement.json.
 
-    python benchmarks/backend_agreement.py      # on a GPU machine with deepinfer-nvidia-sm100 installed
+    python benchmarks/backend_agreement.py      # on a GPU machine with deepinfer-nvidia installed
 
 `--greedy DEVICE[,DEVICE]`: on the bundled trained tiny model, bf16 + QAT greedy continuations (32
 tokens of 16 prompts, `LLM.generate`) against float32 ones with the same QAT setting, on each device

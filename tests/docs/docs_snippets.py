@@ -11,8 +11,8 @@ What is collected from a page:
   `VAR=value python ...`, `deepinfer ...`), also when it wraps a line;
 - every ```python block, whole.
 
-How they run: from the repository root, in a subprocess (`bash -c` for shell lines, the Python
-blocks on `python -` stdin), with a fresh temporary HOME and XDG_CACHE_HOME (so the bundled tiny
+How they run: from the repository root, in a subprocess (`bash -c` for shell lines, each Python
+block written to a file of its own and run as `python FILE`), with a fresh temporary HOME and XDG_CACHE_HOME (so the bundled tiny
 model is built into an empty user cache, as on a newcomer's machine, and no Hugging Face cache of
 this machine is seen), no other DEEPINFER_* / HF_* variables and DEEPINFER_ACCELERATOR=cpu;
 `python` is this interpreter. One substitution: the docs' checkpoint path /tmp/tiny-v4 (written by
@@ -22,6 +22,7 @@ block alike, by a path in this run's temporary directory, so that parallel runs 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import re
@@ -230,18 +231,21 @@ def clean_env(root: Path) -> dict[str, str]:
 
 def execute(job: Job, env: dict[str, str], tiny: Path) -> Result:
     text = job.text.replace(TINY, str(tiny))
-    argv, stdin = (
-        (["bash", "-c", text], None) if job.kind == "shell" else ([sys.executable, "-"], text)
-    )
+    if job.kind == "shell":
+        argv = ["bash", "-c", text]
+    else:  # from a file, as a user runs it (spawn re-imports the main module: `python -` cannot)
+        script = tiny.parent / f"block_{hashlib.sha1(job.where.encode()).hexdigest()[:12]}.py"
+        script.write_text(text, encoding="utf-8")
+        argv = [sys.executable, str(script)]
     start = time.monotonic()
     try:
-        p = subprocess.run(argv, check=False, cwd=REPO, env=env, input=stdin,
+        p = subprocess.run(argv, check=False, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                            capture_output=True, text=True, encoding="utf-8", errors="replace",
                            timeout=TIMEOUT_S)
         rc, out, err = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as exc:
         rc, out = None, str(exc.stdout or "")
         err = f"timed out after {TIMEOUT_S} s\n{exc.stderr or ''}"
-    shown = text if job.kind == "shell" else f"python - <<EOF\n{text}EOF"
+    shown = text if job.kind == "shell" else f"python {argv[-1]}  # holding:\n{text}"
     return Result(shown, rc, out, err, time.monotonic() - start, tiny,
                   Path(env["XDG_CACHE_HOME"]))

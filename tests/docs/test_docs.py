@@ -281,6 +281,13 @@ AVX2_SUITE = (
     'NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL" python -m pytest -q tests -m "not gpu"'
 )
 TABLE: dict[str, Run | Skip] = {
+    # names of tools in prose (the packages' READMEs, the changelog)
+    "./build.sh": Skip("names the tool in prose (a package README, the changelog); its runnable forms are on the docs pages"),
+    "pip": Skip("names the tool in prose (a package README, the changelog); its runnable forms are on the docs pages"),
+    "pip wheel": Skip("names the tool in prose (a package README, the changelog); its runnable forms are on the docs pages"),
+    "python -m build": Skip("names the tool in prose (a package README, the changelog); its runnable forms are on the docs pages"),
+    "python -m deepinfer_core.tools.make_tiny_checkpoint": Skip("names the tool in prose (a package README, the changelog); its runnable forms are on the docs pages"),
+    "deepinfer bench throughput|serve|sweep": Skip("names the tool in prose (a package README, the changelog); its runnable forms are on the docs pages"),
     # Quick start
     "DEEPINFER_ACCELERATOR=cpu ./build.sh": Skip(
         "installs packages; CI runs `./build.sh --test` before the tests"
@@ -305,7 +312,7 @@ TABLE: dict[str, Run | Skip] = {
     "python -m deepinfer_core.serve --served-model-name tiny": Skip(
         "a server runs until it is stopped; tests/plugins/test_example_plugin.py starts it with the example plugin"),
     "curl -s localhost:8000/v1/completions -H \"Content-Type: application/json\" -d '{\"model\": \"tiny\", "
-    "\"prompt\": \"ROMEO.\\nI love\", \"max_tokens\": 24, \"temperature\": 0, \"extra_args\": {\"banned_words\": "
+    "\"prompt\": \"ROMEO.\\nI love\", \"max_tokens\": 16, \"temperature\": 0, \"extra_args\": {\"banned_words\": "
     "[\"thee\", \"thou\", \"my lord\"]}}'": Skip(
         "needs the server of the line above with the example plugin; tests/plugins/test_example_plugin.py sends "
         "this body"),
@@ -317,6 +324,8 @@ TABLE: dict[str, Run | Skip] = {
     "python -m deepinfer_core.serve": Skip(
         "the server's command as the status table names it (its full form is above)"),
     "pip install fastapi uvicorn": Skip("installs packages (build.sh --test already has them)"),
+    'pip install "deepinfer-core[server]"': Skip(
+        "installs packages (build.sh --test already has the server's); tests/packaging builds the wheels"),
     "curl -s localhost:8000/v1/chat/completions -H \"Authorization: Bearer sk-local\" -H \"Content-Type: "
     "application/json\" -d '{\"model\": \"/tmp/tiny-v4\", \"messages\": [{\"role\": \"user\", \"content\": "
     "\"Hello\"}], \"max_tokens\": 16}'": Skip("needs the server of the line above running; tests/serve/test_server.py "
