@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import ModelConfig
 from ..contracts import (
+    check_contract,
     DraftVerifier,
     ModelOps,
     SchedulingPolicy,
@@ -18,6 +19,7 @@ from ..contracts import (
     resolve_sampler,
     resolve_scheduling,
 )
+from ..engine.constraints import LogitsProcessor
 from ..engine_config import EngineConfig
 from ..model import bind_ops, build_model, process_weights
 from ..model.attention import Numerics
@@ -88,7 +90,8 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, expert
     sampler = resolve_sampler(pm, ctx)
     if ctx.batch_invariant:
         check_batch_invariant(ops, sampler)
-    logits_processors = pm.logits_processors(ctx)
+    logits_processors = [check_contract(p, LogitsProcessor, "logits processor")
+                         for p in pm.logits_processors(ctx)]
     proposer = resolve_proposer(pm, ctx)
     scheduler_policy, verifier = resolve_scheduling(pm, ctx)
     check_fp4_experts(ops, ctx)

@@ -1,7 +1,10 @@
 """OpenAI-compatible request bodies (pydantic) and their mapping onto `SamplingParams`.
 
 Fields are spelled as OpenAI and vLLM spell them. Unknown fields are refused (400 naming them), never
-ignored; values are checked by `SamplingParams`, whose ValueError names the field.
+ignored; values are checked by `SamplingParams`, whose ValueError names the field. `extra_args`
+(alias `vllm_xargs`, vLLM's spelling) is an object handed to plugins as
+`SamplingParams.extra_args`: a plugin that claims a request checks its keys at submission (a 400
+naming the key).
 """
 from __future__ import annotations
 
@@ -47,6 +50,9 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # free-form arguments for plugins (SamplingParams.extra_args); vLLM's clients send vllm_xargs
+    extra_args: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
 
     def _structured(self) -> tuple[str, dict[str, Any]] | None:
         """(field given, so_args) of `structured_outputs` or one guided_* field; None when none is given."""
@@ -69,7 +75,10 @@ class _Sampling(BaseModel):
         shared = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids", "presence_penalty",
                   "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens",
                   "include_stop_str_in_output")
-        return SamplingParams(**{k: getattr(self, k) for k in shared}, **more)
+        if self.extra_args is not None and self.vllm_xargs is not None:
+            raise ValueError("vllm_xargs: give it or extra_args (its alias), not both")
+        extra = self.extra_args if self.extra_args is not None else self.vllm_xargs
+        return SamplingParams(**{k: getattr(self, k) for k in shared}, extra_args=extra, **more)
 
     @property
     def include_usage(self) -> bool:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from ..api.outputs import CompletionOutput, Logprob, RequestOutput
 from .engine_loop import EngineStopped, QueueFull, merge_into, owned_copy
-from .errors import ApiError
+from .errors import ApiError, field_named
 
 
 async def first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
@@ -25,8 +25,18 @@ async def first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Req
     if isinstance(failed, EngineStopped):
         raise ApiError(503, str(failed), None, "server_error")
     if isinstance(failed, ValueError):
-        raise ApiError(400, str(failed), "prompt" if "prompt" in str(failed) else None)
+        raise ApiError(400, str(failed), refused_field(str(failed)))
     raise failed
+
+
+def refused_field(message: str) -> str | None:
+    """The request field a refusal at submission names (a plugin's `extra_args.banned_words: ...`,
+    a grammar's `so_args...`), else "prompt" when the message is about the prompt."""
+    from .protocol import ChatRequest, CompletionRequest
+    field = field_named(message)
+    if field and field.split(".")[0] in CompletionRequest.model_fields | ChatRequest.model_fields:
+        return field
+    return "prompt" if "prompt" in message else None
 
 
 async def collect(first: RequestOutput, stream) -> tuple[RequestOutput, list[CompletionOutput]]:

@@ -534,6 +534,8 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/spec_speed.py --device cuda --drafts 1,3,5 --concurrency 1,16,64": Skip(GPU),
     "python benchmarks/spec_acceptance.py --device cuda --dtype bfloat16 --drafts 1,3 --dspark 5": Skip(
         GPU + "; tests/gpu/test_speculation_cuda.py runs the same drafters with graphs"),
+    "python benchmarks/spec_acceptance.py --device cuda --dtype bfloat16 --drafts 1,3 --dspark 5 --varlen": Skip(
+        GPU + "; tests/gpu/test_speculation_cuda.py runs the same drafters with graphs"),
     "python benchmarks/spec_replay.py --concurrency 1,16,64,256 --curve-rows 0 --repeats 2 --append": Skip(
         GPU + " (a V4-Flash-width model: minutes to build on a CPU)"),
     "python benchmarks/spec_replay.py": Skip(
