@@ -195,8 +195,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         groups[section].add_argument("--" + name.replace("_", "-"), **kw)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=prog, description=__doc__.split("\n\n")[0],
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     src = parser.add_argument_group("model and prompts")
     src.add_argument("--model", help="checkpoint directory or repo id in the local Hugging Face cache "
@@ -223,9 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- model -----------------------------------------------------------------------------------------
-def choose_model(model: str | None) -> str:
+def choose_model(model: str | None, prog: str = PROG) -> str:
     """`model` (--model, else DEEPINFER_HF_MODEL_DIR: the config's), else a cached DeepSeek-V4 checkpoint,
-    else the bundled model."""
+    else the bundled model; `prog` names the command in the line that says which."""
     if model:
         return model
     from .model.weights import CheckpointError, resolve_model_path  # never downloads
@@ -234,11 +234,11 @@ def choose_model(model: str | None) -> str:
             path = resolve_model_path(repo_id)
         except CheckpointError:
             continue
-        print(f"{PROG}: no --model given; using {repo_id} from the local Hugging Face cache ({path})",
+        print(f"{prog}: no --model given; using {repo_id} from the local Hugging Face cache ({path})",
               file=sys.stderr)
         return str(path)
     from .tools.bundled_model import bundled_tiny_model_dir, default_cache_dir
-    print(f"{PROG}: no model configured (--model, DEEPINFER_HF_MODEL_DIR or a DeepSeek-V4 checkpoint in "
+    print(f"{prog}: no model configured (--model, DEEPINFER_HF_MODEL_DIR or a DeepSeek-V4 checkpoint in "
           f"the local Hugging Face cache): running the bundled tiny model at {default_cache_dir()} "
           f"(a tiny V4 trained on Shakespeare: expect Shakespearean-looking English, not sense)",
           file=sys.stderr, flush=True)
@@ -335,13 +335,14 @@ def _refused_line(failure: InvalidRequestError, output_json: str | None) -> str:
     return f"{line}; {others} {where}"
 
 
-def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+def _fail(message: str, prog: str = PROG) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """`prog`: the command's name in the help and the messages (`deepinfer generate` from the CLI)."""
+    parser = build_parser(prog)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:          # --help (0) or a bad flag (2, message already printed)
@@ -355,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_options = engine_options_from_args(args)
         # the whole config (cross-field checks, the environment's values) before the slow load
         config = EngineConfig.from_options(model=args.model, **engine_options)
-        llm = load_llm(choose_model(config.model.model), **engine_options)
+        llm = load_llm(choose_model(config.model.model, prog), **engine_options)
         failure = None
         try:
             outputs = llm.generate(prompts, params, use_tqdm=args.progress)
@@ -366,9 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 llm.close()
     except (ValueError, TypeError) as exc:
         logger.debug("generate failed", exc_info=True)   # the traceback, for DEBUG logging only
-        return _fail(_one_line(exc))
+        return _fail(_one_line(exc), prog)
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     print_outputs([o for o in outputs if o is not None])
     if args.output_json:
@@ -379,8 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.output_json).expanduser().write_text(
                 json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         except OSError as exc:
-            return _fail(f"--output-json: cannot write {args.output_json}: {exc}")
-    return _fail(_refused_line(failure, args.output_json)) if failure is not None else 0
+            return _fail(f"--output-json: cannot write {args.output_json}: {exc}", prog)
+    return _fail(_refused_line(failure, args.output_json), prog) if failure is not None else 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ The front end (this process) parses and tokenizes the prompts, derives each requ
 `LLM.generate` does (so a seeded or greedy request gives the same tokens on any rank), spreads the
 requests over the ranks by load and collects the `RequestOutput`s back in the caller's order. Each
 rank (`dp_worker.py`) runs its own engine over its requests; all ranks step in lockstep so that the
-EP collectives pair up (spec parallelism.md §3.1).
+EP collectives pair up.
 
 Assignment: each request to the rank with the least load (waiting + running tokens as the ranks report
 them, plus the prompt tokens x n sent since), lowest rank on ties. `generate` on an idle engine therefore
@@ -19,7 +19,9 @@ Failure: a rank that dies (killed, crashed) or reports an error (a dead peer's `
 failure) ends the whole engine: the other ranks are terminated and one RuntimeError names the rank
 that failed first (a rank that died without a word is the root cause; its peers' errors follow it).
 The front end polls the processes while it waits, and the ranks' collectives time out after
-`timeout_s`, so nothing waits forever.
+`timeout_s`, so nothing waits forever. Start-up (rank_start.py): spawn imports the program's main
+module in every rank, so a program read from stdin is refused before anything starts, and a rank that
+dies before its own code runs is reported with the exception its start-up output ended with.
 
 `LLM(model, data_parallel_size=N, enable_expert_parallel=True, ...)`, the CLI's `--data-parallel-size`
 and `DataParallelLLM(...)` directly all run this engine (the options: engine_config.py ParallelOptions).
@@ -32,7 +34,7 @@ One rank (`engine_process=True`, e.g. `deepinfer serve --engine-process`): the e
 process onto whatever device it would have used, every option as in process; the vote and the
 collectives vanish (a world of one has no process group), what remains is the command queue and the
 report pipe. Measured slower than the in-process engine thread behind the server on the H200 so far (the
-README's Serve section).
+performance page, docs/performance.md).
 
 Speculative decoding with the checkpoint's MTP block (`num_speculative_tokens > 0`; unset = 0 here): a
 rank's step still launches at most one forward through the main, expert-parallel layers (the verify
@@ -68,10 +70,17 @@ from ..api.tokenizer import load_tokenizer
 from ..config import ModelConfig
 from ..engine_config import EngineConfig
 from ..ops.sampler import mix_seed
-from .dp_config import DEFAULT_TIMEOUT_S, GPU_TIMEOUT_S, collective_timeout, detect_platform, rank_config
+from .dp_config import (
+    DEFAULT_TIMEOUT_S,
+    GPU_TIMEOUT_S,
+    collective_timeout,
+    detect_platform,
+    rank_config,
+)
 from .dp_messages import EXIT_TEST_HOOK, RankRequest, WorkerSpec
 from .dp_online import OnlineFrontEnd
 from .dp_worker import worker_main
+from .rank_start import StartupOutput, check_spawnable
 from .reports import ReportReceiver
 from .torchrun import CONNECTION_LOST, ConnSender, FrontEnd, host_cores, run_rank, torchrun_env
 
@@ -111,6 +120,13 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return "the test hook's exit" if code == EXIT_TEST_HOOK else f"exit code {code}"
+
+
+def _death(code: int | None, start_cause: str) -> str:
+    """'died (exit code 1)', or 'died during start-up (exit code 1): FileNotFoundError: ...'."""
+    if start_cause:
+        return f"died during start-up ({_exit_text(code)}): {start_cause}"
+    return f"died ({_exit_text(code)})"
 
 
 class DataParallelLLM(OnlineFrontEnd):
@@ -155,6 +171,9 @@ class DataParallelLLM(OnlineFrontEnd):
             if torchrun.rank != 0:       # this process runs one rank's engine (the front end's spec), then exits
                 device = config.model.device or detect_platform().device_type
                 run_rank(torchrun, timeout_s or collective_timeout(device))
+        par = config.parallel
+        check_spawnable(f"data_parallel_size={par.data_parallel_size}" if par.data_parallel_size > 1
+                        else "engine_process=True")      # before anything is loaded or spawned
         config = rank_config(config, torchrun.local_world_size if torchrun else None)
         timeout_s = timeout_s or collective_timeout(config.model.device)
         if config.model.model is None:
@@ -171,6 +190,8 @@ class DataParallelLLM(OnlineFrontEnd):
         self._exit_at: tuple[int, int] | None = None      # test hook: (rank, lockstep iteration)
         self._failed: str | None = None
         self._procs: list[Any] = []
+        self._startup: list[StartupOutput] = []     # spawned ranks' output until their code runs
+        self._started = False                       # every rank said "ready"
         self._init_online()
         self._start(timeout_s)
 
@@ -188,10 +209,14 @@ class DataParallelLLM(OnlineFrontEnd):
         self._procs = []
         for rank in range(spawned):
             spec = self._spec(rank, torchrun.local_rank if torchrun else rank, threads, init, timeout_s)
-            args = (spec, self._commands[rank], self._results.senders[rank])
-            proc = ctx.Process(target=worker_main, args=args, name=f"deepinfer-dp{rank}", daemon=True)
-            proc.start()
+            output = StartupOutput()
+            with output.capture() as stderr:
+                args = (spec, self._commands[rank], self._results.senders[rank], stderr)
+                proc = ctx.Process(target=worker_main, args=args, name=f"deepinfer-dp{rank}",
+                                   daemon=True)
+                proc.start()
             self._procs.append(proc)
+            self._startup.append(output)
         self._results.started()
         if front is not None:
             try:
@@ -206,6 +231,7 @@ class DataParallelLLM(OnlineFrontEnd):
                 self._results.add(remote.conn, remote.lost)
         for rank, msg in self._wait("ready").items():
             self._rank_gauges[rank] = msg[2]
+        self._started = True
         log.info("data parallel: %d ranks ready (enable_expert_parallel=%s, enable_eplb=%s)", self.world,
                  self.config.parallel.enable_expert_parallel, self.config.parallel.enable_eplb)
 
@@ -249,17 +275,25 @@ class DataParallelLLM(OnlineFrontEnd):
         codes = {r: p.exitcode for r, p in enumerate(self._procs)}
         self._kill()
         silent = [r for r, c in codes.items() if c is not None and r not in errors]
+        causes = {r: self._start_cause(r) for r in silent}
         if silent:        # died without a word: killed or crashed, the root cause of its peers' errors
             first = silent[0]
-            head = f"data-parallel rank {first} of {self.world} died ({_exit_text(codes[first])})"
+            death = _death(codes[first], causes[first])
+            head = f"data-parallel rank {first} of {self.world} {death}"
         else:
             first = min(errors)
             head = f"data-parallel rank {first} of {self.world} failed: {errors[first]}"
         others = [f"rank {r}: {e}" for r, e in sorted(errors.items()) if r != first]
-        others += [f"rank {r} died ({_exit_text(codes[r])})" for r in silent if r != first]
+        for r in silent[1:]:      # the same start-up cause as the first's is not repeated
+            same = causes[r] and causes[r] == causes[first]
+            others.append(f"rank {r} {_death(codes[r], 'the same' if same else causes[r])}")
         self._failed = head
         raise RuntimeError(f"DataParallelLLM: {head}; the engine has stopped (every rank terminated)"
-                           + ("".join(f"\n  {o}" for o in others) if others else ""))
+                           + ("".join(f"\n  {o}" for o in others) if others else "")) from None
+
+    def _start_cause(self, rank: int) -> str:
+        """The exception a spawned rank's start-up output ended with (until every rank is ready)."""
+        return "" if self._started or rank >= len(self._startup) else self._startup[rank].cause()
 
     def _drain(self, errors: dict[int, str]) -> None:
         while True:

@@ -5,7 +5,7 @@ alike. One thread calls these methods (the engine thread, or generate's caller).
 
 Placement: a request goes to the rank with the least load, load = waiting + running tokens as the rank
 last reported it (after each iteration) plus the tokens of requests sent to it since that report (prompt
-tokens x n), lowest rank on ties (spec parallelism.md §3: one scheduler per rank).
+tokens x n), lowest rank on ties (each rank has a scheduler of its own).
 
 Runs and wakes: a rank blocks on its command queue while idle; a counted command starts a run, and the
 run's lockstep vote needs every rank, so the first command sent to an idle system also wakes every other

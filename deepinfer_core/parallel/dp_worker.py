@@ -1,5 +1,5 @@
 """One data-parallel engine rank: its own engine (scheduler, state cache, sampler) over the rank's
-requests, stepped in lockstep with the other ranks (spec parallelism.md §3.1).
+requests, stepped in lockstep with the other ranks, so that the expert-parallel collectives pair up.
 
 Online (`RankLoop`; the front end's side is dp_online.py): idle, a rank blocks on its command queue; a
 counted command (add, abort, wake) starts a run of lockstep iterations, and when the vote finds no work
@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from .dp_messages import EXIT_TEST_HOOK, IdleReport, RankStats, StepReport, WorkerSpec
 from .ep_comm import EPCommError
+from .rank_start import restore_stderr
 
 
 def _any_rank(flag: bool, group: dist.ProcessGroup | None, rank: int) -> bool:
@@ -304,11 +305,13 @@ def _exit_with_parent(rank: int) -> None:
     threading.Thread(target=watch, name="deepinfer-dp-parent", daemon=True).start()
 
 
-def worker_main(spec: WorkerSpec, commands, results) -> None:
+def worker_main(spec: WorkerSpec, commands, results, stderr_fd: int | None = None) -> None:
     """Entry point of a rank (a spawned process, or a torchrun process: torchrun.py): build, say ready, then
     serve commands (`RankLoop`) until ("stop",). `commands`: get() / get_nowait(); `results`: put() / close().
     Messages to the front end: ("ready", rank, gauges), ("step", StepReport), ("idle", IdleReport),
-    ("error", rank, text)."""
+    ("error", rank, text). `stderr_fd`: a spawned rank's real stderr (its start-up output went
+    through the front end: rank_start.py)."""
+    restore_stderr(stderr_fd)
     # Ctrl-C reaches the whole process group: the front end decides when the ranks stop (close()).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(spec.rank)

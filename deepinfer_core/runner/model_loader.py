@@ -9,11 +9,11 @@ from typing import Any
 
 from ..config import ModelConfig
 from ..contracts import (
-    check_contract,
     DraftVerifier,
     ModelOps,
     SchedulingPolicy,
     TokenSampler,
+    check_contract,
     resolve_model_ops,
     resolve_proposer,
     resolve_sampler,

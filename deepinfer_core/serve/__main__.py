@@ -22,9 +22,11 @@ import sys
 
 from ..generate import _add_engine_flags, engine_options_from_args
 
+PROG = "python -m deepinfer_core.serve"
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m deepinfer_core.serve", description=__doc__.split("\n\n")[0])
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     srv = ap.add_argument_group("server")
     srv.add_argument("--model", default=None, help="checkpoint directory (default: as LLM())")
     srv.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
@@ -69,14 +71,15 @@ def server_engine_options(args: argparse.Namespace) -> dict:
     return options
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """`prog`: the command's name in the help and the messages (`deepinfer serve` from the CLI)."""
+    args = build_parser(prog).parse_args(argv)
     try:
         import uvicorn
 
         from .app import build_app
     except ImportError as exc:
-        print(f"python -m deepinfer_core.serve: {exc.name} is missing; pip install 'deepinfer-core[server]'",
+        print(f"{prog}: {exc.name} is missing; pip install 'deepinfer-core[server]'",
               file=sys.stderr)
         return 2
     from ..api.llm import LLM
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = LLM(model=args.model, **server_engine_options(args))
     except ValueError as exc:      # options the engine refuses (e.g. data parallelism with speculation)
-        print(f"python -m deepinfer_core.serve: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     loop = EngineLoop(llm.serving_engine(), max_requests=args.max_requests)
     loop.start()

@@ -32,7 +32,7 @@ def test_unsupported_data_parallel_options_are_refused_at_start(flags, message, 
     "flags,expected",
     [
         ([], None),  # this machine's platform is the CPU: the engine thread
-        (["--device", "cuda"], True),  # the engine process (README Serve: faster behind the server)
+        (["--device", "cuda"], True),  # the engine process (faster behind the server)
         (["--device", "cuda", "--no-engine-process"], False),
         (["--engine-process"], True),
         (["--no-engine-process"], False),
