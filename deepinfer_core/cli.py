@@ -84,11 +84,12 @@ def _bench_script(name: str) -> Callable[[list[str]], int]:
     return lambda argv: run_bench_script(name, argv)
 
 
-# (name, one-line help, runner); bench's own commands below
-COMMANDS: tuple[tuple[str, str, Callable[[list[str]], int]], ...] = (
+# (name, one-line help, runner); bench's runners are its benchmarks'
+COMMANDS: tuple[tuple[str, str, Callable[[list[str]], int] | None], ...] = (
     ("serve", "serve a model over an OpenAI-compatible HTTP API", _serve),
     ("generate", "generate completions offline (prompts as flags or in a file)", _generate),
     ("chat", "chat in the terminal with a local model or a server (--url)", _chat),
+    ("bench", "benchmarks: throughput, serve, sweep, latency", None),
     ("plugins", "list the plugins (backends, features) and the active backend", _plugins),
     ("env", "print what a bug report needs (versions, GPUs, plugins, ...)", _env),
 )
@@ -118,18 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog=f"`{PROG} COMMAND --help` lists a command's flags.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    for name, help_text, runner in COMMANDS[:3]:
-        commands.add_parser(name, help=help_text, add_help=False).set_defaults(runner=runner)
-    bench = commands.add_parser("bench", help="benchmarks: throughput, serve, sweep, latency",
-                                formatter_class=_Formatter,
-                                description="Benchmarks (like `vllm bench`).",
-                                epilog=f"`{PROG} bench BENCHMARK --help` lists a benchmark's "
-                                       "flags.")
-    benchmarks = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
-    for name, help_text, runner in BENCHMARKS:
-        benchmarks.add_parser(name, help=help_text, add_help=False).set_defaults(runner=runner)
-    for name, help_text, runner in COMMANDS[3:]:
-        commands.add_parser(name, help=help_text, add_help=False).set_defaults(runner=runner)
+    for name, help_text, runner in COMMANDS:
+        if runner is not None:
+            commands.add_parser(name, help=help_text, add_help=False).set_defaults(runner=runner)
+            continue
+        bench = commands.add_parser(name, help=help_text, formatter_class=_Formatter,
+                                    description="Benchmarks (like `vllm bench`).",
+                                    epilog=f"`{PROG} bench BENCHMARK --help` lists a benchmark's "
+                                           "flags.")
+        benchmarks = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
+        for b_name, b_help, b_runner in BENCHMARKS:
+            benchmarks.add_parser(b_name, help=b_help, add_help=False).set_defaults(runner=b_runner)
     return parser
 
 

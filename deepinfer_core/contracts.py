@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from .engine.step_executor import StepBatch
+from .engine.scheduler import SchedulingPolicy
 
 
 # ---- the model's ops (hooks: deepinfer_linear_method, _attention_backend, _moe_method, ...) --------
@@ -199,22 +198,6 @@ class DraftProposer(Protocol):
 
 
 @runtime_checkable
-class SchedulingPolicy(Protocol):
-    """deepinfer_scheduler_policy: the order in which the scheduler admits waiting requests (the
-    core's is first come, first served). Budgets, cache capacity and preemption stay the core's:
-    a preempted sequence resumes first, whatever its key."""
-
-    name: str
-
-    def admission_key(self, request: Any) -> Any:
-        """A sort key for a request's completions entering the waiting queue: lower keys are
-        admitted first, equal keys in arrival order. Called once per completion, on the host, when
-        it is submitted. `request` is an engine.sequence.Request (`request_id`, `prompt`,
-        `prompt_token_ids`, `params`: SamplingParams, `metrics.arrival_time`); the keys of one
-        policy must compare with each other."""
-
-
-@runtime_checkable
 class DraftVerifier(Protocol):
     """deepinfer_verifier: the acceptance rule of speculative decoding. The core's
     (`ops/verify.py`) is lossless: exact greedy and standard speculative sampling."""
@@ -250,8 +233,9 @@ class StepRunner(Protocol):
     device: Any
     last_token: torch.Tensor       # [slots] int64 on the device: the newest sampled token per slot
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Apply `batch.updates`, run the forward; fp32 logits [len(batch.logit_rows), vocab]."""
+    def execute(self, batch: Any) -> torch.Tensor:
+        """`batch`: an engine.step_executor.StepBatch. Apply `batch.updates`, run the forward;
+        fp32 logits [len(batch.logit_rows), vocab]."""
 
 
 @runtime_checkable

@@ -140,9 +140,8 @@ class ParallelOptions(Section):
     engine_process: bool | None = option(None, "run the engine (scheduler, model, sampler) in a child process "
                                        "while this process keeps the tokenizer and the request front end, so "
                                        "Python work here (an HTTP server's) never holds the GIL the engine's "
-                                       "host path needs; None = the server's choice (on for a CUDA device: "
-                                       "0.91 against 0.80 of offline throughput at concurrency 256 on the "
-                                       "H200), elsewhere only when data_parallel_size > 1 (its "
+                                       "host path needs; None = the server's choice (on for a CUDA device, "
+                                       "see docs/serving.md), elsewhere only when data_parallel_size > 1 (its "
                                        "ranks are always processes)", Rule("True, False or None",
                                                                      lambda v: v is None or isinstance(v, bool)))
     launcher: str = option("spawn", "how the data_parallel_size ranks start: 'spawn' = this process starts them on "

@@ -1,7 +1,8 @@
 """The reference section of docs/plugins.md, generated from the code a plugin must satisfy: every
 hook spec of hookspecs.py (its signature, whether it is firstresult, its docstring) and every
-`typing.Protocol` of contracts.py and engine/constraints.py (each member with its docstring, or
-the comment beside an attribute, and the optional members their comments describe).
+`typing.Protocol` of contracts.py, engine/constraints.py and engine/scheduler.py (each member
+with its docstring, or the comment beside an attribute, and the optional members their comments
+describe).
 
 `python -m deepinfer_core.plugin_docs --markdown` prints the section; `--update docs/plugins.md`
 rewrites it between the marker comments. A test keeps the page current and fails when a hook spec
@@ -25,7 +26,8 @@ DOCS_PAGE = "docs/plugins.md"
 BEGIN = "<!-- plugin-reference:begin -->"
 END = "<!-- plugin-reference:end -->"
 HOOK_MODULES = ("deepinfer_core.hookspecs",)
-PROTOCOL_MODULES = ("deepinfer_core.contracts", "deepinfer_core.engine.constraints")
+PROTOCOL_MODULES = ("deepinfer_core.contracts", "deepinfer_core.engine.constraints",
+                    "deepinfer_core.engine.scheduler")
 _SPEC_ATTR = f"{PROJECT_NAME}_spec"          # where pluggy's HookspecMarker keeps a spec's options
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 from ..cache.block_allocator import BlockAllocator
-from ..contracts import SchedulingPolicy
 from .sequence import Request, SeqStatus, Sequence
 
 
@@ -104,6 +104,22 @@ class BlockManager:
         if seq.slot >= 0:
             self.allocator.free_slot(seq.slot)
             seq.slot = -1
+
+
+@runtime_checkable
+class SchedulingPolicy(Protocol):
+    """deepinfer_scheduler_policy: the order in which the scheduler admits waiting requests (the
+    core's is first come, first served). Budgets, cache capacity and preemption stay the core's:
+    a preempted sequence resumes first, whatever its key."""
+
+    name: str
+
+    def admission_key(self, request: Request) -> Any:
+        """A sort key for a request's completions entering the waiting queue: lower keys are
+        admitted first, equal keys in arrival order. Called once per completion, on the host, when
+        it is submitted. `request` is an engine.sequence.Request (`request_id`, `prompt`,
+        `prompt_token_ids`, `params`: SamplingParams, `metrics.arrival_time`); the keys of one
+        policy must compare with each other."""
 
 
 class FirstComeFirstServed:

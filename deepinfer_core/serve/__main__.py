@@ -32,7 +32,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health")
     srv.add_argument("--max-requests", type=int, default=1024,
                      help="requests admitted at once (running + waiting); more get 503 with Retry-After")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
