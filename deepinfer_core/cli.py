@@ -40,7 +40,7 @@ def _chat(argv: list[str]) -> int:
 
 def _plugins(argv: list[str]) -> int:
     from .plugins import main
-    return main(argv)
+    return main(argv, prog=f"{PROG} plugins")
 
 
 def _env(argv: list[str]) -> int:

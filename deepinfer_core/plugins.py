@@ -374,11 +374,11 @@ def format_listing(listing: Mapping[str, Any]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m deepinfer_core.plugins") -> int:
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="python -m deepinfer_core.plugins",
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="List DeepInfer plugins and the active backend.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)

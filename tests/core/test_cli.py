@@ -57,7 +57,7 @@ HELP = {   # command -> (the usage line's start, flags its help must name)
                     ["--prompt", "--prompts-file", "--max-tokens", "--dtype"]),
     ("chat",): ("usage: deepinfer chat", ["--model", "--dtype", "--max-tokens", "--temperature",
                                           "--system", "--thinking", "--url", "--api-key"]),
-    ("plugins",): ("usage: python -m deepinfer_core.plugins", ["--json"]),
+    ("plugins",): ("usage: deepinfer plugins", ["--json"]),
     ("env",): ("usage: deepinfer env", ["--json"]),
     ("bench",): ("usage: deepinfer bench", ["throughput", "serve", "sweep", "latency"]),
     ("bench", "throughput"): ("usage: throughput.py",

@@ -251,6 +251,7 @@ def test_wheels_install_alone_into_a_fresh_virtualenv_and_run(built, tmp_path):
             assert str(REPO) not in text and "__editable__" not in Path(path).name, (path, text)
 
         check_plugins(venv, built, env, outside)
+        check_commands(venv, env, outside)
         check_offline_example(python, env, outside, home)
     finally:
         shutil.rmtree(work, ignore_errors=True)    # ~2 GB of virtualenv and the tiny model
@@ -280,6 +281,22 @@ def check_plugins(venv: Path, built: Built, env: dict[str, str], cwd: Path) -> N
         row = rf"^{name} +{kind} +{re.escape(dist)} +{re.escape(version)} +loaded\b"
         assert re.search(row, table, re.MULTILINE), f"no row for {name}:\n{table}"
     assert "\nactive backend: cpu " in table, table
+
+
+def check_commands(venv: Path, env: dict[str, str], cwd: Path) -> None:
+    """From a wheel install: `deepinfer env` reports the venv's packages; the benchmarks that are
+    scripts of the source tree say in one line that they need a checkout (exit 2), while
+    `deepinfer bench latency` ships in the wheel."""
+    deepinfer = str(venv / "bin" / "deepinfer")
+    report = run([deepinfer, "env"], "deepinfer env", timeout=300, env=env, cwd=cwd).stdout
+    assert re.search(rf"^deepinfer-core +{re.escape(VERSION)} ", report, re.MULTILINE), report
+    assert "editable" not in report and "source checkout" not in report, report
+    proc = subprocess.run([deepinfer, "bench", "throughput"], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=cwd, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "source" in lines[0], proc.stderr
+    run([deepinfer, "bench", "latency", "--help"], "deepinfer bench latency --help", timeout=300,
+        env=env, cwd=cwd)
 
 
 def check_offline_example(python: Path, env: dict[str, str], cwd: Path, home: Path) -> None:
