@@ -16,7 +16,6 @@ compat mode (one decoded string per prompt; DS-DeepInfer's default, not ours).
 """
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,65 +28,15 @@ from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine_config import EngineConfig
 from ..ops.sampler import mix_seed
+from .inputs import parse_prompts, per_request_params
+from .inputs import resolve_model_dir as _resolve_model
 from .outputs import InvalidRequestError, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("deepinfer.llm")
 
-# ---- reusable request-processing pieces ----------------------------------------------------------
-def parse_prompts(prompts: Any, prompt_token_ids: Any) -> list[Any]:
-    """Normalise the `generate` inputs to [(prompt text or None, token ids or None)]; an entry that is
-    malformed on its own becomes a ValueError in its place (the call itself raises)."""
-    if prompts is None and prompt_token_ids is None:
-        raise ValueError("generate: pass prompts or prompt_token_ids")
-    texts: list[Any] = []
-    if prompts is not None:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"generate: prompts must be a str, a dict with 'prompt_token_ids', or a list "
-                            f"of those; got {type(prompts).__name__}")
-        texts = list(prompts)
-    ids: list[Any] = []
-    if prompt_token_ids is not None:
-        if not isinstance(prompt_token_ids, (list, tuple)):
-            raise TypeError(f"generate: prompt_token_ids must be a list of lists of int, "
-                            f"got {type(prompt_token_ids).__name__}")
-        ids = list(prompt_token_ids)
-        if ids and all(isinstance(t, int) for t in ids):
-            ids = [ids]      # one prompt given as a flat list
-    if prompts is not None and prompt_token_ids is not None and len(texts) != len(ids):
-        raise ValueError(f"generate: prompts has {len(texts)} entries but prompt_token_ids has {len(ids)}")
-    out: list[Any] = []
-    for i in range(max(len(texts), len(ids))):
-        try:
-            out.append(_parse_one(i, texts[i] if texts else None, ids[i] if ids else None))
-        except ValueError as e:
-            out.append(e)
-    return out
-
-
-def _parse_one(i: int, text: Any, toks: Any) -> tuple[str | None, list[int] | None]:
-    if isinstance(text, dict):
-        if "prompt_token_ids" not in text and "prompt" not in text:
-            raise ValueError(f"generate: prompts[{i}] is a dict without 'prompt_token_ids' or 'prompt'")
-        text, toks = text.get("prompt"), (toks if toks is not None else text.get("prompt_token_ids"))
-    if text is not None and not isinstance(text, str):
-        raise ValueError(f"generate: prompts[{i}] must be a str or a dict with 'prompt_token_ids', "
-                         f"got {type(text).__name__}")
-    if toks is not None and not isinstance(toks, (list, tuple)):
-        raise ValueError(f"generate: prompt_token_ids[{i}] must be a list of int, "
-                         f"got {type(toks).__name__}")
-    return text, None if toks is None else list(toks)
-
-
 # ---- LLM ------------------------------------------------------------------------------------------
-def _resolve_model(model: str) -> Path:
-    from ..model.weights import resolve_model_path  # lazy: the model package is heavy
-    return Path(resolve_model_path(model))
-
-
 def _make_runner(model_dir: Path, config: EngineConfig) -> EngineRunner:
     from ..runner.model_runner import ModelRunner  # lazy, as above
     return ModelRunner(model_dir, config)
@@ -367,18 +316,3 @@ def _progress(total: int, use_tqdm: bool) -> Any:
     if not use_tqdm or total == 0:
         return _NoProgress()
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
-
-
-def per_request_params(sp: Any, n: int) -> list[SamplingParams]:
-    """`generate`'s sampling_params as one SamplingParams per prompt (deep copies: requests never share
-    state)."""
-    if sp is None:
-        sp = SamplingParams()
-    if isinstance(sp, SamplingParams):
-        return [copy.deepcopy(sp) for _ in range(n)]
-    if not isinstance(sp, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in sp):
-        raise TypeError(f"generate: sampling_params must be a SamplingParams or a list of them, "
-                        f"got {type(sp).__name__}")
-    if len(sp) != n:
-        raise ValueError(f"generate: sampling_params has {len(sp)} entries for {n} prompts")
-    return [copy.deepcopy(p) for p in sp]

@@ -63,7 +63,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from ..api.llm import _resolve_model, parse_prompts, per_request_params
+from ..api.inputs import parse_prompts, per_request_params, resolve_model_dir
 from ..api.outputs import InvalidRequestError, RequestOutput
 from ..api.sampling_params import SamplingParams
 from ..api.tokenizer import load_tokenizer
@@ -179,7 +179,7 @@ class DataParallelLLM(OnlineFrontEnd):
         if config.model.model is None:
             from ..tools.bundled_model import bundled_tiny_model_dir
             config = config.replace(model=str(bundled_tiny_model_dir()))
-        self.model_dir = _resolve_model(config.model.model)
+        self.model_dir = resolve_model_dir(config.model.model)
         self.model_config = ModelConfig.from_file(self.model_dir)
         # max_model_len resolved as LLM resolves it (the ranks' LLMs resolve it again, to the same value)
         self.config = config.with_model_limit(self.model_config.max_position_embeddings)
