@@ -10,7 +10,6 @@ or a Protocol member has no entry there (`missing_entries`).
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
 import re
@@ -20,7 +19,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from .hookspecs import PROJECT_NAME
-from .readme_tables import section, update
+from .readme_tables import cli, section
 
 DOCS_PAGE = "docs/plugins.md"
 BEGIN = "<!-- plugin-reference:begin -->"
@@ -195,20 +194,9 @@ def page_section(path: str | Path = DOCS_PAGE) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m deepinfer_core.plugin_docs",
-        description="The hook and Protocol reference of docs/plugins.md.")
-    parser.add_argument("--markdown", action="store_true", help="print the reference as Markdown")
-    parser.add_argument("--update", metavar="PATH",
-                        help=f"rewrite the reference between {BEGIN} and {END} in PATH "
-                             f"({DOCS_PAGE})")
-    args = parser.parse_args(argv)
-    if args.update:
-        changed = update(args.update, BEGIN, END, markdown())
-        print(f"{args.update}: {'updated' if changed else 'already up to date'}")
-        return 0
-    print(markdown(), end="")
-    return 0
+    return cli("python -m deepinfer_core.plugin_docs",
+               "The hook and Protocol reference of docs/plugins.md.", markdown, BEGIN, END, argv,
+               page=DOCS_PAGE)
 
 
 if __name__ == "__main__":

@@ -33,14 +33,15 @@ def update(path: str | Path, begin: str, end: str, table: str) -> bool:
 
 
 def cli(prog: str, description: str, render: Callable[[], str], begin: str, end: str,
-        argv: list[str] | None, default: Callable[[], int] | None = None) -> int:
+        argv: list[str] | None, default: Callable[[], int] | None = None,
+        page: str = DOCS_PAGE) -> int:
     """`--markdown` prints the table, `--update PATH` (alias `--update-readme`) rewrites it in a
     docs page; with neither, `default()` (or the table when there is no default)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--update", "--update-readme", dest="update", metavar="PATH",
                         help=f"rewrite the table between {begin} and {end} in the docs page PATH "
-                             f"(this one lives in {DOCS_PAGE})")
+                             f"(this one lives in {page})")
     args = parser.parse_args(argv)
     if args.update:
         changed = update(args.update, begin, end, render())

@@ -70,7 +70,7 @@ def test_a_page_without_an_entry_fails_the_check():
 
 def test_the_cli_prints_and_updates(tmp_path, capsys):
     assert plugin_docs.main(["--markdown"]) == 0
-    assert capsys.readouterr().out == plugin_docs.markdown()
+    assert capsys.readouterr().out.strip() == plugin_docs.markdown().strip()
     doc = tmp_path / "plugins.md"
     doc.write_text(f"# X\n{plugin_docs.BEGIN}\nold\n{plugin_docs.END}\ntail\n", encoding="utf-8")
     assert plugin_docs.main(["--update", str(doc)]) == 0
