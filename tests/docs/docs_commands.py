@@ -261,6 +261,8 @@ TABLE: dict[str, Run | Skip] = {
         "installs packages; CI runs `./build.sh --test` before the tests"
     ),
     "DEEPINFER_ACCELERATOR=nvidia ./build.sh": Skip("installs the NVIDIA backend; " + GPU),
+    "DEEPINFER_ACCELERATOR=ascend ./build.sh": Skip(
+        "installs the Ascend backend; needs an Ascend NPU (none here)"),
     "pip install . ./features/structured_outputs ./features/batch_invariant ./features/dspark": Skip(
         "installs packages; tests/packaging/test_wheels.py installs every package from its wheel"),
     "pip install ./kernels ./backends/nvidia_sm100": Skip(
