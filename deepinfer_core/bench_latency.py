@@ -28,6 +28,7 @@ from .api.sampling_params import SamplingParams
 from .engine_config import EngineConfig
 from .generate import (
     _add_engine_flags,
+    _fail,
     _OneLineParser,
     choose_model,
     engine_options_from_args,
@@ -79,19 +80,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--output-json: folder {Path(args.output_json).parent} does not exist")
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default), q in [0, 100]."""
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def summarize(latencies: Sequence[float], batch_size: int, output_len: int) -> dict[str, Any]:
+    import numpy as np
     avg = statistics.fmean(latencies)
     return {"avg_latency": avg, "latencies": list(latencies),
-            "percentiles": {str(q): percentile(latencies, q) for q in PERCENTILES},
+            "percentiles": {str(q): float(np.percentile(latencies, q)) for q in PERCENTILES},
             "output_tokens_per_s": batch_size * output_len / avg}
 
 
@@ -159,8 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if llm.config.parallel.in_processes:
                 llm.close()
     except ValueError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc), PROG)
     settings = (*POSITIVE, "num_iters_warmup", "temperature", "seed")
     result = {"benchmark": "latency", "model": model, **_run_info(llm),
               **{k: getattr(args, k) for k in settings},

@@ -23,6 +23,7 @@ from .api.sampling_params import SamplingParams
 from .engine_config import EngineConfig
 from .generate import (
     _add_engine_flags,
+    _fail,
     _OneLineParser,
     choose_model,
     engine_options_from_args,
@@ -181,11 +182,6 @@ def run_chat(backend: Any, system: str | None, interactive: bool) -> int:
     return status
 
 
-def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     engine_options = engine_options_from_args(args)
@@ -208,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             backend = LocalChat(llm, params, args.thinking)
     except (ValueError, TypeError, RuntimeError) as exc:
         logger.debug("chat start-up failed", exc_info=True)
-        return _fail(str(exc))
+        return _fail(str(exc), PROG)
     try:
         return run_chat(backend, args.system, sys.stdin.isatty())
     except KeyboardInterrupt:
