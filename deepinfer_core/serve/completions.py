@@ -1,4 +1,11 @@
-"""`/v1/completions`: text in, text out, as OpenAI's legacy completions API (and vLLM's)."""
+"""`/v1/completions`: text in, text out, as OpenAI's legacy completions API (and vLLM's).
+
+`echo` returns the prompt in front of the completion: its text, and with `logprobs` its tokens'
+logprobs (null for the first token, which nothing predicts) ahead of the generated tokens'.
+`max_tokens: 0` with `echo` scores the prompt alone: the engine runs one step (it always samples a
+token), and that token is left out of the answer and of the usage, as vLLM does. Streamed, a
+choice's first event carries the echoed prompt.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -8,10 +15,14 @@ import uuid
 
 from fastapi.responses import StreamingResponse
 
-from ..api.outputs import CompletionOutput
+from ..api.outputs import CompletionOutput, Logprob, RequestOutput
 from .errors import ApiError, field_named
 from .protocol import CompletionRequest
 from .streams import collect, first_outputs, merged, sse_errors, token_text, usage
+
+# JSON has no -inf; OpenAI and vLLM send this floor for a token the model rules out
+MIN_LOGPROB = -9999.0
+Entries = list[dict[int, Logprob] | None]
 
 
 async def create_completion(body: CompletionRequest, engine_loop, tokenizer):
@@ -21,48 +32,84 @@ async def create_completion(body: CompletionRequest, engine_loop, tokenizer):
     except ValueError as exc:
         raise ApiError(400, str(exc), field_named(str(exc))) from None
     cid = f"cmpl-{uuid.uuid4().hex}"
-    streams = [engine_loop.generate(f"{cid}-{i}", tokenizer.encode(p) if isinstance(p, str) else p, params,
-                                    p if isinstance(p, str) else None) for i, p in enumerate(prompts)]
+    streams = [engine_loop.generate(f"{cid}-{i}", tokenizer.encode(p) if isinstance(p, str) else p,
+                                    params, p if isinstance(p, str) else None)
+               for i, p in enumerate(prompts)]
     firsts = await first_outputs(streams)
-    head = dict(id=cid, object="text_completion", created=int(time.time()), model=body.model)
+    head = {"id": cid, "object": "text_completion", "created": int(time.time()),
+            "model": body.model}
     if body.stream:
-        return StreamingResponse(sse_errors(_sse(head, firsts, streams, params.n, body.include_usage, tokenizer)),
+        return StreamingResponse(sse_errors(_sse(head, firsts, streams, body, params.n, tokenizer)),
                                  media_type="text/event-stream")
     done = await asyncio.gather(*(collect(f, s) for f, s in zip(firsts, streams)))
-    choices = [_choice(p * params.n + c.index, c, tokenizer, params.logprobs is not None)
-               for p, (_, outs) in enumerate(done) for c in outs]
+    choices = [_choice(p * params.n + c.index, c, whole if body.echo else None, body, tokenizer)
+               for p, (whole, outs) in enumerate(done) for c in outs]
+    generated = 0 if body.prompt_only else sum(len(c.token_ids) for _, o in done for c in o)
     return {**head, "choices": choices,
-            "usage": usage(sum(len(r.prompt_token_ids) for r, _ in done),
-                           sum(len(c.token_ids) for _, outs in done for c in outs))}
+            "usage": usage(sum(len(r.prompt_token_ids) for r, _ in done), generated)}
 
 
-def _choice(index: int, c: CompletionOutput, tokenizer, with_logprobs: bool) -> dict:
-    return dict(index=index, text=c.text, finish_reason=c.finish_reason,
-                logprobs=logprobs_object(c, tokenizer) if with_logprobs else None)
+def _choice(index: int, c: CompletionOutput, echo: RequestOutput | None, body: CompletionRequest,
+            tokenizer, offset: int = 0) -> dict:
+    """One choice (or one streamed delta of it). `echo`: the request whose prompt goes in front (the
+    whole answer, or a stream's first event of the choice); `offset`: where its text starts in the
+    choice's text (a stream's later deltas)."""
+    text, pieces = "", []
+    if echo is not None:
+        text = echo.prompt
+        if text is None:
+            text = tokenizer.decode(echo.prompt_token_ids, skip_special_tokens=False)
+        pieces.append((echo.prompt_token_ids, echo.prompt_logprobs))
+    if not body.prompt_only:
+        text += c.text
+        pieces.append((c.token_ids, c.logprobs))
+    finish = "length" if body.prompt_only and c.finish_reason is not None else c.finish_reason
+    lps = logprobs_object(pieces, tokenizer, offset) if body.logprobs is not None else None
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": lps}
 
 
-def logprobs_object(c: CompletionOutput, tokenizer) -> dict:
-    """The completions API's logprobs of one choice (or one delta): the sampled token and the top-K
-    (with the sampled one), as vLLM returns them."""
-    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
-    for tok, entry in zip(c.token_ids, c.logprobs or []):
-        text = token_text(tok, entry[tok], tokenizer)
-        tokens.append(text)
-        token_lps.append(entry[tok].logprob)
-        tops.append({token_text(t, lp, tokenizer): lp.logprob for t, lp in entry.items()})
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+def logprobs_object(pieces: list[tuple[list[int], Entries | None]], tokenizer,
+                    offset: int = 0) -> dict:
+    """The completions API's logprobs of one choice (or one delta) over (token ids, their logprob
+    entries) pieces: the echoed prompt's, then the generated tokens'. Each entry holds the top-K and
+    the token itself, as vLLM returns them; a None entry (the prompt's first token) gives a null
+    logprob and a null top_logprobs."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for ids, entries in pieces:
+        entries = entries or []
+        if len(entries) < len(ids):
+            raise RuntimeError(f"the engine returned {len(entries)} logprob entries for "
+                               f"{len(ids)} tokens")
+        for tok, entry in zip(ids, entries):
+            if entry is None:
+                text, lp, top = tokenizer.decode([tok], skip_special_tokens=False), None, None
+            else:
+                text = token_text(tok, entry[tok], tokenizer)
+                lp = max(entry[tok].logprob, MIN_LOGPROB)
+                top = {token_text(t, x, tokenizer): max(x.logprob, MIN_LOGPROB)
+                       for t, x in entry.items()}
+            tokens.append(text)
+            token_lps.append(lp)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
 
 
-async def _sse(head: dict, firsts, streams, n: int, include_usage: bool, tokenizer):
+async def _sse(head: dict, firsts, streams, body: CompletionRequest, n: int, tokenizer):
     prompt_tokens = completion_tokens = 0
+    sent: dict[int, int] = {}          # choice index -> length of the text sent so far
     async for p, item in merged(firsts, streams):
         for c in item.outputs:
-            completion_tokens += len(c.token_ids)
-            choice = _choice(p * n + c.index, c, tokenizer, c.logprobs is not None)
+            index = p * n + c.index
+            echo = item if body.echo and index not in sent else None
+            completion_tokens += 0 if body.prompt_only else len(c.token_ids)
+            choice = _choice(index, c, echo, body, tokenizer, sent.get(index, 0))
+            sent[index] = sent.get(index, 0) + len(choice["text"])
             yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
         prompt_tokens += len(item.prompt_token_ids) if item.finished else 0
-    if include_usage:
-        yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt_tokens, completion_tokens)})}\n\n"
+    if body.include_usage:
+        last = {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        yield f"data: {json.dumps(last)}\n\n"
     yield "data: [DONE]\n\n"

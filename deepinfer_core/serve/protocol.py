@@ -89,6 +89,9 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
+    # the prompt returned before the completion, with its tokens' logprobs when `logprobs` is given
+    # (the first token's null); max_tokens=0 then scores the prompt without generating
+    echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as text or token ids, one per entry of a batched `prompt`."""
@@ -101,9 +104,24 @@ class CompletionRequest(_Sampling):
             raise ValueError("prompt: empty; give a string, a list of strings, token ids or lists of them")
         return [x if isinstance(x, str) else list(x) for x in p]
 
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens=0: the answer is the prompt and its logprobs, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
+        """The engine's parameters. With echo, the prompt's logprobs are asked for (as many top
+        entries as `logprobs`). max_tokens=0 (echo only) runs the engine for one token, which the
+        answer leaves out (as vLLM does): the engine always samples at least one."""
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is allowed only with echo=true (scoring the prompt); "
+                             "allowed: max_tokens >= 1, or 0 with echo=true")
+        if self.prompt_only and self.min_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} with max_tokens=0; allowed: 0")
         structured = self._structured()
-        return self._params(max_tokens=self.max_tokens, logprobs=self.logprobs,
+        return self._params(max_tokens=1 if self.prompt_only else self.max_tokens,
+                            logprobs=None if self.prompt_only else self.logprobs,
+                            prompt_logprobs=self.logprobs if self.echo else None,
                             so_args=structured[1] if structured else None)
 
 

@@ -106,6 +106,11 @@ TABLE: dict[str, Run | Skip] = {
     "python examples/openai_client.py --model /tmp/tiny-v4": Run(check_openai_client),
     "python -m deepinfer_core.serve": Skip(
         "the server's command as the status table names it (its full form is above)"),
+    "OPENAI_API_KEY=sk-local lm_eval --model local-completions --model_args model=/tmp/tiny-v4,"
+    "base_url=http://localhost:8000/v1/completions,tokenizer=/tmp/tiny-v4,tokenizer_backend=huggingface,"
+    "max_length=2048,num_concurrent=8 --tasks lambada_openai --batch_size 8": Skip(
+        "needs a running server and lambada_openai from the Hugging Face Hub; "
+        "tests/serve/test_completions_echo.py drives the server with lm-eval's client on a local task"),
     'pip install "deepinfer-core[server]"': Skip(
         "installs packages (build.sh --test already has the server's); tests/packaging builds the wheels"),
     "curl -s localhost:8000/v1/chat/completions -H \"Authorization: Bearer sk-local\" -H \"Content-Type: "
