@@ -64,7 +64,7 @@ class ModelOptions(Section):
     dtype: str = option("float32", "compute dtype; 'auto' = bfloat16",
                       Rule("'float32', 'bfloat16', 'auto' (= bfloat16), torch.float32, torch.bfloat16",
                            convert=dtype_name))
-    simulate_qat: bool = option(True, "reproduce the reference's FP8/FP4 quantisation-aware numerics", BOOL)
+    simulate_qat: bool = option(True, "DeepSeek's inference numerics: FP8/FP4 activation rounding and the official code's rounding order (docs/numerics.md); False: clean float math", BOOL)
     seed: int = option(0, "seeds the requests that set no seed of their own (with a request counter)",
                      Rule("an int", is_int))
     max_model_len: int | None = option(None, "maximum prompt + output tokens per request",

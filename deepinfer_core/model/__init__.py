@@ -17,7 +17,7 @@ __all__ = ["build_model", "bind_ops", "process_weights", "ModelOps", "DeepseekV4
 
 def bind_ops(model: DeepseekV4Model, ops: ModelOps, numerics: Numerics) -> None:
     """Hand every layer its op objects, RoPE table and numerics switches."""
-    ropes = rope_tables(model.cfg)
+    ropes = rope_tables(model.cfg, official=numerics.simulate_qat)
     for mod in model.modules():
         if isinstance(mod, Linear):
             mod.method = ops.linear[mod.fmt]

@@ -77,8 +77,11 @@ class Indexer(nn.Module):
                                               quant="hadamard_fp4" if self.numerics.simulate_qat else "none")
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-head score weights [T, n_heads] fp32 (the 1/sqrt(head_dim) part is applied by the scorer)."""
-        return self.weights_proj(x).float() * self.n_heads ** -0.5
+        """Per-head score weights [T, n_heads] with the 1/sqrt(head_dim) score scale folded in:
+        rounded to the activation dtype with the QAT numerics (the official order), fp32 without."""
+        w = self.weights_proj(x)
+        scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        return w * scale if self.numerics.simulate_qat else w.float() * scale
 
 
 class Attention(nn.Module):
@@ -137,4 +140,4 @@ class AttentionInputs:
     idx_kv: torch.Tensor | None = None       # [T, 2*Di] fp32 indexer-compressor inputs
     idx_z: torch.Tensor | None = None
     idx_q: torch.Tensor | None = None        # [T, Hi, Di]
-    idx_w: torch.Tensor | None = None        # [T, Hi] fp32
+    idx_w: torch.Tensor | None = None        # [T, Hi] head weights x 1/sqrt(Di)

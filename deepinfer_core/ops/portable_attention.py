@@ -6,6 +6,11 @@ One code path for every chunk shape: a sequence contributes `n` new tokens start
 position: query t sees window positions (t-W, t], CSA blocks picked by the indexer among
 b < (t+1)//4, and every HCA block b < (t+1)//128.
 
+`official=True` (the QAT numerics) rounds as DeepSeek's inference code does: the softmax keeps its
+max over the keys alone, multiplies the unnormalised exp(s - max) rounded to the key dtype by the
+values, and divides by the fp32 sum (the sink's exp(sink - max) included) at the end; the indexer
+scores, weights and head sum are rounded to the activation dtype and the top-k is `torch.topk`'s.
+
 A uint8 ring is a kv_fp8 ring of packed rows (`ops.kv_fp8`): read through `unpack_kv_fp8`, written
 through `pack_kv_fp8`; its RoPE width follows from the row size.
 """
@@ -22,6 +27,9 @@ QUERY_CHUNK = 256   # bounds the [queries, heads, keys] score tensor on long pre
 class PortableAttentionBackend:
     batch_invariant = False     # one sequence at a time, but the GEMM shapes follow the batch
 
+    def __init__(self, official: bool = False):
+        self.official = official
+
     def forward(self, attn, inp, batch, states: list[LayerState]) -> torch.Tensor:
         out = torch.empty_like(inp.q)
         for sl, start, st in zip(batch.seq_slices(), batch.starts, states):
@@ -35,8 +43,9 @@ class PortableAttentionBackend:
                 ix = st.indexer
                 self.compress(ix, inp.idx_kv[sl], inp.idx_z[sl], start, attn.indexer.compressor.finalize)
                 comp_mask = self.index_select(inp.idx_q[sl], inp.idx_w[sl], ix.read_rows(), pos,
-                                              attn.ratio, attn.indexer.topk, attn.indexer.head_dim)
-            out[sl] = self.attend(attn, inp.q[sl], inp.kv[sl], st, start, pos, comp_rows, comp_mask)
+                                              attn.ratio, attn.indexer.topk)
+            out[sl] = self.attend(attn, inp.q[sl], inp.kv[sl], st, start, pos, comp_rows, comp_mask,
+                                  self.official)
             self.write_ring(st, inp.kv[sl], start)
         return out
 
@@ -77,23 +86,30 @@ class PortableAttentionBackend:
         """[n, n_rows]: block b is visible to the query at p once complete, b < (p+1)//ratio."""
         return torch.arange(n_rows, device=pos.device)[None, :] < ((pos + 1) // ratio)[:, None]
 
-    def index_select(self, q, w, keys, pos, ratio: int, topk: int, head_dim: int) -> torch.Tensor:
-        """Lightning indexer: visible-block mask [n, n_rows] holding each query's top-k blocks."""
+    def index_select(self, q, w, keys, pos, ratio: int, topk: int) -> torch.Tensor:
+        """Lightning indexer: visible-block mask [n, n_rows] holding each query's top-k blocks.
+        w [n, heads]: the per-head weights with the 1/sqrt(head_dim) score scale folded in."""
         n_rows = keys.shape[0]
         valid = self.causal_block_mask(pos, ratio, n_rows)
         if n_rows == 0:
             return valid
-        scores = torch.relu(torch.einsum("thd,bd->thb", q.float(), keys.float())) * head_dim ** -0.5
-        scores = (scores * w[..., None]).sum(dim=1).masked_fill(~valid, float("-inf"))
         k = min(topk, n_rows)
-        # stable sort: among equal scores the lowest block index wins, deterministically
-        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        if self.official:
+            scores = torch.einsum("thd,bd->thb", q, keys.to(q.dtype))
+            scores = (scores.relu() * w.to(q.dtype)[..., None]).sum(dim=1)
+            top = torch.topk(scores.masked_fill(~valid, float("-inf")), k, dim=-1).indices
+        else:
+            scores = torch.relu(torch.einsum("thd,bd->thb", q.float(), keys.float()))
+            scores = (scores * w.float()[..., None]).sum(dim=1).masked_fill(~valid, float("-inf"))
+            # stable sort: among equal scores the lowest block index wins, deterministically
+            top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
         picked = torch.zeros_like(valid).scatter_(1, top, True)
         return picked & valid
 
     # ---- attention -------------------------------------------------------------------------------
     @staticmethod
-    def attend(attn, q, kv, st: LayerState, start: int, pos, comp_rows, comp_mask) -> torch.Tensor:
+    def attend(attn, q, kv, st: LayerState, start: int, pos, comp_rows, comp_mask,
+               official: bool = False) -> torch.Tensor:
         W, ring_size = attn.window, st.ring.shape[0]
         ring_pos = torch.arange(max(0, start - W + 1), start, device=q.device)
         ring_keys = st.ring[ring_pos % ring_size]
@@ -113,10 +129,14 @@ class PortableAttentionBackend:
                 mask = torch.cat([mask, comp_mask[a:a + QUERY_CHUNK]], dim=1)
             logits = torch.einsum("thd,kd->thk", q[a:a + QUERY_CHUNK].float(), keys_f) * attn.scale
             logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-            # the sink joins the softmax denominator only (a logit with a zero value vector)
-            both = torch.cat([logits, sink[None, :, None].expand(logits.shape[0], -1, 1)], dim=-1)
-            probs = torch.softmax(both, dim=-1)[..., :-1]
-            out[a:a + QUERY_CHUNK] = torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys).to(q.dtype)
+            if official:
+                o = sink_softmax_values(logits, sink, keys_f, keys.dtype)
+            else:
+                # the sink joins the softmax denominator only (a logit with a zero value vector)
+                both = torch.cat([logits, sink[None, :, None].expand(logits.shape[0], -1, 1)], dim=-1)
+                probs = torch.softmax(both, dim=-1)[..., :-1]
+                o = torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys)
+            out[a:a + QUERY_CHUNK] = o.to(q.dtype)
         return out
 
     @staticmethod
@@ -127,6 +147,18 @@ class PortableAttentionBackend:
             st.ring[keep % ring_size] = pack_kv_fp8(kv[keep - start], ring_rope_dim(st.ring, kv))
         else:
             st.ring[keep % ring_size] = kv[keep - start].to(st.ring.dtype)
+
+
+def sink_softmax_values(logits: torch.Tensor, sink: torch.Tensor, values: torch.Tensor,
+                        p_dtype: torch.dtype) -> torch.Tensor:
+    """The official order of the sink softmax times the values, fp32 [..., H, D]: logits [.., H, K]
+    (masked keys -inf; every query sees at least itself), sink [H], values [.., K, D] fp32. The max
+    is over the keys alone; the unnormalised probabilities are rounded to `p_dtype` for the
+    product; the fp32 denominator adds the sink's exp(sink - max)."""
+    m = logits.amax(dim=-1, keepdim=True)
+    e = torch.exp(logits - m)
+    denom = e.sum(dim=-1, keepdim=True) + torch.exp(sink[:, None] - m)
+    return torch.matmul(e.to(p_dtype).float(), values) / denom
 
 
 def ring_rope_dim(ring: torch.Tensor, kv: torch.Tensor) -> int:

@@ -27,7 +27,7 @@ def deepinfer_linear_method(ctx: BuildContext, weight_format: str):
 @hookimpl(trylast=True)
 def deepinfer_attention_backend(ctx: BuildContext):
     from .portable_attention import PortableAttentionBackend
-    return PortableAttentionBackend()
+    return PortableAttentionBackend(official=ctx.simulate_qat)
 
 
 @hookimpl(trylast=True)
@@ -40,13 +40,13 @@ def deepinfer_moe_method(ctx: BuildContext):
 def deepinfer_mhc_method(ctx: BuildContext):
     from .portable_mhc import PortableMHC
     c = ctx.model_config
-    return PortableMHC(c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+    return PortableMHC(c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, ctx.simulate_qat)
 
 
 @hookimpl(trylast=True)
 def deepinfer_pointwise_method(ctx: BuildContext):
     from .portable_pointwise import PortablePointwise
-    return PortablePointwise()
+    return PortablePointwise(official=ctx.simulate_qat)
 
 
 @hookimpl(trylast=True)

@@ -13,6 +13,9 @@ same chain -- an optional RMS norm, RoPE on the trailing channels, an optional Q
 
 A backend's `PointwiseMethod` (hook `deepinfer_pointwise_method`) computes the same values in fused
 kernels; `inverse_rope` may then rotate its input in place.
+
+`official=True` (the QAT numerics) rounds the per-head query norm as DeepSeek's inference code does:
+square, mean, + eps and rsqrt each in the activation dtype (`official_head_rms_norm`).
 """
 from __future__ import annotations
 
@@ -38,8 +41,20 @@ def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
+def official_head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The same norm with every step rounded to x.dtype (the official code's order): the square,
+    the mean, + eps, the rsqrt and the product, each computed in fp32 and rounded as CUDA does
+    (torch's CPU bf16 rsqrt rounds otherwise on small tensors, and not row by row)."""
+    dt = x.dtype
+    ms = x.square().float().mean(-1, keepdim=True).to(dt)
+    return x * torch.rsqrt((ms + eps).float()).to(dt)
+
+
 class PortablePointwise:
     batch_invariant = True      # every row alone: norms, RoPE and fake-quant per row
+
+    def __init__(self, official: bool = False):
+        self.official = official
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -49,7 +64,7 @@ class PortablePointwise:
                         nope_dim: int | None = None) -> torch.Tensor:
         """norm -> RoPE (`rope`: a RotaryTable) on the last rope_dim channels -> fake-quant."""
         if norm == "head":
-            x = head_rms_norm(x, eps)
+            x = (official_head_rms_norm if self.official else head_rms_norm)(x, eps)
         elif norm == "weighted":
             x = rms_norm(x, weight, eps)
         x = rope.apply(x, positions)

@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.ops.portable_attention import PortableAttentionBackend, ring_rope_dim
+from deepinfer_core.ops.portable_attention import (PortableAttentionBackend, ring_rope_dim,
+                                                   sink_softmax_values)
 from deepinfer_core.ops.portable_linear import PortableLinearMethod
 from deepinfer_core.ops.portable_mhc import PortableMHC
 from deepinfer_core.ops.portable_moe import PortableMoE
@@ -100,6 +101,8 @@ class InvariantPortableMHC(PortableMHC):
         return fixed_tile_mm(a, b)
 
     def post(self, f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        if self.official:            # elementwise, j in order: already invariant
+            return super().post(f, res, post, comb)
         rf = res.float()
         out = post[..., None] * f.float()[:, None, :]
         for j in range(self.hc):             # sum_j comb[j, k] * res[j], j in order
@@ -110,23 +113,29 @@ class InvariantPortableMHC(PortableMHC):
 class InvariantPortableAttention(PortableAttentionBackend):
     batch_invariant = True
 
-    def index_select(self, q, w, keys, pos, ratio: int, topk: int, head_dim: int) -> torch.Tensor:
+    def index_select(self, q, w, keys, pos, ratio: int, topk: int) -> torch.Tensor:
         n_rows = keys.shape[0]
         valid = self.causal_block_mask(pos, ratio, n_rows)
         if n_rows == 0:
             return valid
         T, H, D = q.shape
-        dots = fixed_tile_mm(q.float().reshape(T * H, D), keys.float()).view(T, H, n_rows)
-        scores = torch.relu(dots) * head_dim ** -0.5
-        total = scores[:, 0] * w[:, 0, None]
+        dtype = q.dtype if self.official else torch.float32
+        dots = fixed_tile_mm(q.to(dtype).reshape(T * H, D), keys.to(dtype)).view(T, H, n_rows)
+        scores = torch.relu(dots) * w.to(dtype)[..., None]
+        total = scores[:, 0].float()
         for h in range(1, H):                # heads summed in a fixed order
-            total = total + scores[:, h] * w[:, h, None]
-        total = total.masked_fill(~valid, float("-inf"))
-        top = torch.sort(total, dim=-1, descending=True, stable=True).indices[:, :min(topk, n_rows)]
+            total = total + scores[:, h].float()
+        total = total.to(dtype).masked_fill(~valid, float("-inf"))
+        k = min(topk, n_rows)
+        if self.official:
+            top = torch.topk(total, k, dim=-1).indices
+        else:
+            top = torch.sort(total, dim=-1, descending=True, stable=True).indices[:, :k]
         return torch.zeros_like(valid).scatter_(1, top, True) & valid
 
     @staticmethod
-    def attend(attn, q, kv, st, start: int, pos, comp_rows, comp_mask) -> torch.Tensor:
+    def attend(attn, q, kv, st, start: int, pos, comp_rows, comp_mask,
+               official: bool = False) -> torch.Tensor:
         W, ring_size, dev = attn.window, st.ring.shape[0], q.device
         lo = max(0, start - W + 1)
         ring_keys = st.ring[torch.arange(lo, start, device=dev) % ring_size]
@@ -151,6 +160,10 @@ class InvariantPortableAttention(PortableAttentionBackend):
             keys_f = keys.float()
             logits = torch.bmm(q[a:a + QUERY_CHUNK].float(), keys_f.transpose(1, 2)) * attn.scale
             logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+            if official:
+                o = sink_softmax_values(logits, sink, keys_f, keys.dtype)
+                out[a:a + QUERY_CHUNK] = o.to(q.dtype)
+                continue
             # the sink first (a logit with a zero value vector), so trailing padding never moves a key
             both = torch.cat([sink[None, :, None].expand(logits.shape[0], -1, 1), logits], dim=-1)
             probs = torch.softmax(both, dim=-1)[..., 1:]

@@ -26,12 +26,12 @@ def _cpu_moe(op):
 
 def _cpu_mhc(op):
     from .portable_ops import InvariantPortableMHC
-    return InvariantPortableMHC(op.hc, op.iters, op.hc_eps, op.norm_eps)
+    return InvariantPortableMHC(op.hc, op.iters, op.hc_eps, op.norm_eps, op.official)
 
 
 def _cpu_attention(op):
     from .portable_ops import InvariantPortableAttention
-    return InvariantPortableAttention()
+    return InvariantPortableAttention(op.official)
 
 
 VARIANTS: dict[str, Callable[[Any], Any]] = {
