@@ -140,17 +140,18 @@ def _compress_kernel(kv_ptr, z_ptr, tkv_ptr, tz_ptr, out_ptr, bseq_ptr, bidx_ptr
         mx = tl.where(valid[:, None], tl.maximum(tl.max(z_c, axis=1), tl.max(z_p, axis=1)), 0.0)
         e_c = tl.exp(z_c - mx[:, None, :])
         e_p = tl.exp(z_p - mx[:, None, :])
-        den = tl.sum(e_c, axis=1) + tl.sum(e_p, axis=1)
-        acc = tl.sum(e_c * kv_c, axis=1) + tl.sum(e_p * kv_p, axis=1)
+        # softmax first, then the weighted sum (the reference's order); padding rows (all z = -inf)
+        # have their max and denominator pinned finite, so no NaN
+        den = tl.where(valid[:, None], tl.sum(e_c, axis=1) + tl.sum(e_p, axis=1), 1.0)
+        out = tl.sum(e_c / den[:, None, :] * kv_c, axis=1) + tl.sum(e_p / den[:, None, :] * kv_p, axis=1)
     else:
         kv_c, z_c = _gather_slots(kv_ptr, z_ptr, tkv_ptr, tz_ptr, pos, ok, cols, cmask,
                                   row0, start, slot, L, s_kv, s_z, s_tkv0, s_tkv1, s_tz0, s_tz1)
         mx = tl.where(valid[:, None], tl.max(z_c, axis=1), 0.0)
         e_c = tl.exp(z_c - mx[:, None, :])
-        den = tl.sum(e_c, axis=1)
-        acc = tl.sum(e_c * kv_c, axis=1)
-    # padding rows (all z = -inf; their max and denominator are pinned finite, so no NaN) store zeros
-    out = tl.where(valid[:, None], acc / tl.where(valid[:, None], den, 1.0), 0.0)
+        den = tl.where(valid[:, None], tl.sum(e_c, axis=1), 1.0)
+        out = tl.sum(e_c / den[:, None, :] * kv_c, axis=1)
+    out = tl.where(valid[:, None], out, 0.0)      # padding rows store zeros
     dst = out_ptr + i.to(tl.int64)[:, None] * s_out + cols[None, :]
     tl.store(dst, out, mask=(i < NB)[:, None] & cmask[None, :])
 

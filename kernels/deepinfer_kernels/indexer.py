@@ -1,9 +1,14 @@
 """DeepSeek-V4 lightning indexer on the GPU: score every visible paged indexer-key row and keep each
 query's top-k rows, deterministically (core reference: `PortableAttentionBackend.index_select`).
 
-    score[t, r] = sum_h w[t, h] * relu(q[t, h, :] . k[r, :]) * Di**-0.5     (fp32)
+    score[t, r] = sum_h w[t, h] * relu(q[t, h, :] . k[r, :])     (fp32)
     visible rows of query t (position p, sequence s): r < (p + 1) // ratio
     keep the top min(topk, n_visible) rows; equal scores go to the lowest row id
+
+w is the model's `Indexer.head_weights`, the 1/sqrt(Di) score scale already folded in.
+`official=True` (the QAT numerics) rounds as DeepSeek's inference code does: each dot product (fp32
+accumulation), each relu(dot) * w and the head sum (added in fp32) to q's dtype, so the top-k runs
+on bf16 scores (held in fp32, exactly) whose many ties still go to the lowest row id.
 
 Two kernels, neither of which reads anything back to the host, so a CUDA graph can capture them:
 
@@ -36,14 +41,27 @@ _FLOAT_TYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_TYPES = (torch.int32, torch.int64)
 
 
+@triton.jit
+def _round_to(v, DT: tl.constexpr):
+    """fp32 -> the nearest DT value (ties to even), still in fp32. bf16 on the bits: Triton's
+    interpreter truncates that cast, and the compiled cast rounds like this."""
+    if DT == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    elif DT == tl.float16:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
 # skip_upto / fill_all: the same code for indexer_scores and the top-k path; the rest follow the batch
 @triton.jit(do_not_specialize=["max_rows", "skip_upto", "fill_all", "stride_bt", "stride_st"])
 def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, seq_ptr, pos_ptr, s_ptr,
-                  max_rows, skip_upto, fill_all, scale,
+                  max_rows, skip_upto, fill_all,
                   stride_qt, stride_qh, stride_wt, stride_wh, stride_kb, stride_kr, stride_bt, stride_st,
                   H: tl.constexpr, D: tl.constexpr, RATIO: tl.constexpr, RPB: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+                  BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, OFFICIAL: tl.constexpr = False,
+                  PDL: tl.constexpr = False):
     pdl_gate(PDL)
     t = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -72,7 +90,13 @@ def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, seq_ptr, pos_ptr, s_ptr,
                 else:
                     acc += tl.dot(qt, kt)
             wt = tl.load(w_ptr + t * stride_wt + offs_h * stride_wh, mask=h_ok, other=0.0).to(tl.float32)
-            score = tl.sum(tl.maximum(acc, 0.0) * wt[:, None], axis=0) * scale
+            if OFFICIAL:     # every step rounded to q's dtype; the head sum added in fp32
+                DT: tl.constexpr = q_ptr.dtype.element_ty
+                dot = tl.maximum(_round_to(acc, DT), 0.0)
+                head = _round_to(dot * _round_to(wt, DT)[:, None], DT)
+                score = _round_to(tl.sum(head, axis=0), DT)
+            else:
+                score = tl.sum(tl.maximum(acc, 0.0) * wt[:, None], axis=0)
             tl.store(out_ptrs, tl.where(r_ok, score, float("-inf")), mask=rows < max_rows)
         elif fill_all:
             tl.store(out_ptrs, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=rows < max_rows)
@@ -188,7 +212,7 @@ def _check(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, block_table: to
 
 
 def _scores(q, w, keys, block_table, token_seq, positions, ratio: int, max_rows: int,
-            skip_upto: int, fill_all: bool) -> torch.Tensor:
+            skip_upto: int, fill_all: bool, official: bool) -> torch.Tensor:
     T, H, D = q.shape
     scores = torch.empty((T, max(max_rows, 1)), dtype=torch.float32, device=q.device)
     if T == 0 or max_rows == 0:
@@ -205,32 +229,35 @@ def _scores(q, w, keys, block_table, token_seq, positions, ratio: int, max_rows:
     block_d = min(128, max(16, triton.next_power_of_2(D)))
     grid = (T, triton.cdiv(max_rows, SCORE_BLOCK_N))
     _score_kernel[grid](q, w, keys, block_table, token_seq, positions, scores,
-                        max_rows, skip_upto, int(fill_all), float(D) ** -0.5,
+                        max_rows, skip_upto, int(fill_all),
                         q.stride(0), q.stride(1), w.stride(0), w.stride(1), keys.stride(0), keys.stride(1),
                         block_table.stride(0), scores.stride(0),
                         H=H, D=D, RATIO=ratio, RPB=KEY_BLOCK // ratio,
                         BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=block_d, BLOCK_N=SCORE_BLOCK_N,
-                        UPCAST=upcast, num_warps=4, **launch_args(q))
+                        UPCAST=upcast, OFFICIAL=bool(official), num_warps=4, **launch_args(q))
     return scores
 
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor,
                    token_seq: torch.Tensor, positions: torch.Tensor, *, ratio: int = 4,
-                   max_rows: int | None = None) -> torch.Tensor:
+                   max_rows: int | None = None, official: bool = False) -> torch.Tensor:
     """Indexer scores [T, max_rows] fp32, -inf for rows a query cannot see (what `indexer_topk` selects
     from; for tests and debugging)."""
     max_rows = _check(q, w, keys, block_table, token_seq, positions, ratio, max_rows)
-    return _scores(q, w, keys, block_table, token_seq, positions, ratio, max_rows, -1, True)[:, :max_rows]
+    return _scores(q, w, keys, block_table, token_seq, positions, ratio, max_rows, -1, True,
+                   official)[:, :max_rows]
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor,
                  token_seq: torch.Tensor, positions: torch.Tensor, *, topk: int, ratio: int = 4,
-                 max_rows: int | None = None, select_block: int | None = None) -> torch.Tensor:
+                 max_rows: int | None = None, select_block: int | None = None,
+                 official: bool = False) -> torch.Tensor:
     """Each query's top-k visible indexer-key rows: idx [T, topk] int32, logical row ids ascending,
     padded with -1. q [T, Hi, Di] bf16/fp16/fp32, w [T, Hi], keys [NUM_BLOCKS, 128 // ratio, Di] paged
     through block_table [S, MAXB] int32 by token_seq [T]; positions [T] absolute positions.
     max_rows bounds any query's visible rows (default: the block table's capacity); rows past it are
-    never considered. `select_block` (a power of two in [16, 4096]) overrides the selection step."""
+    never considered. `select_block` (a power of two in [16, 4096]) overrides the selection step.
+    `official`: scores rounded as DeepSeek's inference code rounds them (module docstring)."""
     max_rows = _check(q, w, keys, block_table, token_seq, positions, ratio, max_rows)
     if not isinstance(topk, int) or topk < 1:
         raise ValueError(f"indexer_topk: topk={topk!r} must be a positive int")
@@ -244,7 +271,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, block_tab
     if T == 0:
         return idx
     # queries with n_visible <= topk are skipped by the score kernel and never read by the selection
-    scores = _scores(q, w, keys, block_table, token_seq, positions, ratio, max_rows, topk, False)
+    scores = _scores(q, w, keys, block_table, token_seq, positions, ratio, max_rows, topk, False,
+                     official)
     _select_kernel[(T,)](scores, positions, idx, max_rows, scores.stride(0), K=topk, RATIO=ratio, BLOCK=block,
                          KBLOCK=min(1024, max(16, triton.next_power_of_2(topk))),
                          num_warps=4 if block <= 1024 else 8, **launch_args(scores))

@@ -23,6 +23,12 @@ batch. No atomics: every reduction has a fixed order. Under Triton's interpreter
 is a broadcast multiply + sum instead of tl.dot (the interpreter's tl.dot is numpy's matmul, whose
 row results depend on the row's position in the tile); compiled, the tensor-core path runs.
 bf16 outputs are rounded to nearest even in fp32 first (the interpreter's cast truncates).
+
+Order of operations: the projection's product comes first and the RMS factor after, the combination
+softmax is exp(c - max) / sum, and post adds post * f to the stream mix summed j = 0..hc-1: the
+order of DeepSeek's inference code, which `PortableMHC(official=True)` transcribes. `official=True`
+(the QAT numerics) also compiles stages 2 and 3 and post without fp contraction (no FMA), so every
+product and sum rounds as torch's separate ops do; the stage-1 GEMM keeps its own accumulation.
 """
 from __future__ import annotations
 
@@ -265,7 +271,7 @@ def _check_params(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
 
 
 def _collapse(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-              iters: int, hc_eps: float, norm_eps: float, head: bool):
+              iters: int, hc_eps: float, norm_eps: float, head: bool, official: bool):
     T, _, D = x.shape
     K, N = hc * D, fn.shape[0]
     dev = x.device
@@ -285,42 +291,49 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     block_d = min(triton.next_power_of_2(D), COLLAPSE_BLOCK_D)
     hc_p = triton.next_power_of_2(hc)
     stage2 = dict(ITERS=max(iters, 1), NSPLIT=nsplit, HC=hc, HC_P=hc_p, HEAD=head)
+    fusion = {"enable_fp_fusion": not official}     # official: products and sums round apart
     collapse_grid = (triton.cdiv(T, EW_BLOCK_T), triton.cdiv(D, block_d))
     if FUSE_COEFF:
         _mhc_coeff_collapse_kernel[collapse_grid](
             x, part, sq, scale, base, pre, post, comb, y, T, K, N, D, hc_eps, norm_eps, x.stride(0), x.stride(1),
             y.stride(0), **stage2, BLOCK_T=EW_BLOCK_T, BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16,
-            num_warps=4, **launch_args(x))
+            num_warps=4, **fusion, **launch_args(x))
         return y, post, comb
     _mhc_coeff_kernel[(triton.cdiv(T, BLOCK_T),)](
         part, sq, scale, base, pre, post, comb, T, K, N, hc_eps, norm_eps, **stage2, BLOCK_T=BLOCK_T,
-        num_warps=COEFF_WARPS, **launch_args(part))
+        num_warps=COEFF_WARPS, **fusion, **launch_args(part))
     _mhc_collapse_kernel[collapse_grid](
         x, pre, y, T, D, x.stride(0), x.stride(1), y.stride(0), HC=hc, HC_P=hc_p, BLOCK_T=EW_BLOCK_T,
-        BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16, num_warps=4, **launch_args(x))
+        BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16, num_warps=4, **fusion,
+        **launch_args(x))
     return y, post, comb
 
 
 def mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
-            sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+            sinkhorn_iters: int, hc_eps: float, norm_eps: float, official: bool = False):
     """x [T, hc, D] -> (y [T, D] in x.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32); fn
-    [(2+hc)*hc, hc*D], scale [3], base [(2+hc)*hc], all fp32."""
+    [(2+hc)*hc, hc*D], scale [3], base [(2+hc)*hc], all fp32. `official`: no fp contraction."""
     x = _check_streams("x", x, hc_mult)
     fn, scale, base = _check_params(x, fn, scale, base, (2 + hc_mult) * hc_mult, 3)
-    return _collapse(x, fn, scale, base, hc_mult, int(sinkhorn_iters), float(hc_eps), float(norm_eps), False)
+    return _collapse(x, fn, scale, base, hc_mult, int(sinkhorn_iters), float(hc_eps),
+                     float(norm_eps), False, official)
 
 
 def mhc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
-             hc_eps: float, norm_eps: float) -> torch.Tensor:
-    """Final collapse x [T, hc, D] -> y [T, D] in x.dtype; fn [hc, hc*D], scale [1], base [hc] fp32."""
+             hc_eps: float, norm_eps: float, official: bool = False) -> torch.Tensor:
+    """Final collapse x [T, hc, D] -> y [T, D] in x.dtype; fn [hc, hc*D], scale [1], base [hc] fp32.
+    `official`: no fp contraction."""
     x = _check_streams("x", x, hc_mult)
     fn, scale, base = _check_params(x, fn, scale, base, hc_mult, 1)
-    return _collapse(x, fn, scale, base, hc_mult, 1, float(hc_eps), float(norm_eps), True)[0]
+    return _collapse(x, fn, scale, base, hc_mult, 1, float(hc_eps), float(norm_eps), True,
+                     official)[0]
 
 
-def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             official: bool = False) -> torch.Tensor:
     """f [T, D] (sub-layer output), res [T, hc, D] (block-input streams), post [T, hc], comb [T, hc, hc]
-    -> out [T, hc, D] in res.dtype, out[:, k] = post[:, k] * f + sum_j comb[:, j, k] * res[:, j]."""
+    -> out [T, hc, D] in res.dtype, out[:, k] = post[:, k] * f + sum_j comb[:, j, k] * res[:, j].
+    `official`: no fp contraction (each product and sum rounded, as torch's separate ops)."""
     if not isinstance(res, torch.Tensor) or res.dim() != 3:
         raise ValueError(f"res must be a [T, hc, D] tensor, got "
                          f"{tuple(res.shape) if isinstance(res, torch.Tensor) else type(res).__name__}")
@@ -345,5 +358,6 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
     _mhc_post_kernel[(triton.cdiv(T, EW_BLOCK_T), triton.cdiv(D, block_d))](
         f, res, post, comb, out, T, D, f.stride(0), res.stride(0), res.stride(1), out.stride(0), out.stride(1),
         HC=hc, HC_P=triton.next_power_of_2(hc), BLOCK_T=EW_BLOCK_T, BLOCK_D=block_d,
-        OUT_BF16=res.dtype == torch.bfloat16, num_warps=4, **launch_args(f))
+        OUT_BF16=res.dtype == torch.bfloat16, num_warps=4, enable_fp_fusion=not official,
+        **launch_args(f))
     return out

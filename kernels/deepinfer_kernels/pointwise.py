@@ -4,7 +4,8 @@ and in-place inverse RoPE.
 Torch runs each step (norm, rope, fp8/fp4 fake-quant, Hadamard) as several elementwise kernels, each a
 full pass over memory; here every element is read once and written once. Core references (the
 composition is exactly theirs, in this order):
-  norm   deepinfer_core.model.layers.RMSNorm.forward / head_rms_norm
+  norm   deepinfer_core.model.layers.RMSNorm.forward / head_rms_norm (official_head_rms_norm with
+         `official`: the QAT numerics, every step of the head norm rounded to x.dtype)
   rope   deepinfer_core.model.rope.RotaryTable.apply (interleaved pairs on the last rd channels)
   quant  deepinfer_core.ops.quant.fake_quant_fp8 (blocks of 64 on the nope channels) or
          fake_quant_fp4(hadamard_transform(.), 32)
@@ -137,7 +138,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, eps, BLOCK: tl.constexpr,
 def _norm_rope_quant_kernel(x_ptr, y_ptr, pos_ptr, f_ptr, w_ptr, H, stride_t, stride_h, eps, had_scale,
                             D: tl.constexpr, LOG_D: tl.constexpr, RH: tl.constexpr, HB: tl.constexpr,
                             NORM: tl.constexpr, INVERSE: tl.constexpr, QUANT: tl.constexpr,
-                            NOPE: tl.constexpr, QB8: tl.constexpr, QB4: tl.constexpr, PDL: tl.constexpr = False):
+                            NOPE: tl.constexpr, QB8: tl.constexpr, QB4: tl.constexpr,
+                            OFFICIAL: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_gate(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
@@ -146,7 +148,11 @@ def _norm_rope_quant_kernel(x_ptr, y_ptr, pos_ptr, f_ptr, w_ptr, H, stride_t, st
     x = tl.load(x_ptr + t * stride_t + heads[:, None] * stride_h + cols[None, :], mask=hmask, other=0.0)
     DT: tl.constexpr = x.dtype
     y = x.to(tl.float32)
-    if NORM == 1:    # head_rms_norm: rsqrt in fp32, cast to x.dtype, product in x.dtype
+    if NORM == 1 and OFFICIAL:   # official_head_rms_norm: square, mean, + eps, rsqrt each in DT
+        ms = _round_dt(tl.sum(_round_dt(y * y, DT), axis=1) * (1.0 / D), DT)
+        r = _round_dt(tl.rsqrt(_round_dt(ms + eps, DT)), DT)
+        y = _round_dt(y * r[:, None], DT)
+    elif NORM == 1:  # head_rms_norm: rsqrt in fp32, cast to x.dtype, product in x.dtype
         r = _round_dt(tl.rsqrt(tl.sum(y * y, axis=1) * (1.0 / D) + eps), DT)
         y = _round_dt(y * r[:, None], DT)
     elif NORM == 2:  # RMSNorm: (w * (x * r)) in fp32, then x.dtype
@@ -247,13 +253,15 @@ def _heads_view(x: torch.Tensor) -> tuple[int, int, int]:
 
 def norm_rope_quant(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, norm: str = "none",
                     weight: torch.Tensor | None = None, eps: float = 1e-6, inverse: bool = False,
-                    quant: str = "none", nope_dim: int | None = None, block_h: int | None = None,
-                    num_warps: int | None = None) -> torch.Tensor:
+                    quant: str = "none", nope_dim: int | None = None, official: bool = False,
+                    block_h: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """norm -> RoPE (last 2*len(inv_freq) channels) -> fake-quant, fused; x [T, D] or [T, H, D], D a power
     of two <= 512. norm: "none" | "head" (head_rms_norm) | "weighted" (RMSNorm with `weight` [D]);
     quant: "none" | "fp8_nope" (fake_quant_fp8 in blocks of 64 on channels < nope_dim, default D - rd;
     the other modes ignore nope_dim) | "hadamard_fp4" (fake_quant_fp4(hadamard_transform(.), 32) over
-    all D). Returns a new contiguous tensor like x. `block_h` (heads per program, a power of two) and `num_warps` are tuning knobs."""
+    all D). `official`: the head norm rounds each step to x.dtype (`official_head_rms_norm`, the QAT
+    numerics). Returns a new contiguous tensor like x. `block_h` (heads per program, a power of two)
+    and `num_warps` are tuning knobs."""
     _check_x(x, "x", (2, 3))
     T, D = x.shape[0], x.shape[-1]
     if D < 2 or D > 512 or D & (D - 1):
@@ -289,7 +297,8 @@ def norm_rope_quant(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
         x, y, positions.contiguous(), inv_freq.contiguous(), w, H, stride_t, stride_h, float(eps), D ** -0.5,
         D=D, LOG_D=D.bit_length() - 1, RH=rh, HB=hb, NORM=_NORMS[norm], INVERSE=bool(inverse),
         QUANT=_QUANTS[quant], NOPE=nope_dim if quant == "fp8_nope" else 0,
-        QB8=min(FP8_BLOCK, D), QB4=min(FP4_BLOCK, D), num_warps=nw, enable_fp_fusion=False, **launch_args(x))
+        QB8=min(FP8_BLOCK, D), QB4=min(FP4_BLOCK, D), OFFICIAL=bool(official), num_warps=nw,
+        enable_fp_fusion=False, **launch_args(x))
     return y
 
 

@@ -6,13 +6,19 @@ MQA: every head attends to the same key rows and the key row is also the value r
 program takes one query token x BLOCK_H heads and multiplies [BLOCK_H, D] by each gathered key tile
 [BLOCK_N, D] on the tensor cores, loading every row once for all its heads. A query's keys form one
 list, [window positions lo..t | compressed rows], walked in BLOCK_N tiles in a fixed order; the fp32
-online softmax runs in base 2 with a finite sentinel (no -inf - -inf = NaN), and the sink joins the
-denominator only at the end: out = acc / (l + exp(sink - m)).
+online softmax runs in base 2 with a finite sentinel (no -inf - -inf = NaN): the running max m is
+over the keys alone, the unnormalised exp(s - m) are rounded to the key dtype for the product with
+the values (fp32 accumulation) and summed unrounded into l, and the sink joins the denominator only
+at the end. `official=True` (the QAT numerics) ends as DeepSeek's kernel does, out = acc / (l +
+exp(sink - m)); otherwise the sink may raise the final max first (m' = max(m, sink), acc and l
+rescaled by exp(m - m')), which cannot overflow whatever the sink.
 
 Decode at small batch leaves most SMs idle with one program per (token, head block), so there the
 key list is cut into splits of a fixed size (a function of the key-list bound only, so a row's
 result does not depend on the other rows of the batch) whose partial (m, l, acc) a second kernel
-merges in split order. Nothing uses atomics: results are run-to-run deterministic.
+merges in split order, rescaled to the largest split max (official: the sink's term added once, at
+the end; one split merges to the fused epilogue's bits). Nothing uses atomics: results are
+run-to-run deterministic.
 
 A kv_fp8 cache gives uint8 pools (ring and/or comp_rows) of packed FP8 rows (core reference
 `deepinfer_core.ops.kv_fp8`): the kernel loads the e4m3 codes, their UE8M0 scales and the bf16 RoPE
@@ -63,6 +69,22 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 @triton.jit
+def _round_bf16(v):
+    """fp32 -> the nearest bfloat16 value (ties to even), still in fp32: the compiled cast's
+    rounding, which Triton's interpreter (it truncates) does not give."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_out(o, DT: tl.constexpr):
+    """The output in DT, rounded to nearest even under the interpreter too."""
+    if DT == tl.bfloat16:
+        o = _round_bf16(o)
+    return o.to(DT)
+
+
+@triton.jit
 def _attend_tile(q, k, ok, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Fold one key tile k [BLOCK_N, D] (rows with ok=False are ignored) into the running state."""
     if UPCAST:        # the interpreter multiplies bf16 tiles wrongly; bf16 products are exact in fp32
@@ -80,9 +102,10 @@ def _attend_tile(q, k, ok, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, IEEE: 
     # explicit zero: while every key so far is masked, m_new is the sentinel and s - m_new = 0
     p = tl.where(ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)
     l_i = l_i * alpha + tl.sum(p, 1)
-    pv = p.to(k.dtype)       # probabilities in the key dtype, as the reference's einsum
-    if UPCAST:
-        pv = pv.to(tl.float32)
+    if UPCAST:               # the interpreter, bf16 keys: the rounding a compiled cast does
+        pv = _round_bf16(p)
+    else:
+        pv = p.to(k.dtype)   # unnormalised probabilities in the key dtype
     if UPCAST or IEEE:
         acc = acc * alpha[:, None] + tl.dot(pv, kd, input_precision="ieee")
     else:
@@ -121,7 +144,7 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, ring16_ptr, sink_ptr, out_ptr, 
                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RPB: tl.constexpr,
                         COMP: tl.constexpr, CLAMP: tl.constexpr, SPLIT: tl.constexpr,
                         UPCAST: tl.constexpr, IEEE: tl.constexpr, RING_NOPE: tl.constexpr, COMP_NOPE: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        OFFICIAL: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_gate(PDL)
     row = tl.program_id(0)
     hb = tl.program_id(1)
@@ -207,30 +230,44 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, ring_ptr, ring16_ptr, sink_ptr, out_ptr, 
         tl.store(ws_ml_ptr + base * 2 + 1, l_i, mask=h_ok)
     else:
         sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0) * 1.4426950408889634
-        m_f = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - m_f)
-        l_f = l_i * alpha + tl.exp2(sink - m_f)
-        l_f = tl.where(l_f > 0, l_f, 1.0)
-        o = (acc * alpha[:, None]) / l_f[:, None]       # the same roundings as _combine_kernel on one split
+        # the same roundings as _combine_kernel on one split
+        if OFFICIAL:      # the max stays the keys'; the sink's term joins the sum last
+            l_f = l_i + tl.exp2(sink - m_i)
+            l_f = tl.where(l_f > 0, l_f, 1.0)
+            o = acc / l_f[:, None]
+        else:
+            m_f = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_f)
+            l_f = l_i * alpha + tl.exp2(sink - m_f)
+            l_f = tl.where(l_f > 0, l_f, 1.0)
+            o = (acc * alpha[:, None]) / l_f[:, None]
         tl.store(out_ptr + row.to(tl.int64) * s_ot + heads[:, None] * s_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+                 _round_out(o, out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, NSPLIT, s_ot, s_oh,
-                    D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
-    """Merge the splits of one (token, head block) in split order, with the sink."""
+                    D: tl.constexpr, BLOCK_H: tl.constexpr, OFFICIAL: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    """Merge the splits of one (token, head block) in split order, with the sink (OFFICIAL: the
+    max over the splits' key maxima alone, the sink's term added after the splits)."""
     pdl_gate(PDL)
     row = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
     offs_d = tl.arange(0, D)
-    m_f = tl.load(sink_ptr + heads, mask=h_ok, other=0.0) * 1.4426950408889634
-    sink = m_f
+    sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0) * 1.4426950408889634
+    if OFFICIAL:
+        m_f = tl.full((BLOCK_H,), NEG, tl.float32)
+    else:
+        m_f = sink
     base = row.to(tl.int64) * NSPLIT * H + heads
     for sp in range(0, NSPLIT):
         m_f = tl.maximum(m_f, tl.load(ws_ml_ptr + (base + sp * H) * 2, mask=h_ok, other=NEG))
-    l_f = tl.exp2(sink - m_f)
+    if OFFICIAL:
+        l_f = tl.zeros((BLOCK_H,), tl.float32)
+    else:
+        l_f = tl.exp2(sink - m_f)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     for sp in range(0, NSPLIT):
         m_j = tl.load(ws_ml_ptr + (base + sp * H) * 2, mask=h_ok, other=NEG)
@@ -239,10 +276,12 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, NSPLIT, s_ot, s
         l_f += l_j * w
         acc += tl.load(ws_acc_ptr + (base + sp * H)[:, None] * D + offs_d[None, :],
                        mask=h_ok[:, None], other=0.0) * w[:, None]
+    if OFFICIAL:      # (padding heads kept at m_f = NEG: no exp2 of 1e30)
+        l_f = l_f + tl.exp2(tl.where(h_ok, sink - m_f, 0.0))
     l_f = tl.where(l_f > 0, l_f, 1.0)
     o = acc / l_f[:, None]
     tl.store(out_ptr + row.to(tl.int64) * s_ot + heads[:, None] * s_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+             _round_out(o, out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
 def tile_config(D: int, H: int, dtype: torch.dtype, rows: int = 0, num_sms: int = 132) -> dict:
@@ -301,7 +340,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, sink
                      token_seq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      comp_rows: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                      comp_idx: torch.Tensor | None = None, comp_ratio: int = 0,
-                     batch_invariant: bool = False) -> torch.Tensor:
+                     batch_invariant: bool = False, official: bool = False) -> torch.Tensor:
     """q [T, H, D], kv [T, D] (new keys = values), ring [NUM_SLOTS, R, D], sink [H] -> out [T, H, D].
     ring and comp_rows may instead be uint8 pools of packed FP8 rows (kv_fp8, `compressor.kv_row_bytes`).
 
@@ -311,17 +350,20 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, sink
     comp_idx=None and comp_ratio > 0 (query at t sees rows 0 .. (t+1)//comp_ratio - 1).
 
     `batch_invariant`: one tile shape for every batch and splits of INVARIANT_SPLIT_KEYS keys (a fixed
-    split size, not a fixed number of splits), so a query's result does not depend on the batch."""
+    split size, not a fixed number of splits), so a query's result does not depend on the batch.
+    `official`: the sink's term joins the denominator as in DeepSeek's kernel (the QAT numerics;
+    `PortableAttentionBackend(official=True)`), see the module docstring."""
     return _sparse_attention(q, kv, ring, sink, scale=scale, window=window, cu_seqlens=cu_seqlens,
                              seq_start=seq_start, token_seq=token_seq, positions=positions, slots=slots,
                              comp_rows=comp_rows, block_table=block_table, comp_idx=comp_idx,
-                             comp_ratio=comp_ratio, batch_invariant=batch_invariant)
+                             comp_ratio=comp_ratio, batch_invariant=batch_invariant,
+                             official=official)
 
 
 def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start, token_seq, positions,
                       slots, comp_rows=None, block_table=None, comp_idx=None, comp_ratio=0,
                       split: bool | None = None, config: dict | None = None,
-                      batch_invariant: bool = False) -> torch.Tensor:
+                      batch_invariant: bool = False, official: bool = False) -> torch.Tensor:
     """sparse_attention with test hooks: split forces (True/False) the split-KV path, config the tiles."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("sparse_attention: q must be a [T, H, D] tensor")
@@ -425,8 +467,9 @@ def _sparse_attention(q, kv, ring, sink, *, scale, window, cu_seqlens, seq_start
         comp_strides[2], s_idx, out.stride(0), out.stride(1),
         D=D, BLOCK_H=block_h, BLOCK_N=block_n, RPB=rpb, COMP=mode, CLAMP=mode == 1 and comp_ratio > 0,
         SPLIT=bool(split), UPCAST=interp and dt != torch.float32, IEEE=dt == torch.float32,
-        RING_NOPE=ring_nope, COMP_NOPE=comp_nope, **cfg, **launch_args(q))
+        RING_NOPE=ring_nope, COMP_NOPE=comp_nope, OFFICIAL=bool(official), **cfg, **launch_args(q))
     if split:
         _combine_kernel[(T, n_hb)](ws_acc, ws_ml, sink, out, H, nsplit, out.stride(0), out.stride(1),
-                                   D=D, BLOCK_H=block_h, num_warps=4, **launch_args(ws_acc))
+                                   D=D, BLOCK_H=block_h, OFFICIAL=bool(official), num_warps=4,
+                                   **launch_args(ws_acc))
     return out

@@ -1,7 +1,8 @@
-"""Batch invariance on the nvidia backend (bf16, CUDA graphs on): bitwise-equal logprobs alone, in
-batches of 2..256 at shuffled positions and under chunked-prefill sizes 1..512; the same check with
-the feature off finds differences (so it can fail); 1000 runs of one seeded sampled request among
-random traffic give one output. Run on a GPU machine: `python -m pytest -q -m gpu tests/gpu`."""
+"""Batch invariance on the nvidia backend (bf16, the QAT numerics, CUDA graphs on): bitwise-equal
+logprobs alone, in batches of 2..256 at shuffled positions and under chunked-prefill sizes 1..512;
+the same check with the feature off finds differences (so it can fail); 1000 runs of one seeded
+sampled request among random traffic give one output. Run on a GPU machine:
+`python -m pytest -q -m gpu tests/gpu`."""
 from __future__ import annotations
 
 import gc
@@ -35,6 +36,9 @@ def _targets(llm, n=8):
 
 def test_bitwise_equal_on_cuda(invariant_llm):
     assert invariant_llm.runner.graphs is not None           # decode steps replay CUDA graphs
+    layer = invariant_llm.runner.model.layers[0]      # the QAT numerics' kernels (the default)
+    backend = layer.attn.backend
+    assert backend.batch_invariant and backend.official and layer.mhc.official
     report = run_check(invariant_llm, _targets(invariant_llm), batch_sizes=(2, 3, 8, 64, 256),
                        chunk_sizes=(1, 5, 64, 512))
     print(report.table())

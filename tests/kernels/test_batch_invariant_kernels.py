@@ -70,21 +70,23 @@ def _one(args, i):
     return one
 
 
-@pytest.mark.parametrize("comp", ["csa", "hca"])
-def test_sparse_attention_invariant_mode(kdev, rows_match, monkeypatch, comp):
+@pytest.mark.parametrize("comp,official",
+                         [("csa", False), ("hca", False), ("csa", True), ("hca", True)])
+def test_sparse_attention_invariant_mode(kdev, rows_match, monkeypatch, comp, official):
     """Fixed split size: a decode query gives the same bits alone (fewer splits in the launch, a
-    narrower block table) and inside a batch whose longest list needs several splits."""
+    narrower block table) and inside a batch whose longest list needs several splits. `official`:
+    the QAT numerics' softmax ending (the sink's term added once, after the splits)."""
     monkeypatch.setattr(sa, "INVARIANT_SPLIT_KEYS", 16)
     args, n_rows = build([(60, 1), (7, 1), (300, 1), (129, 1)], comp=comp, K=12, ratio=4 if comp == "csa" else 8,
                          window=8, seed=12)
-    full = run(args, kdev, batch_invariant=True)
-    check(full, reference(args, n_rows), TOL[torch.float32])
+    full = run(args, kdev, batch_invariant=True, official=official)
+    check(full, reference(args, n_rows, official), TOL[torch.float32])
     for i in range(4):
         one = _one(args, i)
         if comp == "hca":       # this query's own bound only: its table row trimmed to the blocks it has
             need = max(1, -(-int(n_rows[i]) // (128 // 8)))
             one["block_table"] = one["block_table"][:, :need]
-        rows_match(run(one, kdev, batch_invariant=True)[0], full[i])
+        rows_match(run(one, kdev, batch_invariant=True, official=official)[0], full[i])
 
 
 def test_tile_family_policy(monkeypatch):

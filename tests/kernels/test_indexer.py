@@ -2,7 +2,9 @@
 `PortableAttentionBackend.index_select` and its formula, on ragged batches whose key rows live in
 shuffled physical blocks. Selections are compared exactly with a stable sort of the kernel's own
 scores (so float summation order cannot make a test flaky), and end to end with the reference on
-inputs that are exact (integer-valued) or have no near-ties."""
+inputs that are exact (integer-valued) or have no near-ties. The head weights w carry the
+1/sqrt(Di) score scale (the model's `Indexer.head_weights`). `official=True` (the QAT numerics):
+bf16 scores rounded step by step as DeepSeek's inference code rounds them."""
 from __future__ import annotations
 
 import pytest
@@ -63,7 +65,7 @@ def ref_scores(c: dict, max_rows: int) -> torch.Tensor:
     out = torch.full((q.shape[0], max_rows), float("-inf"), dtype=torch.float64)
     for t, (s, n) in enumerate(zip(c["token_seq"].cpu().tolist(), n_visible(c, max_rows))):
         k = c["klog"][s][:n].double()
-        out[t, :n] = (torch.relu(q[t] @ k.T) * w[t][:, None]).sum(0) * c["dim"] ** -0.5
+        out[t, :n] = (torch.relu(q[t] @ k.T) * w[t][:, None]).sum(0)
     return out
 
 
@@ -78,7 +80,8 @@ def stable_select(scores: torch.Tensor, nvis: list[int], topk: int) -> torch.Ten
 
 
 def portable_select(c: dict, topk: int) -> torch.Tensor:
-    """`PortableAttentionBackend.index_select` per sequence, turned into ascending -1-padded ids."""
+    """`PortableAttentionBackend.index_select` (clean numerics) per sequence, turned into ascending
+    -1-padded ids."""
     seq, pos = c["token_seq"].cpu(), c["positions"].cpu()
     q, w = c["q"].cpu(), c["w"].cpu()
     out = torch.full((seq.numel(), topk), -1, dtype=torch.int32)
@@ -86,8 +89,8 @@ def portable_select(c: dict, topk: int) -> torch.Tensor:
         rows = (seq == s).nonzero().flatten()
         if rows.numel() == 0:
             continue
-        mask = PortableAttentionBackend().index_select(q[rows], w[rows], keys, pos[rows], c["ratio"], topk,
-                                                       c["dim"])
+        mask = PortableAttentionBackend().index_select(q[rows], w[rows], keys, pos[rows],
+                                                       c["ratio"], topk)
         for i, t in enumerate(rows.tolist()):
             ids = mask[i].nonzero().flatten().int()
             out[t, :ids.numel()] = ids
@@ -250,6 +253,60 @@ def test_results_follow_device_metadata_without_host_reads(kdev):
         got = run().cpu()
     assert_no_near_ties(c, 8)
     assert torch.equal(got, portable_select(c, 8))
+
+
+def official_scores(c: dict, max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`official=True`'s formula on the CPU (the portable op's): q.k, relu(.) * w and the head sum
+    each rounded to q's dtype, -inf past each query's visible rows; fp32. Also each score's largest
+    |head term| (0 past the visible rows)."""
+    q, w = c["q"].cpu(), c["w"].cpu().to(c["q"].dtype)
+    out = torch.full((q.shape[0], max_rows), float("-inf"))
+    term = torch.zeros(q.shape[0], max_rows)
+    for t, (s, n) in enumerate(zip(c["token_seq"].cpu().tolist(), n_visible(c, max_rows))):
+        heads = torch.einsum("hd,bd->hb", q[t], c["klog"][s][:n].to(q.dtype)).relu() * w[t][:, None]
+        out[t, :n], term[t, :n] = heads.sum(0).float(), heads.abs().amax(0).float()
+    return out, term
+
+
+def test_official_scores_round_like_the_official_code(kdev):
+    c = make_case(**RAGGED, dtype=torch.bfloat16, maxb=3, seed=10, device=kdev)
+    c["w"] = (c["w"] * 0.3).to(torch.bfloat16)            # the model's bf16 head weights
+    want, term = official_scores(c, 96)
+    got = indexer_scores(*args(c), ratio=4, official=True).cpu()
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isinf(got), ~fin) and fin.sum() > 150
+    assert torch.equal(got[fin], got[fin].bfloat16().float())                 # bf16 values
+    # the same bits but where an fp32 dot or head sum, added in another order, rounds the other
+    # way: one bf16 unit of the score, or of its largest head term where the heads cancel
+    assert ((got - want)[fin].abs() <= (want[fin].abs() + term[fin]) * 2.0 ** -7).all()
+    same = (got[fin] == want[fin]).float().mean().item()
+    clean = indexer_scores(*args(c), ratio=4).cpu()[fin]
+    assert same > 0.97 and (clean == want[fin]).float().mean().item() < 0.5, same
+
+
+def test_official_selection_is_a_top_k_of_the_official_scores(kdev):
+    """bf16 scores tie often: the kernel keeps the lowest row ids among equal scores (the stable
+    top-k of its own scores), and its rows are a top-k of the CPU formula's scores."""
+    c = make_case(lengths=[400, 200, 130], n_new=[4, 3, 3], dtype=torch.bfloat16, maxb=4, seed=11,
+                  device=kdev)
+    c["w"] = (c["w"] * 0.3).to(torch.bfloat16)
+    topk = 10
+    scores = indexer_scores(*args(c), ratio=4, official=True).cpu()
+    got = indexer_topk(*args(c), topk=topk, ratio=4, official=True, select_block=32).cpu()
+    nvis = n_visible(c)
+    assert torch.equal(got, stable_select(scores, nvis, topk))
+    want = official_scores(c, scores.shape[1])[0]
+    ties = checked = 0
+    for t, n in enumerate(nvis):
+        row = want[t, :n]
+        ties += int(len(row.unique()) < n)
+        if n <= topk or not torch.equal(scores[t, :n], row):
+            continue
+        picked = torch.zeros(n, dtype=torch.bool)
+        picked[got[t, :topk].long()] = True
+        assert row[picked].min() >= row[~picked].max(), t
+        checked += 1
+    assert ties >= 5 and checked >= 6, (ties, checked)
 
 
 def test_empty_batch(kdev):

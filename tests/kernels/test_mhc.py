@@ -1,8 +1,10 @@
 """The fused mHC kernels (`deepinfer_kernels.mhc`, served as the NVIDIA backend's `NvidiaMHC`) against
-the core's fp32 `PortableMHC`: pre / post / head on fp32 and bf16 streams, one and several tokens, a
-hidden size that is not a power of two (a partial K slice and partial D chunks), Sinkhorn with 1, 2
-and 20 iterations, hc = 3 (padded tiles), saturated mixes, batch invariance (bitwise), and input
-validation."""
+the core's fp32 `PortableMHC` of the same numerics (`official`: the QAT numerics' order and
+roundings): pre / post / head on fp32 and bf16 streams, one and several tokens, a hidden size that
+is not a power of two (a partial K slice and partial D chunks), Sinkhorn with 1, 2 and 20
+iterations, hc = 3 (padded tiles), saturated mixes, batch invariance (bitwise), and input
+validation. With `official`, post is the portable op's bits (the same products and sums, in the
+same order, none fused)."""
 from __future__ import annotations
 
 import sys
@@ -47,9 +49,9 @@ def check_collapsed(y: torch.Tensor, pre: torch.Tensor, x: torch.Tensor) -> None
         assert (got == want.to(x.dtype).float()).float().mean() > 0.9
 
 
-def ref_pre(x, fn, scale, base, hc, iters):
+def ref_pre(x, fn, scale, base, hc, iters, official=False):
     """The core's (y, post, comb) and the pre weights it collapsed with (for checking bf16 y)."""
-    mhc = PortableMHC(hc, iters, EPS, EPS)
+    mhc = PortableMHC(hc, iters, EPS, EPS, official)
     y, post, comb = mhc.pre(x, fn, scale, base)
     pre = torch.sigmoid(mhc._mix(x, fn)[:, :hc] * scale[0] + base[:hc]) + EPS
     return y, post, comb, pre
@@ -62,10 +64,11 @@ def ref_pre(x, fn, scale, base, hc, iters):
     (3, 4, 96, torch.bfloat16, 2),
     (4, 3, 40, torch.float32, 20),       # hc not a power of two: padded [4, 4] tiles
 ])
-def test_pre_matches_portable(kdev, T, hc, D, dtype, iters):
+@pytest.mark.parametrize("official", [False, True])
+def test_pre_matches_portable(kdev, T, hc, D, dtype, iters, official):
     x, fn, scale, base = make_site(T, hc, D, dtype, seed=T * 100 + D + iters)
-    y_ref, post_ref, comb_ref, pre_ref = ref_pre(x, fn, scale, base, hc, iters)
-    y, post, comb = NvidiaMHC(hc, iters, EPS, EPS).pre(*to(kdev, x, fn, scale, base))
+    y_ref, post_ref, comb_ref, pre_ref = ref_pre(x, fn, scale, base, hc, iters, official)
+    y, post, comb = NvidiaMHC(hc, iters, EPS, EPS, official).pre(*to(kdev, x, fn, scale, base))
     assert post.dtype == comb.dtype == torch.float32
     assert post.shape == (T, hc) and comb.shape == (T, hc, hc)
     torch.testing.assert_close(post.cpu(), post_ref, rtol=1e-5, atol=2e-6)
@@ -105,18 +108,21 @@ def test_pre_with_saturated_mixes(kdev):
 
 
 @pytest.mark.parametrize("T,D,dtype", [(1, 64, torch.float32), (6, 200, torch.bfloat16), (9, 130, torch.float32)])
-def test_post_matches_portable(kdev, T, D, dtype):
+@pytest.mark.parametrize("official", [False, True])
+def test_post_matches_portable(kdev, T, D, dtype, official):
     g = torch.Generator().manual_seed(T + D)
     res = torch.randn(T, 4, D, generator=g).to(dtype)
     f = torch.randn(T, D, generator=g).to(dtype)
     post = torch.rand(T, 4, generator=g) * 2
     comb = torch.rand(T, 4, 4, generator=g)            # not symmetric: the direction is checked
     want32 = post[..., None] * f.float()[:, None, :] + torch.einsum("tjk,tjd->tkd", comb, res.float())
-    want = PortableMHC(4, 20, EPS, EPS).post(f, res, post, comb)
-    out = NvidiaMHC(4, 20, EPS, EPS).post(*to(kdev, f, res, post, comb))
+    want = PortableMHC(4, 20, EPS, EPS, official).post(f, res, post, comb)
+    out = NvidiaMHC(4, 20, EPS, EPS, official).post(*to(kdev, f, res, post, comb))
     assert out.dtype == dtype and out.shape == (T, 4, D)
     got = out.cpu().float()
-    if dtype == torch.float32:
+    if official:        # post * f + (comb[0] res[0] + comb[1] res[1] + ...), each op rounded
+        assert torch.equal(out.cpu(), want), f"max diff {(got - want.float()).abs().max():.3g}"
+    elif dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     else:
         assert ((got - want32).abs() <= want32.abs() * 2.0 ** -8 + 1e-6).all()
@@ -124,22 +130,25 @@ def test_post_matches_portable(kdev, T, D, dtype):
 
 
 @pytest.mark.parametrize("T,D,dtype", [(1, 64, torch.bfloat16), (5, 200, torch.float32)])
-def test_head_matches_portable(kdev, T, D, dtype):
+@pytest.mark.parametrize("official", [False, True])
+def test_head_matches_portable(kdev, T, D, dtype, official):
     x, fn, scale, base = make_site(T, 4, D, dtype, seed=T * 7 + D, head=True)
-    mhc = PortableMHC(4, 20, EPS, EPS)
+    mhc = PortableMHC(4, 20, EPS, EPS, official)
     pre_ref = torch.sigmoid(mhc._mix(x, fn) * scale + base) + EPS
-    y = NvidiaMHC(4, 20, EPS, EPS).head(*to(kdev, x, fn, scale, base))
+    y = NvidiaMHC(4, 20, EPS, EPS, official).head(*to(kdev, x, fn, scale, base))
     check_collapsed(y, pre_ref, x)
     if dtype == torch.float32:
         torch.testing.assert_close(y.cpu(), mhc.head(x, fn, scale, base), rtol=1e-5, atol=1e-5)
 
 
-def test_a_token_is_the_same_alone_and_in_a_batch(kdev, rows_match):
+# official: other compiled kernels (no fp contraction) on a GPU; the same sums when interpreted
+@pytest.mark.parametrize("official", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_a_token_is_the_same_alone_and_in_a_batch(kdev, rows_match, official):
     T, D = 37, 200
     x, fn, scale, base = to(kdev, *make_site(T, 4, D, torch.bfloat16, seed=11))
     _, hfn, hscale, hbase = to(kdev, *make_site(1, 4, D, torch.float32, seed=12, head=True))
     f = torch.randn(T, D, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16).to(kdev)
-    mhc = NvidiaMHC(4, 20, EPS, EPS)
+    mhc = NvidiaMHC(4, 20, EPS, EPS, official)
     y, post, comb = mhc.pre(x, fn, scale, base)
     out = mhc.post(f, x, post, comb)
     head = mhc.head(x, hfn, hscale, hbase)

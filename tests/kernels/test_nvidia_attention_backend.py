@@ -22,7 +22,9 @@ from deepinfer_nvidia.plugin import model_ratios  # noqa: E402
 
 
 def use_nvidia_attention(llm: LLM) -> None:
-    backend = NvidiaAttentionBackend(model_ratios(llm.runner.model_config))
+    """The backend as the plugin builds it for this engine (its numerics included)."""
+    backend = NvidiaAttentionBackend(model_ratios(llm.runner.model_config),
+                                     official=llm.runner.loaded.ctx.simulate_qat)
     for m in llm.runner.model.modules():
         if isinstance(m, Attention):
             m.backend = backend
@@ -202,3 +204,10 @@ def test_static_meta_derived_on_the_device_equals_the_eager_host_meta(q):
     assert closed(derived) == closed(host)
     for name in ("seq_start", "slots", "block_table", "cu_seqlens", "token_seq"):
         assert getattr(derived, name).tolist() == getattr(host, name).tolist(), name
+
+
+def test_the_batch_invariant_variant_keeps_the_numerics():
+    for official in (False, True):
+        variant = NvidiaAttentionBackend((4, 128), official=official).batch_invariant_variant()
+        assert variant.batch_invariant and variant.official is official
+        assert variant.ratios == (4, 128)

@@ -23,6 +23,9 @@ How exact, and why:
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -221,6 +224,42 @@ def test_norm_modes(kdev, norm, quant, T, H, D, rd, dtype, scale):
         if quant != "none":   # the quant stage is bitwise given the kernel's own pre-quant values
             y = norm_rope_quant(x, pos, table.inv_freq, quant=quant, **kw)
             assert torch.equal(y, _ref_quant(pre, quant, rd)), f"{quant} after {norm}"
+
+
+def official_head_norm(x: torch.Tensor) -> torch.Tensor:
+    """`official_head_rms_norm` with each step rounded once to x.dtype, as torch rounds it on CUDA.
+    (torch's CPU bf16 rsqrt rounds differently outside its vectorised loop, e.g. a lone 8.3125
+    gives 0.345703125, not the nearest 0.34765625: the portable op on the CPU is no bitwise
+    reference.)"""
+    ms = x.square().mean(-1, keepdim=True)
+    return x * torch.rsqrt((ms + EPS).float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("H,D,rd,quant", [(4, 128, 64, "none"), (2, 64, 32, "hadamard_fp4")])
+def test_official_head_norm(kdev, H, D, rd, quant):
+    """The QAT numerics' head norm (NvidiaPointwise(official=True)): square, mean, + eps and rsqrt
+    each rounded to bf16, then RoPE and the quant as before. Bitwise on the CPU given the kernel's
+    trig; the clean kernel rounds elsewhere, so it is further from this reference."""
+    T = 9
+    pos = _positions(T, "cpu", 6).to(kdev)
+    table = _with_trig(_table(rd, kdev), _kernel_trig(_table(rd, kdev), pos))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "nvidia_sm100"))
+    from deepinfer_nvidia.pointwise import NvidiaPointwise
+    op = NvidiaPointwise(official=True)
+    for exact in (True, False):
+        x = (_x(T, H, D, F32, kdev, seed=D, exact=exact) * (1.0 if exact else 3.0)).to(BF16)
+        pre = op.norm_rope_quant(x, pos, table, norm="head", eps=EPS)
+        want = table.apply(official_head_norm(x), pos)
+        if kdev == "cpu":
+            assert torch.equal(pre, want), f"{(pre.float() - want.float()).abs().max():.3g}"
+        else:                     # CUDA: both rsqrts are the approximate hardware one
+            _assert_close_rel(pre, want, 4 * torch.finfo(BF16).eps, "official head norm")
+        if quant != "none":
+            y = op.norm_rope_quant(x, pos, table, norm="head", eps=EPS, quant=quant)
+            assert torch.equal(y, _ref_quant(pre, quant, rd))
+        clean = norm_rope_quant(x, pos, table.inv_freq, norm="head", eps=EPS)
+        if not exact:             # fp32 statistics: another function, further from the reference
+            assert (clean != want).any() and (pre == want).sum() > (clean == want).sum()
 
 
 def test_weighted_norm_uses_the_weight(kdev):

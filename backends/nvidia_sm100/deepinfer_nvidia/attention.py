@@ -8,7 +8,9 @@ Per layer, in this order (each step may overwrite what an earlier one reads, so 
 3. sparse attention over [window ring | new keys | selected compressed rows] with the sink;
 4. the new keys go into the window ring.
 Semantics are the portable backend's (`deepinfer_core.ops.portable_attention`), batched over
-sequences with device metadata (`batch_meta`) instead of a Python loop.
+sequences with device metadata (`batch_meta`) instead of a Python loop; `official` (the QAT
+numerics) selects the portable backend's `official=True` rounding in the indexer scores and the sink
+softmax.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ META_KEY = "nvidia_attention"
 
 
 class NvidiaAttentionBackend:
-    def __init__(self, ratios: tuple[int, ...], batch_invariant: bool = False):
+    def __init__(self, ratios: tuple[int, ...], batch_invariant: bool = False,
+                 official: bool = False):
         self.ratios = tuple(sorted({r for r in ratios if r}))
-        self.batch_invariant = batch_invariant
+        self.batch_invariant, self.official = batch_invariant, official
 
     @staticmethod
     def compiles_expected():
@@ -34,7 +37,7 @@ class NvidiaAttentionBackend:
     def batch_invariant_variant(self) -> "NvidiaAttentionBackend":
         """Fixed attention tiles and a fixed split size (the batch_invariant feature's protocol); the
         compressors (per block) and the indexer (fixed score tiles, exact top-k) already are."""
-        return type(self)(self.ratios, batch_invariant=True)
+        return type(self)(self.ratios, batch_invariant=True, official=self.official)
 
     def meta(self, batch) -> AttentionMeta:
         m = batch.backend_meta.get(META_KEY)
@@ -56,12 +59,13 @@ class NvidiaAttentionBackend:
             ix = attn.indexer
             self._compress(ix.compressor, pools.indexer, inp.idx_kv, inp.idx_z, m)
             comp_idx = indexer_topk(inp.idx_q, inp.idx_w, pools.indexer["rows"], m.block_table, m.token_seq,
-                                    m.positions, topk=ix.topk, ratio=attn.ratio, max_rows=m.max_rows[attn.ratio])
+                                    m.positions, topk=ix.topk, ratio=attn.ratio,
+                                    max_rows=m.max_rows[attn.ratio], official=self.official)
         out = sparse_attention(inp.q, inp.kv, pools.ring, attn.attn_sink, scale=attn.scale, window=attn.window,
                                cu_seqlens=m.cu_seqlens, seq_start=m.seq_start, token_seq=m.token_seq,
                                positions=m.positions, slots=m.slots, comp_rows=comp_rows,
                                block_table=m.block_table, comp_idx=comp_idx, comp_ratio=attn.ratio,
-                               batch_invariant=self.batch_invariant)
+                               batch_invariant=self.batch_invariant, official=self.official)
         self._write_ring(inp.kv, pools.ring, m)
         return out
 

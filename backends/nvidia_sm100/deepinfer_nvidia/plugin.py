@@ -51,7 +51,7 @@ def deepinfer_attention_backend(ctx):
     if not _serves(ctx):
         return None
     from .attention import NvidiaAttentionBackend
-    return NvidiaAttentionBackend(model_ratios(ctx.model_config))
+    return NvidiaAttentionBackend(model_ratios(ctx.model_config), official=ctx.simulate_qat)
 
 
 @hookimpl
@@ -71,7 +71,7 @@ def deepinfer_pointwise_method(ctx):
     if not _serves(ctx):
         return None
     from .pointwise import NvidiaPointwise
-    return NvidiaPointwise()
+    return NvidiaPointwise(official=ctx.simulate_qat)
 
 
 @hookimpl
@@ -80,7 +80,8 @@ def deepinfer_mhc_method(ctx):
         return None
     from .mhc import NvidiaMHC
     c = ctx.model_config
-    return NvidiaMHC(c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+    return NvidiaMHC(c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+                     official=ctx.simulate_qat)
 
 
 @hookimpl
