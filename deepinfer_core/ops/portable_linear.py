@@ -2,7 +2,9 @@
 loading; at run time fake-quantise the input (QAT simulation) and do a plain matmul.
 
 FP8 x UE8M0 and FP4 x UE8M0 values are exactly representable in bf16, so dequantising loses
-nothing; only the summation order differs from the reference kernels.
+nothing. With the QAT simulation the product also sums as DeepSeek's FP8/FP4 GEMM kernels do: in
+fp32 per weight-scale block of K (128 for FP8 weights, 32 for FP4), the blocks' sums added in
+order, rounded to the output dtype once (`blockwise_linear`).
 """
 from __future__ import annotations
 
@@ -10,6 +12,27 @@ import torch
 import torch.nn.functional as F
 
 from .quant import dequant_fp4, dequant_fp8_block, fake_quant_fp8
+
+FP4_K_BLOCK = 32     # K elements per FP4 weight scale
+
+
+def blockwise_linear(x: torch.Tensor, w: torch.Tensor, k_block: int, mm=None) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T: fp32 sums per K block of `k_block`, added block by block in order,
+    rounded to x.dtype once. `mm(a, b)` = a @ b^T in fp32, one block at a time (a subclass may
+    choose the GEMM); by default every block's product is one batched GEMM."""
+    K, N = x.shape[-1], w.shape[0]
+    xf = x.reshape(-1, K).float()
+    if mm is None and K % k_block == 0:
+        nb = K // k_block
+        parts = torch.bmm(xf.view(-1, nb, k_block).transpose(0, 1),
+                          w.float().view(N, nb, k_block).permute(1, 2, 0))      # [nb, M, N]
+    else:
+        mm = mm or F.linear
+        parts = [mm(xf[:, k0:k0 + k_block], w[:, k0:k0 + k_block].float()) for k0 in range(0, K, k_block)]
+    acc = parts[0]
+    for part in parts[1:]:
+        acc = acc + part
+    return acc.to(x.dtype).view(*x.shape[:-1], N)
 
 
 class PortableLinearMethod:
@@ -21,12 +44,13 @@ class PortableLinearMethod:
     def process_weights(self, layer) -> None:
         dtype = layer.compute_dtype or self.dtype
         w, scale = layer.weight, getattr(layer, "scale", None)
+        layer.k_block = None       # bf16 weights: one plain product
         if scale is None:
             w = w.to(dtype)
         elif w.dtype == torch.int8:
-            w = dequant_fp4(w, scale, 32, dtype)
+            w, layer.k_block = dequant_fp4(w, scale, FP4_K_BLOCK, dtype), FP4_K_BLOCK
         else:
-            w = dequant_fp8_block(w, scale, self.block, dtype)
+            w, layer.k_block = dequant_fp8_block(w, scale, self.block, dtype), self.block[1]
         layer.register_buffer("weight", w.contiguous(), persistent=False)
         layer.scale = None
 
@@ -35,8 +59,15 @@ class PortableLinearMethod:
             x = fake_quant_fp8(x, 128)
         return x.to(layer.weight.dtype)
 
+    def _blockwise(self, layer) -> bool:
+        """Sum as the FP8/FP4 GEMM kernels do: QAT on, an FP8-quantised input, quantised weights."""
+        return self.simulate_qat and layer.act_quant and layer.k_block is not None
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._quant_input(layer, x), layer.weight)
+        xq = self._quant_input(layer, x)
+        if self._blockwise(layer):
+            return blockwise_linear(xq, layer.weight, layer.k_block)
+        return F.linear(xq, layer.weight)
 
     def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
         """Block-diagonal projection: x [T, G, in/G] -> [T, G, out/G] (V4's wo_a)."""

@@ -1,7 +1,7 @@
 """With the QAT numerics on, each portable op rounds where DeepSeek's official inference code rounds.
 
 Every test writes the official formula for one op out by hand, in plain torch, in the order of the
-official `inference/model.py` (and, for the attention softmax and the mHC split, its kernels), and
+official `inference/model.py` (and, for the attention softmax the mHC split and the FP8/FP4 GEMMs, its kernels), and
 asks the engine's op for the same bits, in bfloat16 as DeepSeek ships it. A second assertion shows
 the test can fail: the clean (`official=False`) op differs from the transcription somewhere.
 """
@@ -14,10 +14,14 @@ import pytest
 import torch
 
 from deepinfer_core.config import YarnScaling
+from deepinfer_core.model.layers import Linear
 from deepinfer_core.model.rope import RotaryTable
 from deepinfer_core.ops.portable_attention import PortableAttentionBackend
+from deepinfer_core.ops.portable_linear import PortableLinearMethod
 from deepinfer_core.ops.portable_mhc import PortableMHC
 from deepinfer_core.ops.portable_pointwise import PortablePointwise
+from deepinfer_core.ops.quant import (e8m0_to_float, fake_quant_fp8, quant_fp8_act, quantize_fp4,
+                                      quantize_fp8_block, unpack_fp4)
 
 BF16 = torch.bfloat16
 EPS = 1e-6
@@ -202,3 +206,53 @@ def test_indexer_scores_are_the_official_formula():
     assert torch.equal(got, want)
     clean = PortableAttentionBackend().index_select(q, w.float(), keys, torch.arange(n), 4, topk)
     assert not torch.equal(clean, want)
+
+
+# ---- 6. FP8 / FP4 linears: the GEMM kernels' per-block sums -------------------------------------
+
+def official_block_gemm(x, w_vals, w_scale_of_block, k_block: int):
+    """act_quant (128-wide FP8 blocks, power-of-two scales), then per K block: the fp32 sum of the
+    FP8 x FP8 (or FP4) products times both scales, added to an fp32 accumulator block by block,
+    rounded to the activation dtype at the end."""
+    xq, sx = quant_fp8_act(x, 128)
+    acc = torch.zeros(x.shape[0], w_vals.shape[0])
+    for b in range(x.shape[1] // k_block):
+        cols = slice(b * k_block, (b + 1) * k_block)
+        part = torch.nn.functional.linear(xq[:, cols].float(), w_vals[:, cols])
+        acc += part * sx[:, b * k_block // 128, None] * w_scale_of_block(b)[None, :]
+    return acc.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_quantised_linear_sums_per_block_like_the_kernels(fmt, dtype):
+    g = gen(7)
+    K, N = 512, 256
+    master = torch.randn(N, K, generator=g) * 0.05
+    layer = Linear(K, N, fmt)
+    if fmt == "fp8":
+        layer.weight, layer.scale = quantize_fp8_block(master)
+        vals = layer.weight.float()
+        scale = e8m0_to_float(layer.scale)                       # [N/128, K/128]
+
+        def block_scale(b):
+            return scale[:, b].repeat_interleave(128)
+    else:
+        layer.weight, layer.scale = quantize_fp4(master)
+        vals = unpack_fp4(layer.weight).float()
+        scale = e8m0_to_float(layer.scale)                       # [N, K/32]
+
+        def block_scale(b):
+            return scale[:, b]
+    want_vals = vals.clone()
+    method = PortableLinearMethod(dtype, simulate_qat=True)
+    layer.method = method
+    method.process_weights(layer)
+    x = (torch.randn(33, K, generator=g) * 2).to(dtype)
+    want = official_block_gemm(x, want_vals, block_scale, 128 if fmt == "fp8" else 32)
+    assert torch.equal(layer(x), want)
+    # FP4 x FP8 products have few bits and often sum exactly; in bf16 the two sums rarely part
+    # after the rounding: the fp8 weights in fp32 show the order matters
+    if fmt == "fp8" and dtype == torch.float32:
+        one_sum = torch.nn.functional.linear(fake_quant_fp8(x), layer.weight)
+        assert not torch.equal(one_sum, want)

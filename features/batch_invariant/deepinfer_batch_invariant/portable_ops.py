@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from deepinfer_core.ops.portable_attention import (PortableAttentionBackend, ring_rope_dim,
                                                    sink_softmax_values)
-from deepinfer_core.ops.portable_linear import PortableLinearMethod
+from deepinfer_core.ops.portable_linear import PortableLinearMethod, blockwise_linear
 from deepinfer_core.ops.portable_mhc import PortableMHC
 from deepinfer_core.ops.portable_moe import PortableMoE
 from deepinfer_core.ops.kv_fp8 import unpack_kv_fp8
@@ -70,6 +70,8 @@ class InvariantPortableLinear(PortableLinearMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         xq = self._quant_input(layer, x)
+        if self._blockwise(layer):
+            return blockwise_linear(xq, layer.weight, layer.k_block, fixed_tile_mm)
         y = fixed_tile_mm(xq.reshape(-1, xq.shape[-1]), layer.weight)
         return y.view(*x.shape[:-1], y.shape[-1])
 
