@@ -144,13 +144,13 @@ def load_official_weights(model: torch.nn.Module, tensors: dict[str, torch.Tenso
 
 
 class Official:
-    """model.py's Transformer on the CPU in bf16 with the checkpoint loaded."""
+    """model.py's Transformer in bf16 on `device` (the CPU by default) with the checkpoint loaded."""
 
-    def __init__(self, official_dir: Path, model_dir: Path, max_seq_len: int):
-        self.module = load_official_module(official_dir)
+    def __init__(self, official_dir: Path, model_dir: Path, max_seq_len: int, device: str = "cpu"):
+        self.module, self.device = load_official_module(official_dir), torch.device(device)
         config = json.loads((model_dir / "config.json").read_text())
         args = official_args(self.module, config, max_seq_len)
-        with default_dtype(torch.bfloat16):
+        with default_dtype(torch.bfloat16), self.device:
             self.model = self.module.Transformer(args)
         load_official_weights(self.model, checkpoint_tensors(model_dir, args.expert_dtype == "fp4"))
         self.fresh = {k: v.clone() for k, v in self.model.named_buffers() if "freqs_cis" not in k}
@@ -162,9 +162,9 @@ class Official:
             if k in self.fresh:
                 v.copy_(self.fresh[k])
         toks, lps, gaps, seq, pos = [], [], [], list(ids), 0
-        with default_dtype(torch.bfloat16), stand_ins(), official_kernels.CudaBf16Rsqrt():
+        with default_dtype(torch.bfloat16), stand_ins(), official_kernels.CudaBf16Rsqrt(), self.device:
             for _ in range(n):
-                logits = self.model(torch.tensor([seq[pos:]]), pos)[0].float()
+                logits = self.model(torch.tensor([seq[pos:]]), pos)[0].float().cpu()
                 pos = len(seq)
                 lp = torch.log_softmax(logits, -1)
                 toks.append(int(logits.argmax()))                  # generate.py's greedy choice
@@ -200,6 +200,7 @@ def engine_setting(model_dir: Path, dtype: str, qat: bool, device: str, prompts:
     generated = [llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
                  .outputs[0].token_ids for ids in prompts]
     runner, deltas, forced = llm.runner, [], []
+    attention = type(runner.loaded.ops.attention)
     for ids, off in zip(prompts, official):
         state, feed, d = runner.new_sequence(), list(ids), []
         try:
@@ -222,6 +223,7 @@ def engine_setting(model_dir: Path, dtype: str, qat: bool, device: str, prompts:
             "official_gap_at_divergence": [round(o["gaps"][p], 4)
                                            for o, p in zip(official, prefix) if p < n],
             "mean_abs_logprob_diff": sum(flat) / len(flat), "max_abs_logprob_diff": max(flat),
+            "attention_backend": f"{attention.__module__}.{attention.__qualname__}",
             "engine_tokens": [list(g) for g in generated]}
 
 
@@ -238,8 +240,9 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--official-dir", type=Path, required=True,
                     help="the inference/ folder of deepseek-ai/DeepSeek-V4-Flash (model.py, kernel.py)")
-    ap.add_argument("--device", default="cpu",
-                    help="the engine's device (the official code runs on the CPU)")
+    ap.add_argument("--device", default="cpu", help="the engine's device")
+    ap.add_argument("--official-device", default="cpu",
+                    help="the device DeepSeek's code runs on, with the same stand-ins (default: cpu)")
     ap.add_argument("--model", type=Path,
                     help="checkpoint directory (default: the bundled trained tiny model)")
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
@@ -257,9 +260,10 @@ def main() -> None:
     prompts = [tok.encode(p) for p in GREEDY_PROMPTS]
 
     t0, git = time.time(), git_state()
-    official = Official(args.official_dir, model_dir, max(map(len, prompts)) + n + 1)
+    official = Official(args.official_dir, model_dir, max(map(len, prompts)) + n + 1,
+                        args.official_device)
     runs = [dict(zip(("tokens", "logprobs", "gaps"), official.greedy(ids, n))) for ids in prompts]
-    print(f"official code (CPU, bf16, stand-in kernels): {len(prompts)} prompts x {n} tokens in "
+    print(f"official code ({args.official_device}, bf16, stand-in kernels): {len(prompts)} prompts x {n} tokens in "
           f"{time.time() - t0:.0f} s", flush=True)
     rows = []
     for name in settings:
@@ -279,17 +283,22 @@ def main() -> None:
         label = f"{r['dtype']}, simulate_qat {'on' if r['simulate_qat'] else 'off'}"
         print(f"{label:27} {r['agreement']:9.3f} {r['identical']:>6}/{len(prompts):<2} "
               f"{r['mean_abs_logprob_diff']:10.4f} {r['max_abs_logprob_diff']:9.4f}")
-    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
+    on_gpu = "cuda" in (args.device, args.official_device)
+    gpu = torch.cuda.get_device_name() if on_gpu else None
     command = " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     result = {
         "model": str(args.model or "bundled trained tiny model"), "device": args.device, "gpu": gpu,
-        "official": "model.py on the CPU, bf16, the stand-ins of benchmarks/official_kernels.py",
+        "official": f"model.py on {args.official_device}, bf16, the stand-ins of "
+                    "benchmarks/official_kernels.py",
         "prompts": len(prompts), "tokens": n, "torch": torch.__version__,
         "date": datetime.date.today().isoformat(), **git, "command": command,
         "logprob_diff": "|engine - official| log-prob of the official's chosen token, teacher-forced "
                         "along the official tokens with the official shapes, over every step",
         "official_tokens": [r["tokens"] for r in runs], "rows": rows}
-    out = HERE / "results" / f"official_agreement_{args.device.split(':')[0]}.json"
+    stem = f"official_agreement_{args.device.split(':')[0]}"
+    if args.official_device != "cpu":
+        stem += f"_official-{args.official_device.split(':')[0]}"
+    out = HERE / "results" / f"{stem}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -20,8 +20,14 @@ from deepinfer_core.ops.portable_attention import PortableAttentionBackend
 from deepinfer_core.ops.portable_linear import PortableLinearMethod
 from deepinfer_core.ops.portable_mhc import PortableMHC
 from deepinfer_core.ops.portable_pointwise import PortablePointwise
-from deepinfer_core.ops.quant import (e8m0_to_float, fake_quant_fp8, quant_fp8_act, quantize_fp4,
-                                      quantize_fp8_block, unpack_fp4)
+from deepinfer_core.ops.quant import (
+    e8m0_to_float,
+    fake_quant_fp8,
+    quant_fp8_act,
+    quantize_fp4,
+    quantize_fp8_block,
+    unpack_fp4,
+)
 
 BF16 = torch.bfloat16
 EPS = 1e-6

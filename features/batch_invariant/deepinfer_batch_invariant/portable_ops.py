@@ -24,12 +24,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.ops.portable_attention import (PortableAttentionBackend, ring_rope_dim,
-                                                   sink_softmax_values)
+from deepinfer_core.ops.kv_fp8 import unpack_kv_fp8
+from deepinfer_core.ops.portable_attention import (
+    PortableAttentionBackend,
+    ring_rope_dim,
+    sink_softmax_values,
+)
 from deepinfer_core.ops.portable_linear import PortableLinearMethod, blockwise_linear
 from deepinfer_core.ops.portable_mhc import PortableMHC
 from deepinfer_core.ops.portable_moe import PortableMoE
-from deepinfer_core.ops.kv_fp8 import unpack_kv_fp8
 
 TILE = 16            # rows per GEMM call; GEMM columns are padded to a multiple of this
 QUERY_CHUNK = 256    # bounds the gathered [queries, keys, dim] tensor on long prefills
