@@ -242,6 +242,9 @@ TABLE: dict[str, Run | Skip] = {
         "tests the stand-ins and the harness without it"),
     "python benchmarks/official_agreement.py --official-dir ds-v4-flash/inference --device cuda": Skip(
         "needs DeepSeek's inference code and " + GPU),
+    "DEEPINFER_DISABLE_PLUGINS=nvidia python benchmarks/official_agreement.py --official-dir "
+    "ds-v4-flash/inference --device cuda --settings bf16-qat": Skip(
+        "needs DeepSeek's inference code and " + GPU),
     # Environment variables
     "python -m deepinfer_core.envs --markdown": Run(check_envs_markdown),
     # Status table
