@@ -186,9 +186,11 @@ def build(cfg_dict: dict, device: str, seed: int, qat: bool = True, act_noise: f
     block = cfg.weight_block_size or (128, 128)
     linear = QATLinear(torch.float32, simulate_qat=qat, block=block)
     linear.input_noise = act_noise
-    ops = ModelOps(linear={f: linear for f in ("bf16", "fp8", "fp4")}, attention=PortableAttentionBackend(),
-                   moe=PortableMoE(), mhc=PortableMHC(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps),
-                   pointwise=QATPointwise())
+    # with the QAT numerics, the official rounding order the engine serves them in
+    ops = ModelOps(linear={f: linear for f in ("bf16", "fp8", "fp4")},
+                   attention=PortableAttentionBackend(official=qat), moe=PortableMoE(),
+                   mhc=PortableMHC(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, qat),
+                   pointwise=QATPointwise(official=qat))
     bind_ops(model, ops, Numerics(dtype=torch.float32, simulate_qat=qat))
     process_weights(model)
     for module in model.modules():
