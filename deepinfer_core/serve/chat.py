@@ -20,7 +20,7 @@ from ..api.outputs import CompletionOutput
 from ..api.tool_calls import ToolCallStream, parse_tool_calls
 from .errors import ApiError, field_named
 from .protocol import ChatRequest
-from .streams import collect, first_outputs, merged, sse_errors, token_text, usage
+from .streams import MIN_LOGPROB, collect, first_outputs, merged, sse_errors, token_text, usage
 
 
 @dataclass
@@ -84,7 +84,7 @@ def _logprobs(c: CompletionOutput, tokenizer, top: int) -> dict:
     likely, by rank)}]}."""
     def entry(t: int, lp) -> dict:
         text = token_text(t, lp, tokenizer)
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": max(lp.logprob, MIN_LOGPROB), "bytes": list(text.encode())}
     content = []
     for tok, lps in zip(c.token_ids, c.logprobs or []):
         ranked = sorted((t for t in lps if lps[t].rank <= top), key=lambda t: lps[t].rank)

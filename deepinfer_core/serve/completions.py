@@ -18,10 +18,8 @@ from fastapi.responses import StreamingResponse
 from ..api.outputs import CompletionOutput, Logprob, RequestOutput
 from .errors import ApiError, field_named
 from .protocol import CompletionRequest
-from .streams import collect, first_outputs, merged, sse_errors, token_text, usage
+from .streams import MIN_LOGPROB, collect, first_outputs, merged, sse_errors, token_text, usage
 
-# JSON has no -inf; OpenAI and vLLM send this floor for a token the model rules out
-MIN_LOGPROB = -9999.0
 Entries = list[dict[int, Logprob] | None]
 
 

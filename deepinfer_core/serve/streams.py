@@ -11,6 +11,9 @@ from ..api.outputs import CompletionOutput, Logprob, RequestOutput
 from .engine_loop import EngineStopped, QueueFull, merge_into, owned_copy
 from .errors import ApiError, field_named
 
+# JSON has no -inf; OpenAI and vLLM send this floor for a token the model rules out
+MIN_LOGPROB = -9999.0
+
 
 async def first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
     """Each stream's first output; on a refusal the other requests are aborted and the refusal is a

@@ -46,3 +46,25 @@ def test_a_reader_that_keeps_up_gets_every_delta_and_an_error_comes_after_the_ou
         assert isinstance(await box.get(), EngineStopped)
         assert (await box.get()).outputs[0].token_ids == [3]
     asyncio.run(main())
+
+
+def test_a_ruled_out_token_is_sent_as_the_json_floor_in_both_apis():
+    """JSON has no -inf: a token the model rules out (a banned or grammar-masked one among the top
+    entries) goes out as -9999.0, as OpenAI and vLLM send it, from completions and chat alike."""
+    import json
+    import math
+
+    from deepinfer_core.serve.chat import _logprobs
+    from deepinfer_core.serve.completions import logprobs_object
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return f"<{ids[0]}>"
+
+    entry = {5: Logprob(-0.25, 1, "a"), 7: Logprob(-math.inf, 2, "b")}
+    out = CompletionOutput(0, "a", [5], -0.25, [entry], "length")
+    chat = _logprobs(out, Tok(), top=2)
+    completions = logprobs_object([([5], [entry])], Tok())
+    assert [e["logprob"] for e in chat["content"][0]["top_logprobs"]] == [-0.25, -9999.0]
+    assert completions["top_logprobs"][0] == {"a": -0.25, "b": -9999.0}
+    json.dumps([chat, completions], allow_nan=False)      # valid JSON: no -Infinity left
