@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE))
 
 import official_kernels
 from backend_agreement import GREEDY_PROMPTS, first_divergence
+from sweep_hf import default_dtype
 
 SETTINGS = {"bf16-qat": ("bfloat16", True), "bf16": ("bfloat16", False), "fp32": ("float32", False)}
 REQUIRED = ("model.py", "kernel.py")
@@ -173,16 +174,6 @@ class Official:
                 gaps.append(float(top2[0] - top2[1]))
                 seq.append(toks[-1])
         return toks, lps, gaps
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(prev)
 
 
 # ---- the engine ----------------------------------------------------------------------------------

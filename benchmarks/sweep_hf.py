@@ -43,7 +43,8 @@ def _no_init():
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to `dtype` inside the block, restored after."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -75,7 +76,7 @@ def build_hf(src: dict[str, torch.Tensor], cfg_dict: dict[str, Any], device, dty
     """DeepseekV4ForCausalLM on `device` holding the weights of `src` (our checkpoint-format buffers)."""
     from transformers import DeepseekV4ForCausalLM
     config = hf_config(cfg_dict)
-    with _no_init(), torch.device(device), _default_dtype(dtype):
+    with _no_init(), torch.device(device), default_dtype(dtype):
         hf = DeepseekV4ForCausalLM(config)
     _keep_fp32(hf, dtype)
     copy_weights(src, hf, block)

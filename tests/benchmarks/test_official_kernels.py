@@ -105,12 +105,8 @@ def test_gemms_are_the_exact_product_rounded_once(fp4):
     ref = a_ref @ w_ref.T
     gemm = K.fp4_gemm if fp4 else K.fp8_gemm
     for dtype in (torch.bfloat16, torch.float32):
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
+        with OA.default_dtype(dtype):
             out = gemm(a, a_s, w, w_s, torch.float8_e8m0fnu)
-        finally:
-            torch.set_default_dtype(prev)
         assert out.dtype == dtype and out.shape == (5, 256)
         tol = 2 ** -8 if dtype == torch.bfloat16 else 1e-5     # one rounding (fp32: the sums)
         assert ((out.double() - ref).abs() <= tol * ref.abs() + 1e-6 * ref.abs().max()).all()
