@@ -7,18 +7,26 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
-SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+from .config_error import ConfigError
+from .config_v41 import (
+    V41_ARCHITECTURE,
+    V41_MODEL_TYPE,
+    V41_RATIOS,
+    EngramConfig,
+    LayerTopology,
+    is_v41,
+    v41_text_keys,
+)
+
+SUPPORTED_ARCHITECTURES = ("DeepseekV4ForCausalLM", V41_ARCHITECTURE)
+SUPPORTED_MODEL_TYPES = ("deepseek_v4", V41_MODEL_TYPE)
 ALLOWED_RATIOS = (0, 4, 128)
 ALLOWED_EXPERT_DTYPES = ("fp4", "fp8", "bf16")
-
-
-class ConfigError(ValueError):
-    """A config.json value is missing or outside what the V4 graph supports."""
+__all__ = ["ConfigError", "DSparkConfig", "EngramConfig", "LayerTopology", "ModelConfig", "YarnScaling"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,18 @@ class ModelConfig:
     weight_block_size: tuple[int, int] | None = (128, 128)
     expert_dtype: str = "fp4"
     dspark: DSparkConfig | None = None   # the mtp.* stages are a DSpark drafter (else MTP blocks)
+    # ---- V4.1 switches (spec deepseek_v41.md §16); the defaults are V4 ----------------------------
+    family: str = "v4"                   # "v4" | "v41" (the config format, not a code path)
+    use_q_head_norm: bool = True         # unweighted RMS norm of each query head (V4.1: absent)
+    hc_shifted: bool = False             # mHC collapses with the previous sub-layer's pre; no hc_head
+    compress_overlap: bool = True        # ratio-4 compressors pool two overlapping windows + APE
+    topology: LayerTopology | None = None   # cross-layer sharing + YOCO; None: every layer its own
+    use_fp4_sparse_kv: bool = False      # compressed KV / index keys stored FP4 (V4.1)
+    shared_expert_clamp: bool = False    # swiglu_limit clamps the shared expert too (V4.1 engine)
+    engram: EngramConfig | None = None
+    vision: bool = False                 # vision_config present (text path only: images refused)
+    pad_token_id: int | None = None
+    image_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived values -------------------------------------------------------------------------
@@ -139,6 +159,30 @@ class ModelConfig:
     def is_hash_layer(self, layer_id: int) -> bool:
         return layer_id < self.num_hash_layers
 
+    def kv_source(self, layer_id: int) -> int:
+        """The layer whose compressor and compressed rows `layer_id` reads (-1: window only)."""
+        if self.topology is not None and layer_id < self.num_hidden_layers:
+            return self.topology.kv_source[layer_id]
+        return layer_id if self.compress_ratios[layer_id] else -1
+
+    def index_source(self, layer_id: int) -> int:
+        """The layer whose top-k selection `layer_id` uses (-1: no selection; V4's ratio-128 layers
+        attend every visible row)."""
+        if self.topology is not None and layer_id < self.num_hidden_layers:
+            return self.topology.index_source[layer_id]
+        return layer_id if self.compress_ratios[layer_id] == 4 else -1
+
+    @property
+    def index_keys_projected(self) -> bool:
+        """Index keys projected from the main compressor's rows (`indexer.wk`, V4.1) instead of a
+        second compressor (`indexer.compressor.*`, V4)."""
+        return self.topology is not None
+
+    @property
+    def n_prefill_layer(self) -> int:
+        """The first YOCO consumer layer (num_hidden_layers when the stack has no consumer half)."""
+        return self.topology.n_prefill_layer if self.topology is not None else self.num_hidden_layers
+
     @property
     def fp8_weights(self) -> bool:
         return self.weight_block_size is not None
@@ -146,6 +190,8 @@ class ModelConfig:
     # ---- parsing --------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if is_v41(d):
+            return cls._from_keys(v41_text_keys(d), raw=d, v41=True)
         arch = d.get("architectures") or []
         if arch and not any(a in SUPPORTED_ARCHITECTURES for a in arch):
             raise ConfigError(f"config.json: architectures={arch} is not supported; "
@@ -154,22 +200,30 @@ class ModelConfig:
         if mt is not None and mt not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"config.json: model_type={mt!r} is not supported; "
                               f"allowed: {list(SUPPORTED_MODEL_TYPES)}")
+        return cls._from_keys(d, raw=d, v41=False)
+
+    @classmethod
+    def _from_keys(cls, d: dict[str, Any], raw: dict[str, Any], v41: bool) -> "ModelConfig":
+        """V4 keys (flat); `v41`: the keys of a V4.1 `text_config` (config_v41.v41_text_keys)."""
+        where = "text_config." if v41 else ""
 
         def need(key: str):
             if key not in d:
-                raise ConfigError(f"config.json: required field {key!r} is missing")
+                raise ConfigError(f"config.json: required field {where}{key} is missing")
             return d[key]
 
         n_layers = int(need("num_hidden_layers"))
-        n_mtp = int(d.get("num_nextn_predict_layers", 1))
+        n_mtp = int(d.get("num_nextn_predict_layers", 0 if v41 else 1))
         ratios = tuple(int(r) for r in need("compress_ratios"))
-        bad = [r for r in ratios if r not in ALLOWED_RATIOS]
+        allowed = V41_RATIOS if v41 else ALLOWED_RATIOS
+        bad = [r for r in ratios if r not in allowed]
         if bad:
-            raise ConfigError(f"config.json: compress_ratios has values {sorted(set(bad))}; "
-                              f"allowed: {list(ALLOWED_RATIOS)}")
-        if len(ratios) < n_layers:
-            raise ConfigError(f"config.json: compress_ratios has {len(ratios)} entries but "
-                              f"num_hidden_layers is {n_layers}")
+            family = " (C4 and C128 are V4's; V4.1 has C1 and C2)" if v41 else ""
+            raise ConfigError(f"config.json: {where}compress_ratios has values {sorted(set(bad))}; "
+                              f"allowed: {list(allowed)}{family}")
+        if len(ratios) < n_layers or (v41 and len(ratios) != n_layers + n_mtp):
+            raise ConfigError(f"config.json: {where}compress_ratios has {len(ratios)} entries; allowed: "
+                              f"num_hidden_layers ({n_layers}) + num_nextn_predict_layers ({n_mtp})")
         rs = d.get("rope_scaling") or {}
         yarn = YarnScaling(
             factor=float(rs.get("factor", 1.0)),
@@ -185,6 +239,7 @@ class ModelConfig:
         scoring = d.get("scoring_func", "sqrtsoftplus")
         if scoring != "sqrtsoftplus":
             raise ConfigError(f"config.json: scoring_func={scoring!r}; allowed: ['sqrtsoftplus']")
+        topology = LayerTopology.from_keys(d, ratios, n_layers) if v41 else None
         cfg = cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=int(need("hidden_size")),
@@ -223,7 +278,18 @@ class ModelConfig:
             weight_block_size=block,
             expert_dtype=expert_dtype,
             dspark=DSparkConfig.from_dict(d, n_layers, int(need("n_routed_experts")), int(need("num_experts_per_tok"))),
-            raw=dict(d),
+            family="v41" if v41 else "v4",
+            use_q_head_norm=bool(d.get("use_q_head_norm", not v41)),
+            hc_shifted=bool(d.get("hc_shifted", v41)),
+            compress_overlap=not v41,
+            topology=topology,
+            use_fp4_sparse_kv=bool(d.get("use_fp4_sparse_kv", v41)),
+            shared_expert_clamp=v41,
+            engram=EngramConfig.from_keys(d, topology.n_prefill_layer) if topology else None,
+            vision=bool(d.get("vision_config")),
+            pad_token_id=d.get("pad_token_id"),
+            image_token_id=d.get("image_token_id"),
+            raw=dict(raw),
         )
         cfg.validate()
         return cfg
@@ -261,7 +327,7 @@ class ModelConfig:
             if f.name == "raw":
                 continue
             v = getattr(self, f.name)
-            out[f.name] = v.__dict__ if isinstance(v, (YarnScaling, DSparkConfig)) else v
+            out[f.name] = asdict(v) if is_dataclass(v) else v
         return out
 
 

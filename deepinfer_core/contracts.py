@@ -100,6 +100,13 @@ class MHCMethod(Protocol):
     def head(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """Streams -> the final hidden state."""
 
+    def pre_shifted(self, x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                    base: torch.Tensor) -> tuple:
+        """Shifted mHC (V4.1): streams -> (input collapsed with `pre_prev`, pre, post, comb)."""
+
+    def collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Streams [T, hc, D] weighted by `pre` [T, hc] -> [T, D] (the shifted stack's end)."""
+
 
 @runtime_checkable
 class PointwiseMethod(Protocol):

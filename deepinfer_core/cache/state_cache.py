@@ -9,6 +9,10 @@ Two kinds of memory, both counted exactly (`CacheLayout.slot_bytes` / `block_byt
   128/ratio compressed rows of each compressed layer (32 for CSA, 1 for HCA) and the 32 indexer
   keys of each CSA layer. One block table per sequence addresses all of them.
 
+Cross-layer sharing (V4.1): only a KV-source layer owns compressor pools (tails only when gated,
+ratio > 1) and its index-key rows (no tails: projected from its compressed rows); a sharing layer
+aliases its source's pools and adds no byte (`kv_owner`).
+
 With `kv_fp8` the window rings and the main compressed rows are stored packed (uint8 rows of
 `kv_row_bytes(head_dim, rope_dim)` bytes: e4m3 nope dims with a UE8M0 scale per 64, bf16 RoPE dims;
 `ops.kv_fp8`), 584 B instead of 1024 B per 512-wide row; indexer keys keep the layout dtype.
@@ -55,6 +59,9 @@ class CacheLayout:
     block_size: int = BLOCK_SIZE
     kv_fp8: bool = False             # rings and main compressed rows packed as FP8 (ops.kv_fp8)
     rope_dim: int = 64               # the bf16 RoPE dims of a packed row
+    # per layer: the layer whose compressor pools it reads (-1: window only); None: every
+    # compressed layer its own (V4). Set: V4.1 sharing, index keys projected (no indexer tails).
+    kv_owner: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kv_fp8:
@@ -70,15 +77,35 @@ class CacheLayout:
         for r in main + mtp:
             if r and block_size % r:
                 raise ValueError(f"state cache: block_size={block_size} is not a multiple of compress ratio {r}")
+        owner = None
+        if cfg.topology is not None:
+            owner = tuple(cfg.kv_source(i) for i in range(len(main))) + tuple(
+                len(main) + i if r else -1 for i, r in enumerate(mtp))
         return cls(tuple(main + mtp), len(main), cfg.head_dim, cfg.index_head_dim, cfg.sliding_window,
-                   backtrack, dtype, block_size, kv_fp8=kv_fp8, rope_dim=cfg.qk_rope_head_dim)
+                   backtrack, dtype, block_size, kv_fp8=kv_fp8, rope_dim=cfg.qk_rope_head_dim,
+                   kv_owner=owner)
 
     @property
     def ring_len(self) -> int:
         return self.window + self.backtrack
 
     def tail_len(self, ratio: int) -> int:
+        if self.kv_owner is not None and ratio == 1:
+            return 0                  # an ungated ratio-1 compressor emits a row per token
         return coff(ratio) * ratio + self.backtrack
+
+    def owner(self, layer: int) -> int:
+        """The layer whose compressor pools `layer` uses (-1: none)."""
+        if self.kv_owner is not None:
+            return self.kv_owner[layer]
+        return layer if self.ratios[layer] else -1
+
+    def index_kind(self, layer: int) -> str | None:
+        """The index-key pools `layer` owns: "compressor" (V4 CSA: tails + keys), "projected"
+        (V4.1 KV source: keys only) or None."""
+        if self.kv_owner is not None:
+            return "projected" if self.owner(layer) == layer else None
+        return "compressor" if self.ratios[layer] == 4 else None
 
     @property
     def kv_row_bytes(self) -> int:
@@ -95,21 +122,21 @@ class CacheLayout:
     @property
     def slot_bytes(self) -> int:
         total = 0
-        for r in self.ratios:
+        for i, r in enumerate(self.ratios):
             total += self.ring_len * self.kv_row_bytes
-            if r:
+            if self.owner(i) == i:
                 total += 2 * self.tail_len(r) * coff(r) * self.head_dim * _FP32          # kv + z
-            if r == 4:
+            if self.index_kind(i) == "compressor":
                 total += 2 * self.tail_len(r) * coff(r) * self.index_head_dim * _FP32
         return total
 
     @property
     def block_bytes(self) -> int:
         e, total = _elem(self.dtype), 0
-        for r in self.ratios:
-            if r:
+        for i, r in enumerate(self.ratios):
+            if self.owner(i) == i:
                 total += self.block_size // r * self.kv_row_bytes
-            if r == 4:
+            if self.index_kind(i):
                 total += self.block_size // r * self.index_head_dim * e
         return total
 
@@ -142,18 +169,24 @@ class StateCache:
         # (visibility is by position and tails are reset when a slot is bound).
         self.rings, self.comp, self.index = [], [], []
         kv_width, kv_dtype = L.kv_pool_spec()
-        for r in L.ratios:
+        for i, r in enumerate(L.ratios):
             self.rings.append(torch.empty(self.num_slots, L.ring_len, kv_width, dtype=kv_dtype, device=device))
-            self.comp.append(self._compressor_pools(r, L.head_dim, kv_width, kv_dtype) if r else None)
-            di = L.index_head_dim
-            self.index.append(self._compressor_pools(r, di, di, L.dtype) if r == 4 else None)
-        self.layer_pools = [LayerPools(ring, comp, index) for ring, comp, index in zip(self.rings, self.comp, self.index)]
+            owns = L.owner(i) == i
+            self.comp.append(self._compressor_pools(r, L.head_dim, kv_width, kv_dtype) if owns else None)
+            di, kind = L.index_head_dim, L.index_kind(i)
+            self.index.append(self._compressor_pools(r, di, di, L.dtype, kind == "projected") if kind else None)
+        own = [L.owner(i) for i in range(len(L.ratios))]     # sharing layers alias their owner's pools
+        self.layer_pools = [LayerPools(ring, self.comp[o] if o >= 0 else None,
+                                       self.index[o] if L.kv_owner is not None and o >= 0 else index)
+                            for ring, index, o in zip(self.rings, self.index, own)]
 
-    def _compressor_pools(self, ratio: int, d: int, width: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def _compressor_pools(self, ratio: int, d: int, width: int, dtype: torch.dtype,
+                          no_tails: bool = False) -> dict[str, torch.Tensor]:
         """fp32 tails of C*d channels; rows of `width` elements of `dtype` (packed: uint8 bytes)."""
         L, c = self.layout, coff(ratio)
-        return {"tail_kv": torch.empty(self.num_slots, L.tail_len(ratio), c * d, dtype=torch.float32, device=self.device),
-                "tail_z": torch.empty(self.num_slots, L.tail_len(ratio), c * d, dtype=torch.float32, device=self.device),
+        n = 0 if no_tails else L.tail_len(ratio)
+        return {"tail_kv": torch.empty(self.num_slots, n, c * d, dtype=torch.float32, device=self.device),
+                "tail_z": torch.empty(self.num_slots, n, c * d, dtype=torch.float32, device=self.device),
                 "rows": torch.empty(self.num_blocks, L.block_size // ratio, width, dtype=dtype, device=self.device)}
 
     def tensors(self) -> list[torch.Tensor]:
@@ -182,11 +215,14 @@ class StateCache:
         layers = []
         for i, r in enumerate(self.layout.ratios):
             st = LayerState(ring=self.rings[i][slot], pools=self.layer_pools[i])
-            if r:
+            owner = self.layout.owner(i)
+            if 0 <= owner < i:                       # a sharing layer: its source's states
+                st.compressor, st.indexer = layers[owner].compressor, layers[owner].indexer
+            elif owner == i:
                 st.compressor = self._compressor_state(self.comp[i], r, slot, table, fresh)
                 if self.layout.kv_fp8:
                     st.compressor.fp8_dims = (self.layout.head_dim, self.layout.rope_dim)
-            if r == 4:
+            if self.layout.index_kind(i):
                 st.indexer = self._compressor_state(self.index[i], r, slot, table, fresh)
             layers.append(st)
         n = self.layout.num_main_layers

@@ -24,7 +24,7 @@ def bind_ops(model: DeepseekV4Model, ops: ModelOps, numerics: Numerics) -> None:
         elif isinstance(mod, Attention):
             mod.backend = ops.attention
             mod.rope = ropes["compress" if mod.ratio else "main"]
-        elif isinstance(mod, Compressor):
+        elif isinstance(mod, (Compressor, Indexer)):
             mod.rope = ropes["compress"]
         elif isinstance(mod, MoE):
             mod.method = ops.moe

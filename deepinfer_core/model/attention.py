@@ -27,28 +27,38 @@ class Numerics:
 
 
 class Compressor(nn.Module):
-    """Gated pooling of `ratio` tokens (2*ratio, overlapping, for ratio 4) into one KV row."""
+    """Gated pooling of `ratio` tokens into one KV row: V4 pools 2*ratio overlapping tokens for
+    ratio 4 and adds a learned position bias (APE); V4.1 (`compress_overlap` off) pools `ratio`
+    tokens without APE, and its ratio-1 compressor has no gate (one row per token)."""
 
     def __init__(self, cfg: ModelConfig, ratio: int, dim: int, kind: str, device="cpu"):
         super().__init__()
         self.ratio, self.dim, self.kind = ratio, dim, kind          # kind: "kv" (main) | "index"
-        self.overlap = ratio == 4
+        self.overlap = ratio == 4 and cfg.compress_overlap
         width = (2 if self.overlap else 1) * dim
-        self.register_buffer("ape", empty((ratio, width), torch.float32, device))
-        # The reference computes these projections in fp32 on fp32 input, unquantised.
+        if cfg.compress_overlap:
+            self.register_buffer("ape", empty((ratio, width), torch.float32, device))
+        else:
+            self.ape = None
+        # The reference computes these projections in fp32 on fp32 input, unquantised (V4.1's C1
+        # projection runs in the activation dtype).
         self.wkv = Linear(cfg.hidden_size, width, "bf16", act_quant=False, device=device)
-        self.wgate = Linear(cfg.hidden_size, width, "bf16", act_quant=False, device=device)
-        self.wkv.compute_dtype = self.wgate.compute_dtype = torch.float32
+        self.wgate = Linear(cfg.hidden_size, width, "bf16", act_quant=False, device=device) if ratio > 1 else None
+        if self.wgate is not None:
+            self.wkv.compute_dtype = self.wgate.compute_dtype = torch.float32
         self.norm = RMSNorm(dim, cfg.rms_norm_eps, device=device)
         self.nope_dim = dim - cfg.qk_rope_head_dim
         self.rope: RotaryTable | None = None
         self.numerics = Numerics()
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token (kv, gate logits + ape), both fp32 [T, c*dim] (fp32 layers: see __init__)."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token (kv, gate logits [+ ape]) [T, c*dim] (fp32 layers: see __init__); no gate
+        logits (None) for an ungated ratio-1 compressor."""
         kv = self.wkv(x)
-        z = self.wgate(x) + self.ape[positions % self.ratio]
-        return kv, z
+        if self.wgate is None:
+            return kv.float(), None
+        z = self.wgate(x)
+        return kv, (z if self.ape is None else z + self.ape[positions % self.ratio])
 
     def finalize(self, pooled: torch.Tensor, block_starts: torch.Tensor) -> torch.Tensor:
         """Norm, RoPE at the block's first position, and the QAT fake-quant of a pooled row."""
@@ -57,24 +67,47 @@ class Compressor(nn.Module):
             pooled.to(self.numerics.dtype), block_starts, self.rope, norm="weighted", weight=self.norm.weight,
             eps=self.norm.eps, quant=quant, nope_dim=self.nope_dim)
 
+    def finalize_with_prerope(self, pooled: torch.Tensor, block_starts: torch.Tensor):
+        """(`finalize`'s rows, the normalised rows before RoPE): V4.1 projects its index keys from
+        the latter."""
+        pre = self.norm(pooled.to(self.numerics.dtype))
+        quant = "fp8_nope" if self.numerics.simulate_qat else "none"
+        rows = self.norm.pointwise.norm_rope_quant(pre, block_starts, self.rope, quant=quant,
+                                                   nope_dim=self.nope_dim)
+        return rows, pre
+
 
 class Indexer(nn.Module):
-    """Lightning indexer of CSA layers: scores compressed blocks, the backend keeps the top-k."""
+    """Lightning indexer: scores compressed rows, the backend keeps the top-k. Its keys come from
+    a compressor of its own (V4) or, on a V4.1 index-key source (`owns_keys`), from `wk` over the
+    main compressor's normalised rows; a V4.1 index source without keys scores its source's."""
 
-    def __init__(self, cfg: ModelConfig, device="cpu"):
+    def __init__(self, cfg: ModelConfig, ratio: int = 4, owns_keys: bool = True, device="cpu"):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, weight_format(cfg, "dense"),
                            block=cfg.weight_block_size or (128, 128), device=device)
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, "bf16", act_quant=False, device=device)
-        self.compressor = Compressor(cfg, 4, self.head_dim, "index", device=device)
+        self.compressor = self.wk = self.k_norm = None
+        if not cfg.index_keys_projected:
+            self.compressor = Compressor(cfg, ratio, self.head_dim, "index", device=device)
+        elif owns_keys:
+            self.wk = Linear(cfg.head_dim, self.head_dim, "bf16", act_quant=False, device=device)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, device=device)
+        self.rope: RotaryTable | None = None
         self.numerics = Numerics()
         self.pointwise = PORTABLE    # bound by bind_ops()
 
     def queries(self, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
-        return self.pointwise.norm_rope_quant(q, positions, self.compressor.rope,
+        return self.pointwise.norm_rope_quant(q, positions, self.rope,
                                               quant="hadamard_fp4" if self.numerics.simulate_qat else "none")
+
+    def keys(self, pre_rope: torch.Tensor, block_starts: torch.Tensor) -> torch.Tensor:
+        """V4.1 index keys of new compressed rows: RoPE(k_norm(wk . rows before RoPE))."""
+        return self.pointwise.norm_rope_quant(
+            self.wk(pre_rope), block_starts, self.rope, norm="weighted", weight=self.k_norm.weight,
+            eps=self.k_norm.eps, quant="hadamard_fp4" if self.numerics.simulate_qat else "none")
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """Per-head score weights [T, n_heads] with the 1/sqrt(head_dim) score scale folded in:
@@ -85,9 +118,13 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ratio: int, device="cpu"):
+    """One layer's attention. Under cross-layer sharing (V4.1) only a KV source holds a
+    compressor and only an index source an indexer; the others read their sources' rows and
+    selections (`kv_source`, `index_source`) through the backend."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, ratio: int, device="cpu"):
         super().__init__()
-        self.cfg, self.ratio = cfg, ratio
+        self.cfg, self.ratio, self.layer_id = cfg, ratio, layer_id
         H, Dh, D = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
         fmt, block = weight_format(cfg, "dense"), cfg.weight_block_size or (128, 128)
         self.n_heads, self.head_dim, self.nope_dim = H, Dh, cfg.nope_head_dim
@@ -102,8 +139,19 @@ class Attention(nn.Module):
         self.wo_a = Linear(H * Dh // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, fmt, block=block,
                            act_quant=False, device=device, groups=cfg.o_groups)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D, fmt, block=block, device=device)
-        self.compressor = Compressor(cfg, ratio, Dh, "kv", device=device) if ratio else None
-        self.indexer = Indexer(cfg, device=device) if ratio == 4 else None
+        self.kv_source, self.index_source = cfg.kv_source(layer_id), cfg.index_source(layer_id)
+        self.compressor = Compressor(cfg, ratio, Dh, "kv", device=device) if self.kv_source == layer_id else None
+        self.indexer = None
+        if self.index_source == layer_id:
+            self.indexer = Indexer(cfg, ratio, owns_keys=self.compressor is not None, device=device)
+        topo = cfg.topology if layer_id < cfg.num_hidden_layers else None
+        # YOCO: the first consumer layer's input is the shared hidden every consumer-half
+        # compressor reads; candidate blocks: "source" scores them, "consumer" selects inside
+        self.yoco_capture = topo is not None and layer_id == topo.n_prefill_layer
+        self.yoco_compress = topo is not None and layer_id >= topo.n_prefill_layer
+        self.candidate = (None if topo is None or topo.candidate_source is None else
+                          "source" if layer_id == topo.candidate_source else
+                          "consumer" if topo.candidate_consumer(layer_id) else None)
         self.rope: RotaryTable | None = None
         self.backend = None          # bound by bind_ops()
         self.pointwise = PORTABLE    # bound by bind_ops()
@@ -113,14 +161,18 @@ class Attention(nn.Module):
         T, pos, pw, eps = x.shape[0], batch.positions, self.pointwise, self.cfg.rms_norm_eps
         qr = self.q_norm(self.wq_a(x))
         q = pw.norm_rope_quant(self.wq_b(qr).view(T, self.n_heads, self.head_dim), pos, self.rope,
-                               norm="head", eps=eps)
+                               norm="head" if self.cfg.use_q_head_norm else "none", eps=eps)
         kv = pw.norm_rope_quant(self.wkv(x), pos, self.rope, norm="weighted", weight=self.kv_norm.weight, eps=eps,
                                 quant="fp8_nope" if self.numerics.simulate_qat else "none", nope_dim=self.nope_dim)
         extras = AttentionInputs(q=q, kv=kv)
+        if self.yoco_capture:
+            batch.shared["yoco_hidden"] = x
         if self.compressor is not None:
-            extras.comp_kv, extras.comp_z = self.compressor.project(x, pos)
+            xc = batch.shared["yoco_hidden"] if self.yoco_compress else x
+            extras.comp_kv, extras.comp_z = self.compressor.project(xc, pos)
         if self.indexer is not None:
-            extras.idx_kv, extras.idx_z = self.indexer.compressor.project(x, pos)
+            if self.indexer.compressor is not None:
+                extras.idx_kv, extras.idx_z = self.indexer.compressor.project(x, pos)
             extras.idx_q = self.indexer.queries(qr, pos)
             extras.idx_w = self.indexer.head_weights(x)
         o = self.backend.forward(self, extras, batch, states)          # [T, H, Dh]
@@ -136,7 +188,7 @@ class AttentionInputs:
     q: torch.Tensor                          # [T, H, Dh] roped, normed
     kv: torch.Tensor                         # [T, Dh] roped (shared K=V)
     comp_kv: torch.Tensor | None = None      # [T, c*Dh] fp32 compressor inputs
-    comp_z: torch.Tensor | None = None
+    comp_z: torch.Tensor | None = None       # None for an ungated (ratio-1) compressor
     idx_kv: torch.Tensor | None = None       # [T, 2*Di] fp32 indexer-compressor inputs
     idx_z: torch.Tensor | None = None
     idx_q: torch.Tensor | None = None        # [T, Hi, Di]

@@ -1,6 +1,10 @@
 """The DeepSeek-V4 module graph: embedding -> hc_mult residual streams -> blocks (mHC around
 attention and MoE) -> hc_head collapse -> norm -> fp32 LM head; plus the MTP block(s).
 
+V4.1 is the same graph under config switches (config_v41.py): shifted mHC (each sub-layer's input
+collapsed with the previous sub-layer's `pre`, the last one's ending the stack: no hc_head),
+cross-layer sharing and YOCO inside the attention layers, Engram before a layer's attention.
+
 Backend-agnostic: every layer holds op objects chosen once at start-up (`bind_ops`); this file
 never calls pluggy. Layer kinds come from `compress_ratios` in config.json.
 """
@@ -35,7 +39,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device)
         _hc_params(self, "hc_attn", cfg, n_mix, device)
         _hc_params(self, "hc_ffn", cfg, n_mix, device)
-        self.attn = Attention(cfg, ratio, device=device)
+        self.attn = Attention(cfg, layer_id, ratio, device=device)
         self.ffn = MoE(cfg, layer_id, hash_routed, device=device)
         self.mhc = None   # bound by bind_ops()
 
@@ -44,6 +48,15 @@ class Block(nn.Module):
         h = self.mhc.post(self.attn(self.attn_norm(y), batch, states), h, post, comb)
         y, post, comb = self.mhc.pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
         return self.mhc.post(self.ffn(self.ffn_norm(y), input_ids), h, post, comb)
+
+    def forward_shifted(self, h: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, states,
+                        input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shifted mHC (V4.1): each sub-layer's input is collapsed with the `pre` weights of the
+        sub-layer before it; returns (streams, this block's ffn `pre`)."""
+        y, pre, post, comb = self.mhc.pre_shifted(h, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        h = self.mhc.post(self.attn(self.attn_norm(y), batch, states), h, post, comb)
+        y, pre, post, comb = self.mhc.pre_shifted(h, pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        return self.mhc.post(self.ffn(self.ffn_norm(y), input_ids), h, post, comb), pre
 
 
 class MTPBlock(Block):
@@ -90,7 +103,8 @@ class DeepseekV4Model(nn.Module):
         # linear method like every other GEMM (so a backend or feature that replaces GEMMs covers it)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, "bf16", act_quant=False, device=device)
         self.head.compute_dtype = torch.float32
-        _hc_params(self, "hc_head", cfg, cfg.hc_mult, device)
+        if not cfg.hc_shifted:
+            _hc_params(self, "hc_head", cfg, cfg.hc_mult, device)
         if cfg.dspark is not None:      # mtp.* holds a DSpark drafter's stages (model/dspark.py)
             self.mtp = build_stages(cfg, Block, _hc_params, device=device)
         else:
@@ -113,11 +127,23 @@ class DeepseekV4Model(nn.Module):
         e = self.embed_tokens(batch.input_ids)
         h = e[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
         captured = {}
+        pre = None
+        if self.cfg.hc_shifted:         # the first sub-layer reads stream 0
+            pre = torch.zeros(h.shape[:2], dtype=torch.float32, device=h.device)
+            pre[:, 0] = 1.0
         for i, layer in enumerate(self.layers):
             if i in self.capture_layers:
                 captured[i] = h.mean(1)
-            h = layer(h, batch, [st.layers[i] for st in batch.states], batch.input_ids)
-        x = self.mhc.head(h[batch.logits_rows], self.hc_head_fn, self.hc_head_scale, self.hc_head_base)
+            states = [st.layers[i] for st in batch.states]
+            if pre is None:
+                h = layer(h, batch, states, batch.input_ids)
+            else:
+                h, pre = layer.forward_shifted(h, pre, batch, states, batch.input_ids)
+        rows = batch.logits_rows
+        if pre is None:
+            x = self.mhc.head(h[rows], self.hc_head_fn, self.hc_head_scale, self.hc_head_base)
+        else:
+            x = self.mhc.collapse(h[rows], pre[rows])
         features = torch.cat([captured[i] for i in self.capture_layers], -1) if captured else None
         return ModelOutput(logits=self.lm_head(self.norm(x)), streams=h, features=features)
 

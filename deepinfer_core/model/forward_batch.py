@@ -30,6 +30,9 @@ class ForwardBatch:
     # Built once per forward by the attention backend on its first layer (device metadata that
     # every layer shares); opaque to the core.
     backend_meta: dict[str, Any] = field(default_factory=dict)
+    # What one layer hands later layers within this forward (V4.1): the YOCO shared hidden, each
+    # index source's per-sequence selections, the candidate blocks.
+    shared: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -1,6 +1,6 @@
 """V4 MoE: sqrt-softplus scores, bias for selection only (or a token-id hash table), renormalised
-top-k weights times the routed scale, SwiGLU-clamped routed experts, one unclamped shared expert.
-The MoE method (`deepinfer_moe_method`) does routing, dispatch,
+top-k weights times the routed scale, SwiGLU-clamped routed experts, one shared expert (unclamped in
+V4, clamped in V4.1: `shared_expert_clamp`). The MoE method (`deepinfer_moe_method`) does routing, dispatch,
 expert compute and combine; these modules hold the weights.
 """
 from __future__ import annotations
@@ -58,8 +58,10 @@ class MoE(nn.Module):
         fmt = weight_format(cfg, "expert")
         self.experts = nn.ModuleList(Expert(cfg, fmt, cfg.swiglu_limit, device=device)
                                      for _ in range(cfg.n_routed_experts))
-        # V4's shared expert is not clamped (reference); FP8 like the dense layers.
-        self.shared_experts = Expert(cfg, weight_format(cfg, "dense"), 0.0, device=device)
+        # V4's shared expert is not clamped (reference); V4.1's is (shared_expert_clamp); FP8 like
+        # the dense layers.
+        limit = cfg.swiglu_limit if cfg.shared_expert_clamp else 0.0
+        self.shared_experts = Expert(cfg, weight_format(cfg, "dense"), limit, device=device)
         self.method = None   # bound by bind_ops()
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

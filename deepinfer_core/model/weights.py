@@ -29,8 +29,10 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 # Copies of the shared embedding/head inside MTP blocks (later checkpoints); the model reuses the
-# main ones, so these are skipped.
-IGNORED_PATTERN = re.compile(r"^mtp\.\d+\.(emb\..+|head\.weight)$")
+# main ones, so these are skipped. So are V4.1's vision parts (the text path never reads them:
+# the ViT, its aligner, the image span embeddings and the image-token routing bias).
+IGNORED_PATTERN = re.compile(r"^mtp\.\d+\.(emb\..+|head\.weight)$"
+                             r"|^(vision|aligner)\.|^image_(start|end|newline)\b|\.ffn\.gate\.bias_vl$")
 
 # Other spellings of a tensor the model names one way: DS-DeepInfer's V4.1 DSpark names for the
 # V4-Flash-0731 ones the model uses (model/dspark.py).
@@ -202,15 +204,20 @@ def _scan(weight_map: dict[str, Path] | None, shards: list[Path]) -> tuple[dict[
 def _resolve_aliases(entries: dict[str, _Entry], problems: list[str]) -> dict[str, _Entry]:
     out: dict[str, _Entry] = {}
     for name, e in entries.items():
+        plain = name.removeprefix("model.")        # V4.1 checkpoints may carry the prefix
+        if plain != name:
+            e = _Entry(e.shard, e.shape, e.dtype, stored=name)
         for pattern, repl in TENSOR_ALIASES:
-            model_name = pattern.sub(repl, name)
+            model_name = pattern.sub(repl, plain)
             if model_name != name:
                 if model_name in entries:
                     problems.append(f"{name}: stored beside {model_name}, another name of the same tensor")
                 out[model_name] = _Entry(e.shard, e.shape, e.dtype, stored=name)
                 break
         else:
-            out.setdefault(name, e)
+            if plain != name and plain in entries:
+                problems.append(f"{name}: stored beside {plain}, another name of the same tensor")
+            out.setdefault(plain, e)
     return out
 
 
@@ -282,7 +289,7 @@ def _plan(expected: dict[str, torch.Tensor], entries: dict[str, _Entry], *,
     for name in sorted(entries):
         if name in expected:
             continue
-        if IGNORED_PATTERN.match(name):
+        if IGNORED_PATTERN.search(name):
             ignored.append(name)
         elif skip is not None and skip(name):
             skipped.append(name)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.sequence_state import CompressorState, LayerState
+from ..config_v41 import BF16_MAX
 from .kv_fp8 import pack_kv_fp8, packed_rope_dim, unpack_kv_fp8
 
 QUERY_CHUNK = 256   # bounds the [queries, heads, keys] score tensor on long prefills
@@ -32,18 +33,20 @@ class PortableAttentionBackend:
 
     def forward(self, attn, inp, batch, states: list[LayerState]) -> torch.Tensor:
         out = torch.empty_like(inp.q)
-        for sl, start, st in zip(batch.seq_slices(), batch.starts, states):
+        for i, (sl, start, st) in enumerate(zip(batch.seq_slices(), batch.starts, states)):
             pos = batch.positions[sl]
             comp_rows = comp_mask = None
             if attn.compressor is not None:
-                self.compress(st.compressor, inp.comp_kv[sl], inp.comp_z[sl], start, attn.compressor.finalize)
+                comp = attn.compressor
+                z = None if inp.comp_z is None else inp.comp_z[sl]
+                if attn.indexer is not None and attn.indexer.wk is not None:    # V4.1 key source
+                    self.compress(st.compressor, inp.comp_kv[sl], z, start, comp.finalize_with_prerope,
+                                  (st.indexer, attn.indexer.keys))
+                else:
+                    self.compress(st.compressor, inp.comp_kv[sl], z, start, comp.finalize)
+            if st.compressor is not None:        # a sharing layer reads its source's rows
                 comp_rows = st.compressor.read_rows()
-                comp_mask = self.causal_block_mask(pos, attn.ratio, st.compressor.n_rows)
-            if attn.indexer is not None:
-                ix = st.indexer
-                self.compress(ix, inp.idx_kv[sl], inp.idx_z[sl], start, attn.indexer.compressor.finalize)
-                comp_mask = self.index_select(inp.idx_q[sl], inp.idx_w[sl], ix.read_rows(), pos,
-                                              attn.ratio, attn.indexer.topk)
+                comp_mask = self.select(attn, inp, batch, i, st, sl, start, pos)
             out[sl] = self.attend(attn, inp.q[sl], inp.kv[sl], st, start, pos, comp_rows, comp_mask,
                                   self.official)
             self.write_ring(st, inp.kv[sl], start)
@@ -51,36 +54,77 @@ class PortableAttentionBackend:
 
     # ---- compressor ------------------------------------------------------------------------------
     @staticmethod
-    def compress(cs: CompressorState, kv: torch.Tensor, z: torch.Tensor, start: int, finalize) -> None:
-        """Append the per-token (kv, z) of positions start.. and emit every block they complete."""
+    def compress(cs: CompressorState, kv: torch.Tensor, z: torch.Tensor | None, start: int, finalize,
+                 index_keys=None) -> None:
+        """Append the per-token (kv, z) of positions start.. and emit every block they complete.
+        `z` None: an ungated ratio-1 compressor (each token is a row, no tails). `index_keys`
+        (V4.1): (the index-key state, keys(rows before RoPE, block starts)); `finalize` then
+        returns (rows, rows before RoPE)."""
         m, n = cs.ratio, kv.shape[0]
         end = start + n
         first, last = start // m, end // m          # blocks [first, last) close inside this chunk
         if last > first:
-            c = 2 if cs.overlap else 1
-            base = max(0, (first - (c - 1)) * m)     # oldest position the new blocks read
-            old = torch.arange(base, start, device=kv.device)
-            ext_kv = torch.cat([cs.tail_kv[old % cs.tail_len], kv])   # positions base..end-1
-            ext_z = torch.cat([cs.tail_z[old % cs.tail_len], z])
             blocks = torch.arange(first, last, device=kv.device)
-            cur = (blocks * m - base)[:, None] + torch.arange(m, device=kv.device)[None, :]
-            if cs.overlap:
-                d = kv.shape[1] // 2
-                prev = (cur - m).clamp(min=0)
-                prev_z = ext_z[prev, :d].masked_fill((blocks == 0)[:, None, None], float("-inf"))
-                slot_kv = torch.cat([ext_kv[prev, :d], ext_kv[cur, d:]], dim=1)   # [nb, 2m, d]
-                slot_z = torch.cat([prev_z, ext_z[cur, d:]], dim=1)
+            if z is None:
+                pooled = kv
             else:
-                slot_kv, slot_z = ext_kv[cur], ext_z[cur]
-            pooled = (slot_kv * torch.softmax(slot_z, dim=1)).sum(dim=1)          # fp32, per channel
-            rows = finalize(pooled, blocks * m)
-            cs.write_rows(first, rows)
+                c = 2 if cs.overlap else 1
+                base = max(0, (first - (c - 1)) * m)     # oldest position the new blocks read
+                old = torch.arange(base, start, device=kv.device)
+                ext_kv = torch.cat([cs.tail_kv[old % cs.tail_len], kv])   # positions base..end-1
+                ext_z = torch.cat([cs.tail_z[old % cs.tail_len], z])
+                cur = (blocks * m - base)[:, None] + torch.arange(m, device=kv.device)[None, :]
+                if cs.overlap:
+                    d = kv.shape[1] // 2
+                    prev = (cur - m).clamp(min=0)
+                    prev_z = ext_z[prev, :d].masked_fill((blocks == 0)[:, None, None], float("-inf"))
+                    slot_kv = torch.cat([ext_kv[prev, :d], ext_kv[cur, d:]], dim=1)   # [nb, 2m, d]
+                    slot_z = torch.cat([prev_z, ext_z[cur, d:]], dim=1)
+                else:
+                    slot_kv, slot_z = ext_kv[cur], ext_z[cur]
+                pooled = (slot_kv * torch.softmax(slot_z, dim=1)).sum(dim=1)          # fp32, per channel
+            if index_keys is None:
+                cs.write_rows(first, finalize(pooled, blocks * m))
+            else:
+                rows, pre_rope = finalize(pooled, blocks * m)
+                cs.write_rows(first, rows)
+                index_keys[0].write_rows(first, index_keys[1](pre_rope, blocks * m))
         cs.n_rows = last
+        if index_keys is not None:
+            index_keys[0].n_rows = last
+        if z is None:
+            return
         keep = torch.arange(max(start, end - cs.tail_len), end, device=kv.device)
         cs.tail_kv[keep % cs.tail_len] = kv[keep - start]
         cs.tail_z[keep % cs.tail_len] = z[keep - start]
 
     # ---- selection -------------------------------------------------------------------------------
+    def select(self, attn, inp, batch, i: int, st: LayerState, sl: slice, start: int, pos) -> torch.Tensor:
+        """The compressed rows query rows `pos` of sequence i attend: [n, n_rows] bool."""
+        if attn.index_source < 0:                   # V4 HCA: every visible row
+            return self.causal_block_mask(pos, attn.ratio, st.compressor.n_rows)
+        ix = attn.indexer
+        if ix is None:                              # V4.1: the index source's selection
+            return batch.shared[("topk", attn.index_source)][i]
+        if ix.compressor is not None:               # V4 CSA: the indexer's own compressor
+            self.compress(st.indexer, inp.idx_kv[sl], inp.idx_z[sl], start, ix.compressor.finalize)
+            return self.index_select(inp.idx_q[sl], inp.idx_w[sl], st.indexer.read_rows(), pos,
+                                     attn.ratio, ix.topk)
+        keys = st.indexer.read_rows()
+        valid = self.causal_block_mask(pos, attn.ratio, keys.shape[0])
+        if keys.shape[0]:
+            scores = self.index_scores(inp.idx_q[sl], inp.idx_w[sl], keys).masked_fill(~valid, float("-inf"))
+            if attn.candidate == "source":
+                topo = attn.cfg.topology
+                cand = candidate_rows(scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks)
+                _share(batch, ("candidates",), i, cand)
+            elif attn.candidate == "consumer":
+                valid = valid & batch.shared[("candidates",)][i]
+                scores = scores.masked_fill(~valid, float("-inf"))
+            valid = self.top_mask(scores, valid, ix.topk)
+        _share(batch, ("topk", attn.layer_id), i, valid)
+        return valid
+
     @staticmethod
     def causal_block_mask(pos: torch.Tensor, ratio: int, n_rows: int) -> torch.Tensor:
         """[n, n_rows]: block b is visible to the query at p once complete, b < (p+1)//ratio."""
@@ -93,18 +137,25 @@ class PortableAttentionBackend:
         valid = self.causal_block_mask(pos, ratio, n_rows)
         if n_rows == 0:
             return valid
-        k = min(topk, n_rows)
+        return self.top_mask(self.index_scores(q, w, keys).masked_fill(~valid, float("-inf")), valid, topk)
+
+    def index_scores(self, q, w, keys) -> torch.Tensor:
+        """[n, n_rows] sum_h w_h relu(q_h . k): fp32, or in the activation dtype (official)."""
         if self.official:
             scores = torch.einsum("thd,bd->thb", q, keys.to(q.dtype))
-            scores = (scores.relu() * w.to(q.dtype)[..., None]).sum(dim=1)
-            top = torch.topk(scores.masked_fill(~valid, float("-inf")), k, dim=-1).indices
+            return (scores.relu() * w.to(q.dtype)[..., None]).sum(dim=1)
+        scores = torch.relu(torch.einsum("thd,bd->thb", q.float(), keys.float()))
+        return (scores * w.float()[..., None]).sum(dim=1)
+
+    def top_mask(self, scores: torch.Tensor, valid: torch.Tensor, topk: int) -> torch.Tensor:
+        """The `topk` best of `scores` (masked -inf where not `valid`) as a mask inside `valid`."""
+        k = min(topk, scores.shape[1])
+        if self.official:
+            top = torch.topk(scores, k, dim=-1).indices
         else:
-            scores = torch.relu(torch.einsum("thd,bd->thb", q.float(), keys.float()))
-            scores = (scores * w.float()[..., None]).sum(dim=1).masked_fill(~valid, float("-inf"))
             # stable sort: among equal scores the lowest block index wins, deterministically
             top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-        picked = torch.zeros_like(valid).scatter_(1, top, True)
-        return picked & valid
+        return torch.zeros_like(valid).scatter_(1, top, True) & valid
 
     # ---- attention -------------------------------------------------------------------------------
     @staticmethod
@@ -147,6 +198,28 @@ class PortableAttentionBackend:
             st.ring[keep % ring_size] = pack_kv_fp8(kv[keep - start], ring_rope_dim(st.ring, kv))
         else:
             st.ring[keep % ring_size] = kv[keep - start].to(st.ring.dtype)
+
+
+def candidate_rows(scores: torch.Tensor, valid: torch.Tensor, block_size: int, n_blocks: int) -> torch.Tensor:
+    """V4.1's first top-k level: rows [n, R] inside each query's `n_blocks` best blocks of
+    `block_size` consecutive rows, a block scoring its best visible row (capped at the bf16
+    maximum); the last block holding a visible row is always kept; ties go to the lower block."""
+    n, R = scores.shape
+    nb = -(-R // block_size)
+    padded = torch.nn.functional.pad(scores, (0, nb * block_size - R), value=float("-inf"))
+    block = padded.view(n, nb, block_size).amax(-1).clamp(max=BF16_MAX)
+    seen = valid.sum(dim=1)
+    last = ((seen - 1).clamp(min=0) // block_size)[:, None]
+    block = block.scatter(1, last, torch.where(seen[:, None] > 0, float("inf"), float("-inf")))
+    top = torch.sort(block, dim=-1, descending=True, stable=True).indices[:, :n_blocks]
+    keep = torch.zeros(n, nb, dtype=torch.bool, device=scores.device).scatter_(1, top, True)
+    keep &= block > float("-inf")
+    return keep.repeat_interleave(block_size, dim=1)[:, :R] & valid
+
+
+def _share(batch, key, i: int, value) -> None:
+    """Hand sequence i's `value` to later layers of this forward (`ForwardBatch.shared`)."""
+    batch.shared.setdefault(key, [None] * batch.num_seqs)[i] = value
 
 
 def sink_softmax_values(logits: torch.Tensor, sink: torch.Tensor, values: torch.Tensor,

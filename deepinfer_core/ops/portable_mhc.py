@@ -41,6 +41,21 @@ class PortableMHC:
 
     def pre(self, x: torch.Tensor, fn, scale, base):
         """x [T, hc, D] -> (collapsed input [T, D], post [T, hc], comb [T, hc, hc])."""
+        pre, post, comb = self.mixes(x, fn, scale, base)
+        return self.collapse(x, pre), post, comb
+
+    def pre_shifted(self, x: torch.Tensor, pre_prev: torch.Tensor, fn, scale, base):
+        """Shifted mHC: (x collapsed with `pre_prev` [T, D], this site's pre, post, comb)."""
+        pre, post, comb = self.mixes(x, fn, scale, base)
+        return self.collapse(x, pre_prev), pre, post, comb
+
+    @staticmethod
+    def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """sum_j pre[j] * x[j] in fp32, cast to x.dtype."""
+        return (pre[..., None] * x.float()).sum(dim=1).to(x.dtype)
+
+    def mixes(self, x: torch.Tensor, fn, scale, base):
+        """x [T, hc, D] -> (pre [T, hc], post [T, hc], comb [T, hc, hc]), fp32."""
         hc = self.hc
         mix = self._mix(x, fn)
         pre = self._sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + self.hc_eps
@@ -51,8 +66,7 @@ class PortableMHC:
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        y = (pre[..., None] * x.float()).sum(dim=1).to(x.dtype)
-        return y, post, comb
+        return pre, post, comb
 
     def post(self, f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """out[k] = post[k] * f + sum_j comb[j, k] * res[j]  (stream k uses column k)."""
@@ -71,5 +85,4 @@ class PortableMHC:
         return out
 
     def head(self, x: torch.Tensor, fn, scale, base) -> torch.Tensor:
-        pre = self._sigmoid(self._mix(x, fn) * scale + base) + self.hc_eps
-        return (pre[..., None] * x.float()).sum(dim=1).to(x.dtype)
+        return self.collapse(x, self._sigmoid(self._mix(x, fn) * scale + base) + self.hc_eps)

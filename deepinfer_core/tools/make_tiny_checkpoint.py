@@ -7,7 +7,10 @@ block-quantised with E8M0 scales and routed experts are packed FP4, exactly as i
 Each tensor draws from its own generator seeded by (seed, name), so output is byte-identical for a
 given seed and a tensor's values do not depend on which other tensors exist.
 
-    python -m deepinfer_core.tools.make_tiny_checkpoint OUT_DIR [--seed N] [--layers N] ...
+    python -m deepinfer_core.tools.make_tiny_checkpoint OUT_DIR [--family v4|v41] [--seed N] ...
+
+`--family v41` writes a tiny DeepSeek-V4.1 (tiny_config_v41.py): its `--set` keys go to
+`text_config`; its layer topology is fixed (no --layers / --mtp).
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ import torch
 
 from ..ops.quant import quantize_fp4, quantize_fp8_block
 from .tiny_config import GENERATION_CONFIG, tiny_config_dict
+from .tiny_config_v41 import tiny_v41_config_dict
+
+FAMILIES = ("v4", "v41")
 
 TensorSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -152,13 +158,18 @@ def tokenizer_dir() -> Path:
 
 def make_tiny_checkpoint(out_dir: str | Path, config_overrides: dict[str, Any] | None = None, seed: int = 0,
                          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                         spec: TensorSpec | None = None) -> Path:
+                         spec: TensorSpec | None = None, family: str = "v4") -> Path:
     """Write config, generation config, real tokenizer, sharded safetensors + index to `out_dir`.
 
-    `spec` overrides the inventory (normally taken from the meta-device model)."""
-    cfg = tiny_config_dict(**(config_overrides or {}))
+    `spec` overrides the inventory (normally taken from the meta-device model); `family` "v41"
+    writes a tiny V4.1 (`config_overrides` then replace `text_config` keys)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r}; allowed: {list(FAMILIES)}")
+    make = tiny_v41_config_dict if family == "v41" else tiny_config_dict
+    cfg = make(**(config_overrides or {}))
     spec = dict(spec) if spec is not None else model_tensor_spec(cfg)
-    return write_checkpoint(out_dir, cfg, spec, lambda name: tensor_values(name, spec, cfg, seed), max_shard_bytes)
+    text = {**cfg.get("text_config", cfg), "quantization_config": cfg.get("quantization_config")}
+    return write_checkpoint(out_dir, cfg, spec, lambda name: tensor_values(name, spec, text, seed), max_shard_bytes)
 
 
 def write_checkpoint(out_dir: str | Path, cfg: dict[str, Any], spec: TensorSpec,
@@ -190,7 +201,7 @@ def write_checkpoint(out_dir: str | Path, cfg: dict[str, Any], spec: TensorSpec,
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     for f in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_dir() / f, out / f)
-    _check_tokenizer(out, cfg["vocab_size"])
+    _check_tokenizer(out, cfg.get("text_config", cfg)["vocab_size"])
     return out
 
 
@@ -205,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m deepinfer_core.tools.make_tiny_checkpoint",
                                  description="Write a tiny seeded DeepSeek-V4 checkpoint (official format).")
     ap.add_argument("out_dir")
+    ap.add_argument("--family", choices=FAMILIES, default="v4", help="v4 (default) or v41 (DeepSeek-V4.1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, help="num_hidden_layers (schedule derived)")
     ap.add_argument("--mtp", type=int, help="num_nextn_predict_layers")
@@ -213,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override any config key, e.g. --set sliding_window=32")
     a = ap.parse_args(argv)
+    if a.family == "v41" and (a.layers is not None or a.mtp is not None):
+        ap.error("--layers / --mtp: the tiny V4.1's layer topology is fixed; allowed with --family v41: "
+                 "--experts, --seed, --set")
     ov: dict[str, Any] = {}
     for key, val in (("num_hidden_layers", a.layers), ("num_nextn_predict_layers", a.mtp),
                      ("n_routed_experts", a.experts)):
@@ -226,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
             ov[key] = json.loads(val)
         except json.JSONDecodeError:
             ov[key] = val
-    out = make_tiny_checkpoint(a.out_dir, ov, seed=a.seed, max_shard_bytes=int(a.max_shard_mb * 2 ** 20))
+    out = make_tiny_checkpoint(a.out_dir, ov, seed=a.seed, max_shard_bytes=int(a.max_shard_mb * 2 ** 20),
+                               family=a.family)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     n_shards = len(set(index["weight_map"].values()))
     print(f"wrote {len(index['weight_map'])} tensors ({index['metadata']['total_size'] / 2 ** 20:.1f} MiB) "

@@ -290,7 +290,10 @@ def test_nvidia_linear_method_declines_off_gpu(monkeypatch):
     assert mod.deepinfer_linear_method(SimpleNamespace(platform=SimpleNamespace(name="cpu"),
                                                        simulate_qat=True, device="cuda"), "fp8") is None
     qat_off = SimpleNamespace(platform=nvidia, simulate_qat=False, device="cuda", torch_dtype=torch.bfloat16,
-                              model_config=SimpleNamespace(weight_block_size=(128, 128)))
+                              model_config=SimpleNamespace(weight_block_size=(128, 128), family="v4"))
     assert type(mod.deepinfer_linear_method(qat_off, "fp8")).__name__ == "Fp8LinearMethod"
     assert type(mod.deepinfer_linear_method(qat_off, "bf16")).__name__ == "Bf16LinearMethod"
     assert mod.deepinfer_linear_method(qat_off, "int4") is None
+    # V4.1 runs on the core's portable ops (no kernels for its compressors and shared caches yet)
+    qat_off.model_config.family = "v41"
+    assert mod.deepinfer_linear_method(qat_off, "fp8") is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_core.ops.portable_mhc import PortableMHC
 from deepinfer_kernels.mhc import mhc_head, mhc_post, mhc_pre
 
 
@@ -33,3 +34,11 @@ class NvidiaMHC:
     def head(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """Final collapse x [T, hc, D] -> [T, D] in x.dtype."""
         return mhc_head(x, fn, scale, base, self.hc, self.hc_eps, self.norm_eps, self.official)
+
+    # Shifted mHC (V4.1) has no fused kernel yet: the plugin does not serve V4.1 models (the core's
+    # portable ops run them); these keep the contract whole with the portable math.
+    def pre_shifted(self, x, pre_prev, fn, scale, base):
+        return PortableMHC(self.hc, self.iters, self.hc_eps, self.norm_eps, self.official).pre_shifted(
+            x, pre_prev, fn, scale, base)
+
+    collapse = staticmethod(PortableMHC.collapse)

@@ -36,8 +36,11 @@ def _fp8_capable(device) -> bool:
 
 
 def _serves(ctx) -> bool:
-    """This backend's ops run on an SM90+ GPU of the nvidia platform; anything else falls through."""
-    return ctx.platform.name == NAME and _fp8_capable(ctx.device)
+    """This backend's ops run V4 models on an SM90+ GPU of the nvidia platform; anything else
+    falls through (V4.1 runs on the core's portable ops on the same GPU: no kernels for its
+    ratio-1/2 compressors, shared caches and shifted mHC yet)."""
+    return (ctx.platform.name == NAME and _fp8_capable(ctx.device)
+            and ctx.model_config.family == "v4")
 
 
 def model_ratios(cfg) -> tuple[int, ...]:

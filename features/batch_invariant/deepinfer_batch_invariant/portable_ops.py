@@ -118,25 +118,15 @@ class InvariantPortableMHC(PortableMHC):
 class InvariantPortableAttention(PortableAttentionBackend):
     batch_invariant = True
 
-    def index_select(self, q, w, keys, pos, ratio: int, topk: int) -> torch.Tensor:
-        n_rows = keys.shape[0]
-        valid = self.causal_block_mask(pos, ratio, n_rows)
-        if n_rows == 0:
-            return valid
+    def index_scores(self, q, w, keys) -> torch.Tensor:
         T, H, D = q.shape
         dtype = q.dtype if self.official else torch.float32
-        dots = fixed_tile_mm(q.to(dtype).reshape(T * H, D), keys.to(dtype)).view(T, H, n_rows)
+        dots = fixed_tile_mm(q.to(dtype).reshape(T * H, D), keys.to(dtype)).view(T, H, keys.shape[0])
         scores = torch.relu(dots) * w.to(dtype)[..., None]
         total = scores[:, 0].float()
         for h in range(1, H):                # heads summed in a fixed order
             total = total + scores[:, h].float()
-        total = total.to(dtype).masked_fill(~valid, float("-inf"))
-        k = min(topk, n_rows)
-        if self.official:
-            top = torch.topk(total, k, dim=-1).indices
-        else:
-            top = torch.sort(total, dim=-1, descending=True, stable=True).indices[:, :k]
-        return torch.zeros_like(valid).scatter_(1, top, True) & valid
+        return total.to(dtype)
 
     @staticmethod
     def attend(attn, q, kv, st, start: int, pos, comp_rows, comp_mask,
