@@ -1,5 +1,5 @@
-"""Shared fixtures: one tiny DeepSeek-V4 checkpoint (real tokenizer, official tensor format) per
-test session, built once and reused read-only by every test that needs a model on disk; and the
+"""Shared fixtures: one tiny DeepSeek-V4 and one tiny V4.1 checkpoint (real tokenizer, official
+tensor format) per test session, built once and reused read-only by every test that needs a model on disk; and the
 real V4-Flash data files kept in tests/data (see the README there)."""
 from __future__ import annotations
 
@@ -15,6 +15,14 @@ V4_FLASH_DATA = Path(__file__).resolve().parent / "data" / "deepseek-v4-flash"
 def tiny_ckpt_dir(tmp_path_factory) -> Path:
     from deepinfer_core.tools.make_tiny_checkpoint import make_tiny_checkpoint
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_v4_ckpt"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_dir(tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V4.1 (tools/tiny_config_v41.py: C2 + C1 sources and their sharers, the
+    YOCO boundary, candidate blocks, Engram on two producer layers), official format."""
+    from deepinfer_core.tools.make_tiny_checkpoint import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_v41_ckpt"), seed=0, family="v41")
 
 
 @pytest.fixture(scope="session")

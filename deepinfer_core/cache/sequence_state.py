@@ -113,6 +113,7 @@ class SequenceState:
     block_size: int = 128
     grow: Callable[["SequenceState", int], None] | None = None   # self-managed states only
     backtrack: int = 0                         # the rollback room its rings and tails were sized with
+    engram_ids: torch.Tensor | None = None     # Engram: compressed ids, slot = pos % len (model/engram.py)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

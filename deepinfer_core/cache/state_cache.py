@@ -62,6 +62,7 @@ class CacheLayout:
     # per layer: the layer whose compressor pools it reads (-1: window only); None: every
     # compressed layer its own (V4). Set: V4.1 sharing, index keys projected (no indexer tails).
     kv_owner: tuple[int, ...] | None = None
+    engram_history: int = 0          # Engram: the N-1 earlier token ids each n-gram reads (0: none)
 
     def __post_init__(self) -> None:
         if self.kv_fp8:
@@ -83,7 +84,7 @@ class CacheLayout:
                 len(main) + i if r else -1 for i, r in enumerate(mtp))
         return cls(tuple(main + mtp), len(main), cfg.head_dim, cfg.index_head_dim, cfg.sliding_window,
                    backtrack, dtype, block_size, kv_fp8=kv_fp8, rope_dim=cfg.qk_rope_head_dim,
-                   kv_owner=owner)
+                   kv_owner=owner, engram_history=cfg.engram.max_ngram - 1 if cfg.engram else 0)
 
     @property
     def ring_len(self) -> int:
@@ -120,8 +121,13 @@ class CacheLayout:
 
     # ---- exact byte counts ---------------------------------------------------------------------
     @property
+    def engram_ring_len(self) -> int:
+        """Compressed token ids kept per sequence for Engram's n-grams (0: no Engram)."""
+        return self.engram_history + self.backtrack if self.engram_history else 0
+
+    @property
     def slot_bytes(self) -> int:
-        total = 0
+        total = self.engram_ring_len * 8                       # int64 ids
         for i, r in enumerate(self.ratios):
             total += self.ring_len * self.kv_row_bytes
             if self.owner(i) == i:
@@ -175,6 +181,7 @@ class StateCache:
             self.comp.append(self._compressor_pools(r, L.head_dim, kv_width, kv_dtype) if owns else None)
             di, kind = L.index_head_dim, L.index_kind(i)
             self.index.append(self._compressor_pools(r, di, di, L.dtype, kind == "projected") if kind else None)
+        self.engram_ids = torch.zeros(self.num_slots, L.engram_ring_len, dtype=torch.int64, device=device)
         own = [L.owner(i) for i in range(len(L.ratios))]     # sharing layers alias their owner's pools
         self.layer_pools = [LayerPools(ring, self.comp[o] if o >= 0 else None,
                                        self.index[o] if L.kv_owner is not None and o >= 0 else index)
@@ -190,7 +197,7 @@ class StateCache:
                 "rows": torch.empty(self.num_blocks, L.block_size // ratio, width, dtype=dtype, device=self.device)}
 
     def tensors(self) -> list[torch.Tensor]:
-        out = list(self.rings)
+        out = list(self.rings) + [self.engram_ids]
         for pools in self.comp + self.index:
             if pools is not None:
                 out.extend(pools.values())
@@ -227,7 +234,8 @@ class StateCache:
             layers.append(st)
         n = self.layout.num_main_layers
         return SequenceState(layers=layers[:n], mtp_layers=layers[n:], slot=slot, table=table,
-                             block_size=self.layout.block_size, backtrack=self.layout.backtrack)
+                             block_size=self.layout.block_size, backtrack=self.layout.backtrack,
+                             engram_ids=self.engram_ids[slot])
 
     @staticmethod
     def _compressor_state(pools, ratio: int, slot: int, table: BlockTable, fresh: bool) -> CompressorState:

@@ -18,6 +18,7 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import Attention, Numerics
 from .dspark import build_stages
+from .engram import Engram, EngramInputs, table_rows
 from .forward_batch import ForwardBatch
 from .layers import Embedding, Linear, RMSNorm, empty, weight_format
 from .moe import MoE
@@ -31,7 +32,8 @@ def _hc_params(module: nn.Module, prefix: str, cfg: ModelConfig, n_out: int, dev
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, ratio: int, hash_routed: bool, device="cpu"):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ratio: int, hash_routed: bool, device="cpu",
+                 engram_rows: int = 0):
         super().__init__()
         self.layer_id, self.ratio = layer_id, ratio
         n_mix = (2 + cfg.hc_mult) * cfg.hc_mult
@@ -41,9 +43,12 @@ class Block(nn.Module):
         _hc_params(self, "hc_ffn", cfg, n_mix, device)
         self.attn = Attention(cfg, layer_id, ratio, device=device)
         self.ffn = MoE(cfg, layer_id, hash_routed, device=device)
+        self.engram = Engram(cfg, engram_rows, device=device) if engram_rows else None
         self.mhc = None   # bound by bind_ops()
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, states, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.engram is not None:
+            h = self.engram(h, batch.shared["engram_rows"][self.layer_id])
         y, post, comb = self.mhc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         h = self.mhc.post(self.attn(self.attn_norm(y), batch, states), h, post, comb)
         y, post, comb = self.mhc.pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
@@ -53,6 +58,8 @@ class Block(nn.Module):
                         input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Shifted mHC (V4.1): each sub-layer's input is collapsed with the `pre` weights of the
         sub-layer before it; returns (streams, this block's ffn `pre`)."""
+        if self.engram is not None:
+            h = self.engram(h, batch.shared["engram_rows"][self.layer_id])
         y, pre, post, comb = self.mhc.pre_shifted(h, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         h = self.mhc.post(self.attn(self.attn_norm(y), batch, states), h, post, comb)
         y, pre, post, comb = self.mhc.pre_shifted(h, pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
@@ -95,9 +102,12 @@ class DeepseekV4Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
+        engram = dict(zip(cfg.engram.layer_ids, table_rows(cfg))) if cfg.engram else {}
         self.layers = nn.ModuleList(
-            Block(cfg, i, cfg.layer_ratio(i), cfg.is_hash_layer(i), device=device)
+            Block(cfg, i, cfg.layer_ratio(i), cfg.is_hash_layer(i), device=device, engram_rows=engram.get(i, 0))
             for i in range(cfg.num_hidden_layers))
+        # Engram's hashing (set by the loader from the checkpoint's tokenizer.json: bind_engram)
+        self.engram_inputs: EngramInputs | None = None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device)
         # [vocab, D] bf16 in the checkpoint, an fp32 product in the reference: computed by the bf16
         # linear method like every other GEMM (so a backend or feature that replaces GEMMs covers it)
@@ -123,7 +133,17 @@ class DeepseekV4Model(nn.Module):
         fp32-accumulating bf16 GEMM, exact products; elsewhere an fp32 product)."""
         return self.head(x)
 
+    def bind_engram(self, tokenizer_json, device) -> None:
+        """Engram's compressed vocabulary and hash tables (a no-op without Engram layers)."""
+        if self.cfg.engram is not None:
+            self.engram_inputs = EngramInputs(self.cfg, tokenizer_json, device)
+
     def forward(self, batch: ForwardBatch) -> ModelOutput:
+        if self.cfg.engram is not None:
+            if self.engram_inputs is None:
+                raise RuntimeError("Engram layers need bind_engram(tokenizer.json) before a forward")
+            rows = self.engram_inputs.rows(batch)
+            batch.shared["engram_rows"] = dict(zip(self.cfg.engram.layer_ids, rows))
         e = self.embed_tokens(batch.input_ids)
         h = e[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
         captured = {}

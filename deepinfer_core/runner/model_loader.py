@@ -120,6 +120,9 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, expert
                              expert_shard.group, expert_shard.graph_group)
     process_weights(model)
     model.to(device)
+    if cfg.engram is not None:
+        from ..model.engram import tokenizer_json_for
+        model.bind_engram(tokenizer_json_for(model_dir), device)
     return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops,
                        logits_processors=logits_processors, proposer=proposer,
                        scheduler_policy=scheduler_policy, verifier=verifier)

@@ -62,11 +62,11 @@ def _normal(shape, std: float, g: torch.Generator) -> torch.Tensor:
 def float_values(name: str, shape: tuple[int, ...], cfg: dict[str, Any], g: torch.Generator) -> torch.Tensor:
     """float32 values for a floating tensor, with a magnitude chosen by its role (its name)."""
     hidden = cfg["hidden_size"]
-    if name == "embed.weight":
+    if name == "embed.weight" or name.endswith("engram.embed.weight"):
         return _normal(shape, 1.0, g)
     if name == "head.weight":
         return _normal(shape, hidden ** -0.5, g)
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "engram.q_weight", "engram.k_weight")):
         return 1.0 + _normal(shape, 0.1, g)
     if re.search(r"hc_\w+_fn$", name):
         # mHC projects the RMS-normalised flattened streams (unit RMS over hc*D values); std
@@ -101,6 +101,8 @@ def tensor_values(name: str, spec: TensorSpec, cfg: dict[str, Any], seed: int) -
     scale_name = f"{prefix}.scale" if prefix else None
     if dtype == FP8:
         block = tuple((cfg.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+        if name.endswith("engram.embed.weight"):      # Engram tables: one scale per 32 of a row
+            block = (1, 32)
         w, s = quantize_fp8_block(float_values(name, shape, cfg, g), block)
         out = {name: w, scale_name: s}
     elif dtype == torch.int8 and scale_name in spec:   # packed FP4: two e2m1 per byte
