@@ -109,6 +109,19 @@ class MHCMethod(Protocol):
 
 
 @runtime_checkable
+class PrefillTruncation(Protocol):
+    """V4.1 SWA bounded replay (hook deepinfer_prefill_truncation): in the YOCO consumer layers a
+    prompt row at a position before `rectangle(prompt_len)` is never seen through a window, and in
+    "compact" mode not computed."""
+
+    mode: str            # "mask" | "compact"
+    keep_tokens: int
+
+    def rectangle(self, prompt_len: int) -> int:
+        """The first prompt position the consumer layers' windows see (>= 0)."""
+
+
+@runtime_checkable
 class PointwiseMethod(Protocol):
     batch_invariant: bool
 
@@ -225,6 +238,24 @@ def resolve_scheduling(pm: Any, ctx: Any) -> tuple[SchedulingPolicy, DraftVerifi
     """The scheduling policy and the draft verifier, each checked against its contract."""
     return (check_contract(pm.scheduler_policy(ctx), SchedulingPolicy, "scheduler policy"),
             check_contract(pm.verifier(ctx), DraftVerifier, "verifier"))
+
+
+def resolve_truncation(pm: Any, ctx: Any) -> PrefillTruncation | None:
+    """The bounded replay `yoco_prefill_truncation_mode` asks for, or None for 'off'; a clear error
+    when the model has no YOCO consumer layers or no installed plugin provides it."""
+    mode = ctx.options.model.yoco_prefill_truncation_mode
+    if mode == "off":
+        return None
+    cfg = ctx.model_config
+    if cfg.n_prefill_layer >= cfg.num_hidden_layers:
+        raise ValueError(f"yoco_prefill_truncation_mode={mode!r}: this model has no YOCO consumer layers "
+                         "(no compress ratio 1: DeepSeek-V4.1 only); allowed: 'off'")
+    found = pm.prefill_truncation(ctx)
+    if found is None:
+        raise ValueError(f"yoco_prefill_truncation_mode={mode!r} needs the swa_replay feature plugin "
+                         "(package deepinfer-swa-replay: pip install ./features/swa_replay), which is not "
+                         "installed or is disabled; allowed without it: 'off'")
+    return check_contract(found, PrefillTruncation, "prefill truncation")
 
 
 def resolve_proposer(pm: Any, ctx: Any) -> Any:

@@ -78,6 +78,14 @@ class ModelOptions(Section):
                                  "and tokens do not depend on its batch or its prefill chunking")
     enforce_eager: bool = env_option("DEEPINFER_ENFORCE_EAGER",
                                "CUDA: never capture decode/verification CUDA graphs")
+    yoco_prefill_truncation_mode: str = env_option(
+        "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "V4.1 SWA bounded replay (the swa_replay feature): 'off' "
+        "= exact; 'mask' / 'compact' = the YOCO consumer layers' windows see only the prompt's last "
+        "yoco_prefill_keep_tokens tokens ('compact' also skips the earlier rows there: faster prefill, "
+        "no prompt_logprobs)", choice("off", "mask", "compact"))
+    yoco_prefill_keep_tokens: int = env_option(
+        "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "V4.1 bounded replay: the prompt suffix the consumer layers "
+        "replay (>= sliding_window + max_backtracking_tokens)", positive())
     fp4_experts: bool = option(False, "nvidia backend: keep the checkpoint's FP4 routed experts FP4 and decode "
                              "them in the MoE kernels (same results as the default, their FP8 re-encoding at "
                              "load, with about half the expert bytes; opt-in until it has run compiled on a "

@@ -141,11 +141,14 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "Rollback room in the SWA rings; the effective value is max(value, gamma + 1).",
            minimum=0),
     EnvVar("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "choice", "off",
-           "V4.1 SWA bounded replay of the prompt in YOCO consumer layers.",
+           "V4.1 SWA bounded replay (the swa_replay feature): 'off' = exact; 'mask' / 'compact' = the "
+           "YOCO consumer layers' windows see only the prompt's last KEEP tokens ('compact' also skips "
+           "the earlier rows in those layers: faster prefill).",
            choices=("off", "mask", "compact")),
-    EnvVar("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "int", 0,
-           "V4.1: prompt suffix replayed by YOCO consumer layers when truncation is on.",
-           minimum=0),
+    EnvVar("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "int", 140,
+           "V4.1 bounded replay: the prompt suffix (KEEP) the YOCO consumer layers replay; at least "
+           "sliding_window + the backtracking room.",
+           minimum=1),
     EnvVar("DEEPINFER_BATCH_INVARIANT", "bool", False,
            "Batch-invariant kernels (cpu and nvidia): a request's logits and tokens do not depend on "
            "its batch or its prefill chunking; with DEEPINFER_ENABLE_MTP_VARLEN=0 and a seed, "
@@ -206,7 +209,7 @@ class Settings:
     dflash_confidence_head_temperature: tuple[float, ...] = (1.0,)
     max_backtracking_tokens: int = 0
     yoco_prefill_truncation_mode: str = "off"
-    yoco_prefill_keep_tokens: int = 0
+    yoco_prefill_keep_tokens: int = 140
     batch_invariant: bool = False
     zero_overhead_scheduling: bool = True
     cpu_kv_cache_bytes: int = 1 << 30

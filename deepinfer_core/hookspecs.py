@@ -105,6 +105,13 @@ def deepinfer_proposer(ctx):
 
 
 @hookspec(firstresult=True)
+def deepinfer_prefill_truncation(ctx):
+    """V4.1 SWA bounded replay: the `PrefillTruncation` (contracts.py) the options ask for
+    (`yoco_prefill_truncation_mode` 'mask' or 'compact'), or None. Called once at start-up, only
+    when a mode other than 'off' is set; raise ValueError for options the model cannot take."""
+
+
+@hookspec(firstresult=True)
 def deepinfer_verifier(ctx):
     """Return the `DraftVerifier`: the acceptance rule of draft tokens (the core's is lossless:
     exact greedy, standard speculative sampling). How many drafts a step verifies is the engine's

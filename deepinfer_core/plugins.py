@@ -316,6 +316,9 @@ class PluginManager:
         """The draft proposer, or None: speculation is off (not an error)."""
         return self._first("deepinfer_proposer", "a proposer", required=False, ctx=ctx)
 
+    def prefill_truncation(self, ctx: Any) -> Any | None:
+        return self._first("deepinfer_prefill_truncation", "a prefill truncation", required=False, ctx=ctx)
+
     def verifier(self, ctx: Any) -> Any:
         return self._first("deepinfer_verifier", "a verifier", ctx=ctx)
 

@@ -218,6 +218,12 @@ class Engine(SpeculativeSteps):
         if params.stop and (self.tokenizer is None or not params.detokenize):
             raise ValueError("SamplingParams: stop strings need a tokenizer; pass LLM(tokenizer=...) or "
                              "use stop_token_ids")
+        trunc = self.executor.truncation
+        if params.prompt_logprobs is not None and trunc is not None and trunc.mode == "compact":
+            raise ValueError("SamplingParams: prompt_logprobs is not available with "
+                             "yoco_prefill_truncation_mode='compact' (the YOCO consumer layers skip the "
+                             "prompt rows before the last yoco_prefill_keep_tokens); allowed there: None; "
+                             "use the mode 'off' or 'mask' for prompt logprobs")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise ValueError(f"SamplingParams: {name}={getattr(params, name)} exceeds "

@@ -38,6 +38,7 @@ class StepBatch:
     logit_rows: list[int]
     updates: CacheUpdates
     pending: bool = False                  # some ids are -1 - slot
+    rect_lo: list[int] | None = None       # V4.1 bounded replay: each sequence's rectangle start
 
 
 @dataclass
@@ -98,6 +99,7 @@ class StepExecutor:
         """`speculator`: a speculative/engine_step.Speculator when the engine drafts (its steps then
         run the forward with the streams the drafter reads)."""
         self.runner, self.sampler, self.eos_token_id = runner, sampler, eos_token_id
+        self.truncation = getattr(runner, "truncation", None)
         self.device = torch.device(runner.device)
         self.penalties = PenaltyState(num_slots, vocab_size, self.device)
         self.speculator = speculator
@@ -251,7 +253,10 @@ class StepExecutor:
             slots.append(seq.slot)
             starts.append(start)
             lens.append(n)
-        return StepBatch(slots, starts, lens, ids, rows, updates, pending), sampled, prompt_lp
+        rect = None
+        if self.truncation is not None:          # V4.1 bounded replay of the prompt
+            rect = [self.truncation.rectangle(len(c.seq.request.prompt_token_ids)) for c in chunks]
+        return StepBatch(slots, starts, lens, ids, rows, updates, pending, rect), sampled, prompt_lp
 
     @staticmethod
     def _decode_inputs(chunks: list[ScheduledChunk], updates: CacheUpdates) -> StepBatch:

@@ -148,7 +148,7 @@ class Attention(nn.Module):
         # YOCO: the first consumer layer's input is the shared hidden every consumer-half
         # compressor reads; candidate blocks: "source" scores them, "consumer" selects inside
         self.yoco_capture = topo is not None and layer_id == topo.n_prefill_layer
-        self.yoco_compress = topo is not None and layer_id >= topo.n_prefill_layer
+        self.yoco_consumer = topo is not None and layer_id >= topo.n_prefill_layer
         self.candidate = (None if topo is None or topo.candidate_source is None else
                           "source" if layer_id == topo.candidate_source else
                           "consumer" if topo.candidate_consumer(layer_id) else None)
@@ -165,11 +165,13 @@ class Attention(nn.Module):
         kv = pw.norm_rope_quant(self.wkv(x), pos, self.rope, norm="weighted", weight=self.kv_norm.weight, eps=eps,
                                 quant="fp8_nope" if self.numerics.simulate_qat else "none", nope_dim=self.nope_dim)
         extras = AttentionInputs(q=q, kv=kv)
-        if self.yoco_capture:
+        full = batch.shared.get("yoco_full")       # compact bounded replay: the uncompacted batch
+        if self.yoco_capture and full is None:
             batch.shared["yoco_hidden"] = x
-        if self.compressor is not None:
-            xc = batch.shared["yoco_hidden"] if self.yoco_compress else x
-            extras.comp_kv, extras.comp_z = self.compressor.project(xc, pos)
+        if self.compressor is not None:             # consumer-half sources: every row, shared hidden
+            xc = batch.shared["yoco_hidden"] if self.yoco_consumer else x
+            extras.comp_kv, extras.comp_z = self.compressor.project(
+                xc, full.positions if self.yoco_consumer and full is not None else pos)
         if self.indexer is not None:
             if self.indexer.compressor is not None:
                 extras.idx_kv, extras.idx_z = self.indexer.compressor.project(x, pos)

@@ -22,6 +22,7 @@ from .engram import Engram, EngramInputs, table_rows
 from .forward_batch import ForwardBatch
 from .layers import Embedding, Linear, RMSNorm, empty, weight_format
 from .moe import MoE
+from .yoco import compact
 
 
 def _hc_params(module: nn.Module, prefix: str, cfg: ModelConfig, n_out: int, device) -> None:
@@ -151,7 +152,10 @@ class DeepseekV4Model(nn.Module):
         if self.cfg.hc_shifted:         # the first sub-layer reads stream 0
             pre = torch.zeros(h.shape[:2], dtype=torch.float32, device=h.device)
             pre[:, 0] = 1.0
+        compact_at = self.cfg.n_prefill_layer if batch.truncation and batch.truncation[0] == "compact" else -1
         for i, layer in enumerate(self.layers):
+            if i == compact_at:          # bounded replay: the consumer half runs on the kept rows
+                batch, h, pre = compact(batch, h, pre, lambda: layer.attn_norm(self.mhc.collapse(h, pre)))
             if i in self.capture_layers:
                 captured[i] = h.mean(1)
             states = [st.layers[i] for st in batch.states]

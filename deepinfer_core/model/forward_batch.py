@@ -33,6 +33,8 @@ class ForwardBatch:
     # What one layer hands later layers within this forward (V4.1): the YOCO shared hidden, each
     # index source's per-sequence selections, the candidate blocks.
     shared: dict[Any, Any] = field(default_factory=dict)
+    # V4.1 bounded replay: (mode "mask" | "compact", each sequence's rectangle start), or None
+    truncation: tuple[str, list[int]] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -33,23 +33,27 @@ class PortableAttentionBackend:
 
     def forward(self, attn, inp, batch, states: list[LayerState]) -> torch.Tensor:
         out = torch.empty_like(inp.q)
+        rect = rectangles(attn, batch)
+        full = batch.shared.get("yoco_full") if attn.yoco_consumer else None
+        comp_rows_of = zip(full.seq_slices(), full.starts) if full is not None else None
         for i, (sl, start, st) in enumerate(zip(batch.seq_slices(), batch.starts, states)):
             pos = batch.positions[sl]
+            csl, cstart = next(comp_rows_of) if comp_rows_of is not None else (sl, start)
             comp_rows = comp_mask = None
             if attn.compressor is not None:
                 comp = attn.compressor
-                z = None if inp.comp_z is None else inp.comp_z[sl]
+                z = None if inp.comp_z is None else inp.comp_z[csl]
                 if attn.indexer is not None and attn.indexer.wk is not None:    # V4.1 key source
-                    self.compress(st.compressor, inp.comp_kv[sl], z, start, comp.finalize_with_prerope,
+                    self.compress(st.compressor, inp.comp_kv[csl], z, cstart, comp.finalize_with_prerope,
                                   (st.indexer, attn.indexer.keys))
                 else:
-                    self.compress(st.compressor, inp.comp_kv[sl], z, start, comp.finalize)
+                    self.compress(st.compressor, inp.comp_kv[csl], z, cstart, comp.finalize)
             if st.compressor is not None:        # a sharing layer reads its source's rows
                 comp_rows = st.compressor.read_rows()
                 comp_mask = self.select(attn, inp, batch, i, st, sl, start, pos)
             out[sl] = self.attend(attn, inp.q[sl], inp.kv[sl], st, start, pos, comp_rows, comp_mask,
-                                  self.official)
-            self.write_ring(st, inp.kv[sl], start)
+                                  self.official, rect[i])
+            self.write_ring(st, inp.kv[sl], start, rect[i])
         return out
 
     # ---- compressor ------------------------------------------------------------------------------
@@ -160,9 +164,10 @@ class PortableAttentionBackend:
     # ---- attention -------------------------------------------------------------------------------
     @staticmethod
     def attend(attn, q, kv, st: LayerState, start: int, pos, comp_rows, comp_mask,
-               official: bool = False) -> torch.Tensor:
+               official: bool = False, rect_lo: int = 0) -> torch.Tensor:
+        """`rect_lo`: bounded replay, no window key before this position (0: none)."""
         W, ring_size = attn.window, st.ring.shape[0]
-        ring_pos = torch.arange(max(0, start - W + 1), start, device=q.device)
+        ring_pos = torch.arange(min(max(0, start - W + 1, rect_lo), start), start, device=q.device)
         ring_keys = st.ring[ring_pos % ring_size]
         if st.ring.dtype == torch.uint8:
             ring_keys = unpack_kv_fp8(ring_keys, kv.shape[1], ring_rope_dim(st.ring, kv), kv.dtype)
@@ -175,7 +180,7 @@ class PortableAttentionBackend:
         out = torch.empty_like(q)
         for a in range(0, q.shape[0], QUERY_CHUNK):
             p = pos[a:a + QUERY_CHUNK, None]
-            mask = (key_pos[None, :] <= p) & (key_pos[None, :] > p - W)
+            mask = (key_pos[None, :] <= p) & (key_pos[None, :] > p - W) & (key_pos[None, :] >= rect_lo)
             if comp_rows is not None and comp_rows.shape[0]:
                 mask = torch.cat([mask, comp_mask[a:a + QUERY_CHUNK]], dim=1)
             logits = torch.einsum("thd,kd->thk", q[a:a + QUERY_CHUNK].float(), keys_f) * attn.scale
@@ -191,9 +196,11 @@ class PortableAttentionBackend:
         return out
 
     @staticmethod
-    def write_ring(st: LayerState, kv: torch.Tensor, start: int) -> None:
+    def write_ring(st: LayerState, kv: torch.Tensor, start: int, rect_lo: int = 0) -> None:
+        """Record the last positions of `kv` (rows start..) in the window ring; none before
+        `rect_lo` (bounded replay: rows no window may see)."""
         ring_size, n = st.ring.shape[0], kv.shape[0]
-        keep = torch.arange(max(start, start + n - ring_size), start + n, device=kv.device)
+        keep = torch.arange(min(max(start, start + n - ring_size, rect_lo), start + n), start + n, device=kv.device)
         if st.ring.dtype == torch.uint8:
             st.ring[keep % ring_size] = pack_kv_fp8(kv[keep - start], ring_rope_dim(st.ring, kv))
         else:
@@ -215,6 +222,14 @@ def candidate_rows(scores: torch.Tensor, valid: torch.Tensor, block_size: int, n
     keep = torch.zeros(n, nb, dtype=torch.bool, device=scores.device).scatter_(1, top, True)
     keep &= block > float("-inf")
     return keep.repeat_interleave(block_size, dim=1)[:, :R] & valid
+
+
+def rectangles(attn, batch) -> list[int]:
+    """Each sequence's first window-visible position in this layer: the bounded-replay rectangle
+    in a YOCO consumer layer, 0 elsewhere."""
+    if batch.truncation is None or not attn.yoco_consumer:
+        return [0] * batch.num_seqs
+    return batch.truncation[1]
 
 
 def _share(batch, key, i: int, value) -> None:

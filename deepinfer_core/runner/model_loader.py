@@ -11,6 +11,7 @@ from ..config import ModelConfig
 from ..contracts import (
     DraftVerifier,
     ModelOps,
+    PrefillTruncation,
     SchedulingPolicy,
     TokenSampler,
     check_contract,
@@ -18,6 +19,7 @@ from ..contracts import (
     resolve_proposer,
     resolve_sampler,
     resolve_scheduling,
+    resolve_truncation,
 )
 from ..engine.constraints import LogitsProcessor
 from ..engine_config import EngineConfig
@@ -60,6 +62,7 @@ class LoadedModel:
     proposer: Any = None        # deepinfer_proposer's drafter factory for this checkpoint, or None
     scheduler_policy: SchedulingPolicy | None = None    # deepinfer_scheduler_policy
     verifier: DraftVerifier | None = None               # deepinfer_verifier
+    truncation: PrefillTruncation | None = None         # deepinfer_prefill_truncation (V4.1)
 
 
 def engine_config(config: EngineConfig | None, options: dict) -> EngineConfig:
@@ -94,6 +97,7 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, expert
                          for p in pm.logits_processors(ctx)]
     proposer = resolve_proposer(pm, ctx)
     scheduler_policy, verifier = resolve_scheduling(pm, ctx)
+    truncation = resolve_truncation(pm, ctx)
     check_fp4_experts(ops, ctx)
     skip = None
     if config.model.load_format == "dummy" and expert_shard is None:
@@ -125,4 +129,4 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, expert
         model.bind_engram(tokenizer_json_for(model_dir), device)
     return LoadedModel(model=model, ctx=ctx, sampler=sampler, load_seconds=time.perf_counter() - t0, ops=ops,
                        logits_processors=logits_processors, proposer=proposer,
-                       scheduler_policy=scheduler_policy, verifier=verifier)
+                       scheduler_policy=scheduler_policy, verifier=verifier, truncation=truncation)

@@ -88,6 +88,7 @@ class ModelRunner:
         self.loaded = load_model(model_dir, config, expert_shard)
         self.model = self.loaded.model
         self.sampler = self.loaded.sampler      # chosen through deepinfer_sampler, once
+        self.truncation = self.loaded.truncation     # V4.1 bounded replay, or None
         self.logits_processors = self.loaded.logits_processors
         self.scheduler_policy = self.loaded.scheduler_policy
         self.model_config: ModelConfig = self.model.cfg
@@ -381,8 +382,11 @@ class ModelRunner:
         t = len(batch.ids)
         staged = to_device(batch.ids + _positions(batch) + batch.logit_rows, torch.int64, self.device)  # one copy
         ids = self.slot_tables.resolve_ids(staged[:t]) if batch.pending else staged[:t]
-        return ForwardBatch(ids, staged[t:2 * t], batch.starts, batch.lens, [self.slot_states[s] for s in batch.slots],
-                            staged[2 * t:], slot_ids=batch.slots, slot_tables=self.slot_tables)
+        out = ForwardBatch(ids, staged[t:2 * t], batch.starts, batch.lens, [self.slot_states[s] for s in batch.slots],
+                           staged[2 * t:], slot_ids=batch.slots, slot_tables=self.slot_tables)
+        if batch.rect_lo is not None:
+            out.truncation = (self.truncation.mode, batch.rect_lo)
+        return out
 
     def _apply_updates(self, updates) -> None:
         """Newly bound slots get fresh states (tails reset in one op per pool); new blocks go into

@@ -130,9 +130,9 @@ class InvariantPortableAttention(PortableAttentionBackend):
 
     @staticmethod
     def attend(attn, q, kv, st, start: int, pos, comp_rows, comp_mask,
-               official: bool = False) -> torch.Tensor:
+               official: bool = False, rect_lo: int = 0) -> torch.Tensor:
         W, ring_size, dev = attn.window, st.ring.shape[0], q.device
-        lo = max(0, start - W + 1)
+        lo = min(max(0, start - W + 1, rect_lo), start)
         ring_keys = st.ring[torch.arange(lo, start, device=dev) % ring_size]
         if st.ring.dtype == torch.uint8:
             ring_keys = unpack_kv_fp8(ring_keys, kv.shape[1], ring_rope_dim(st.ring, kv), kv.dtype)
@@ -142,7 +142,7 @@ class InvariantPortableAttention(PortableAttentionBackend):
         for a in range(0, q.shape[0], QUERY_CHUNK):
             p = pos[a:a + QUERY_CHUNK]
             win = p[:, None] - W + 1 + torch.arange(W, device=dev)[None, :]      # slot j: p - W + 1 + j
-            ok = win >= 0
+            ok = (win >= 0) & (win >= rect_lo)
             keys = by_pos[(win - lo).clamp(min=0)]                                # [n, W, D]
             if comp_rows is not None and comp_rows.shape[0]:
                 ids, c_ok = _visible_rows(comp_mask[a:a + QUERY_CHUNK])
