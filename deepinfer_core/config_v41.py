@@ -55,7 +55,8 @@ def v41_text_keys(d: dict[str, Any]) -> dict[str, Any]:
     _expect(text, "attention_dropout", 0.0)
     _expect(text, "num_key_value_heads", 1)
     qc = d.get("quantization_config", text.get("quantization_config"))
-    if qc is not None and {k: qc.get(k) for k in V41_QUANTIZATION} != V41_QUANTIZATION:
+    if qc is not None and (not isinstance(qc, dict)
+                           or {k: qc.get(k) for k in V41_QUANTIZATION} != V41_QUANTIZATION):
         raise ConfigError(f"config.json: quantization_config={qc}; allowed: {V41_QUANTIZATION} "
                           "(or absent for unquantised weights)")
     if int(text.get("num_hash_layers", 0)):
@@ -108,14 +109,17 @@ class LayerTopology:
             raise ConfigError(f"config.json: text_config.index_source_layer_ids={index}; allowed: a list "
                               f"holding every KV source {kv} (each new compressed segment needs its "
                               "own selection)")
-        kv_map = _source_map(kv, main, "kv_source_layer_ids")
-        index_map = _source_map(index, main, "index_source_layer_ids")
-        ik_map = _source_map(index_k, main, "index_k_source_layer_ids")
         n_prefill = next((i for i, r in enumerate(main) if r == 1), n_layers)
-        if n_prefill < n_layers and kv_map[n_prefill] != n_prefill:
+        if n_prefill < n_layers and n_prefill not in kv:
             raise ConfigError(f"config.json: text_config.kv_source_layer_ids={kv}; allowed: a list holding "
                               f"layer {n_prefill}, the first ratio-1 layer (KV sharing must not cross the "
                               "YOCO boundary)")
+        if any(ratios[n_layers:]):
+            raise ConfigError(f"config.json: text_config.compress_ratios={list(ratios)}: drafter entries "
+                              f"{list(ratios[n_layers:])}; allowed: 0 (V4.1 drafter stages are window-only)")
+        kv_map = _source_map(kv, main, "kv_source_layer_ids")
+        index_map = _source_map(index, main, "index_source_layer_ids")
+        ik_map = _source_map(index_k, main, "index_k_source_layer_ids")
         cand = t.get("candidate_source_layer_id")
         out = cls(tuple(kv_map), tuple(index_map), tuple(ik_map), n_prefill)
         if cand is None:

@@ -43,6 +43,7 @@ class ForwardState:
     """Per-forward cross-layer state (keyed by the owning source layer)."""
 
     shared_hidden: torch.Tensor | None = None                 # YOCO: x of layer n_prefill
+    rect_lo: int | None = None          # bounded replay: consumer windows start no earlier
     pre_entries: dict[int, torch.Tensor] = field(default_factory=dict)   # RMSNorm'd, no RoPE
     comp_keys: dict[int, torch.Tensor] = field(default_factory=dict)     # RoPE'd entries
     visible: dict[int, torch.Tensor] = field(default_factory=dict)       # [T, N] per KV source
@@ -135,15 +136,17 @@ class ReferenceV41:
 
     # ---- forward --------------------------------------------------------------------------------
 
-    def forward(self, token_ids: list[int]) -> torch.Tensor:
-        """`[T, vocab]` float32 logits of every position of `token_ids` (positions 0..T-1)."""
+    def forward(self, token_ids: list[int], rect_lo: int | None = None) -> torch.Tensor:
+        """`[T, vocab]` float32 logits of every position of `token_ids` (positions 0..T-1).
+        `rect_lo`: SWA bounded replay in 'mask' form (deepinfer_surface.md §8.2): in the YOCO
+        consumer layers no query sees a window key at a position before `rect_lo`."""
         ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         t = ids.shape[0]
         c = self.cfg
         trunk = self._w("embed")[ids][:, None, :].repeat(1, self.m, 1)
         pre_next = torch.zeros(t, self.m)
         pre_next[:, 0] = 1.0
-        state = ForwardState()
+        state = ForwardState(rect_lo=rect_lo)
         for layer in range(self.n_layers):
             if self.engram is not None and layer in self.engram.layer_ids:
                 trunk = self._engram(layer, trunk, ids.tolist())
@@ -182,6 +185,8 @@ class ReferenceV41:
         kv = apply_rope(rms_norm(x @ self._w(p + "wkv").T, self._w(p + "kv_norm"), self.eps),
                         pos, freqs)
         keys, mask = kv, window_mask(t, self.window)
+        if st.rect_lo is not None and layer >= self.n_prefill:
+            mask = mask & (pos[None, :] >= st.rect_lo)
         if ratio > 0:
             if layer in self.kv_sources:
                 self._compress(layer, x, st)

@@ -6,7 +6,8 @@ QAT simulation off) on 8 prompts of up to 600 tokens plus 64 greedy tokens: the 
 and C1 block boundaries, the 16-token window, a binding top-k (index_topk 8) and a binding
 candidate selection (8 blocks of 4 C1 entries), and Engram reads n-grams across chunks. The
 reference is run teacher-forced on the engine's tokens: equal greedy tokens at every step and
-log-probabilities within 1e-5 relative error.
+log-probabilities within 1e-5 relative error. The same holds with SWA bounded replay in 'mask'
+mode against the reference run with the same rectangle.
 """
 from __future__ import annotations
 
@@ -19,19 +20,21 @@ from deepinfer_core.api.sampling_params import SamplingParams
 from .reference import ReferenceV41
 
 LENGTHS = (5, 37, 90, 151, 258, 333, 480, 600)
+KEEP = 40                   # bounded replay: the consumer windows see the prompt's last 40 tokens
 NEW_TOKENS = 64
 MAX_REL_ERR = 1e-5
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_v41_dir):
+@pytest.fixture(scope="module", params=["off", "mask"])
+def runs(tiny_v41_dir, request):
     gen = torch.Generator().manual_seed(41)
     prompts = [torch.randint(3, 128000, (n,), generator=gen).tolist() for n in LENGTHS]
-    llm = LLM(str(tiny_v41_dir), dtype="float32", simulate_qat=False, max_num_batched_tokens=256)
+    llm = LLM(str(tiny_v41_dir), dtype="float32", simulate_qat=False, max_num_batched_tokens=256,
+              yoco_prefill_truncation_mode=request.param, yoco_prefill_keep_tokens=KEEP)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=0, prompt_logprobs=0,
                             ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return prompts, outs, ReferenceV41.from_dir(tiny_v41_dir)
+    return prompts, outs, ReferenceV41.from_dir(tiny_v41_dir), request.param
 
 
 def _logprob(entry) -> float:
@@ -52,11 +55,12 @@ def test_selection_levels_bind_on_the_longest_prompt(tiny_v41_dir):
 
 @pytest.mark.parametrize("i", range(len(LENGTHS)))
 def test_greedy_tokens_and_logprobs_match_the_reference(runs, i):
-    prompts, outs, ref = runs
+    prompts, outs, ref, mode = runs
     prompt, out = prompts[i], outs[i]
     tokens = out.outputs[0].token_ids
     assert len(tokens) == NEW_TOKENS
-    logp = torch.log_softmax(ref.forward(prompt + tokens[:-1]).double(), dim=-1)
+    rect_lo = max(0, len(prompt) - KEEP) if mode == "mask" else None
+    logp = torch.log_softmax(ref.forward(prompt + tokens[:-1], rect_lo=rect_lo).double(), dim=-1)
     gen_rows = logp[len(prompt) - 1:]
     assert gen_rows.argmax(-1).tolist() == tokens
     ours = [_logprob(e) for e in out.outputs[0].logprobs]
