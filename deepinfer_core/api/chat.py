@@ -337,13 +337,28 @@ def render_chat(messages: list[dict], thinking_mode: str = "chat", reasoning_eff
 
 
 def chat_prompts(conversations: Any, thinking_mode: str = "chat", reasoning_effort: str | None = None,
-                 tools: list | None = None) -> list[str]:
-    """Render one conversation (a list of message dicts) or a list of conversations."""
+                 tools: list | None = None, refuse_media: bool = False) -> list[str]:
+    """Render one conversation (a list of message dicts) or a list of conversations.
+    `refuse_media`: a content part other than text is an error (a multimodal checkpoint served
+    text-only, DeepSeek-V4.1), not the "[Unsupported ...]" text the V4 format writes."""
     if not isinstance(conversations, (list, tuple)) or not conversations:
         raise ValueError("chat: messages must be a non-empty list of message dicts, or a list of such lists")
     if isinstance(conversations[0], dict):
         conversations = [conversations]
+    if refuse_media:
+        for conv in conversations:
+            _refuse_media(conv)
     return [render_chat(c, thinking_mode, reasoning_effort, tools) for c in conversations]
+
+
+def _refuse_media(messages: list) -> None:
+    for i, msg in enumerate(messages):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else "text"
+            if kind != "text":
+                raise ValueError(f"messages[{i}].content[{j}].type={kind!r}: this model is served text-only "
+                                 "(DeepSeek-V4.1's vision tower is not supported); allowed: 'text'")
 
 
 def encode_chat_prompt(tokenizer: Any, prompt: str) -> list[int]:

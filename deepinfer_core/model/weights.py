@@ -26,6 +26,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+DEEPSEEK_DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"    # DS-DeepInfer's default checkpoint
 SINGLE_FILE = "model.safetensors"
 
 # Copies of the shared embedding/head inside MTP blocks (later checkpoints); the model reuses the
@@ -135,7 +136,10 @@ def resolve_model_path(model: str) -> Path:
     else:
         tried.append(f"{model!r} is not a repo id of the form 'org/name'")
     raise CheckpointError(f"model {model!r} not found locally (nothing is downloaded); tried:\n  - "
-                          + "\n  - ".join(tried))
+                          + "\n  - ".join(tried) + "\nGive model= (or DEEPINFER_HF_MODEL_DIR) a local "
+                          f"checkpoint directory, or download the repo into the HF cache first (e.g. "
+                          f"`huggingface-cli download {DEEPSEEK_DEFAULT_MODEL}`, DeepSeek's own engine's "
+                          "default model)")
 
 
 # ---- reading the checkpoint layout -------------------------------------------------------------

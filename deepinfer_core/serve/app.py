@@ -84,6 +84,6 @@ def build_app(llm, engine_loop: EngineLoop, model_name: str, api_key: str | None
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatRequest):
         check_model(body.model)
-        return await create_chat_completion(body, engine_loop, tokenizer)
+        return await create_chat_completion(body, engine_loop, tokenizer, llm.model_config.vision)
 
     return app

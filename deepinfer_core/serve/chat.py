@@ -38,11 +38,11 @@ class ReasoningSplit:
         return before, after
 
 
-async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer):
+async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer, refuse_media: bool = False):
     try:
         mode, effort = body.thinking_mode()
         tools, parse_tools, tool_grammar = body.tool_settings()
-        prompt = chat_prompts(body.messages, mode, effort, tools)[0]
+        prompt = chat_prompts(body.messages, mode, effort, tools, refuse_media)[0]
         think_end = tokenizer.encode(THINK_END, add_special_tokens=False)
         params = body.sampling_params(think_end if mode == "thinking" else None, tool_grammar)
     except ValueError as exc:
