@@ -117,15 +117,21 @@ class PortableAttentionBackend:
         keys = st.indexer.read_rows()
         valid = self.causal_block_mask(pos, attn.ratio, keys.shape[0])
         if keys.shape[0]:
-            scores = self.index_scores(inp.idx_q[sl], inp.idx_w[sl], keys).masked_fill(~valid, float("-inf"))
-            if attn.candidate == "source":
-                topo = attn.cfg.topology
-                cand = candidate_rows(scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks)
-                _share(batch, ("candidates",), i, cand)
-            elif attn.candidate == "consumer":
-                valid = valid & batch.shared[("candidates",)][i]
-                scores = scores.masked_fill(~valid, float("-inf"))
-            valid = self.top_mask(scores, valid, ix.topk)
+            q, w, topo = inp.idx_q[sl], inp.idx_w[sl], attn.cfg.topology
+            picked, cands = torch.empty_like(valid), []
+            for a in range(0, q.shape[0], QUERY_CHUNK):       # bounds [queries, heads, rows]
+                rows, ok = slice(a, a + QUERY_CHUNK), valid[a:a + QUERY_CHUNK]
+                scores = self.index_scores(q[rows], w[rows], keys).masked_fill(~ok, float("-inf"))
+                if attn.candidate == "source":
+                    cands.append(candidate_rows(scores, ok, topo.candidate_block_size,
+                                                topo.candidate_topk_blocks))
+                elif attn.candidate == "consumer":
+                    ok = ok & batch.shared[("candidates",)][i][rows]
+                    scores = scores.masked_fill(~ok, float("-inf"))
+                picked[rows] = self.top_mask(scores, ok, ix.topk)
+            if cands:
+                _share(batch, ("candidates",), i, torch.cat(cands))
+            valid = picked
         _share(batch, ("topk", attn.layer_id), i, valid)
         return valid
 
