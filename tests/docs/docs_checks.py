@@ -185,6 +185,18 @@ def check_small_tiny_checkpoint(r: Result) -> None:
     assert (config["num_hidden_layers"], config["n_routed_experts"], config["sliding_window"]) == (4, 4, 32)
 
 
+def check_v41_checkpoint(r: Result) -> None:
+    # docs/models.md: --family v41 writes a tiny DeepSeek-V4.1 (the path is /tmp/tiny-v41, substituted)
+    config = json.loads((r.tiny.parent / f"{r.tiny.name}1" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v41" and config["text_config"]["engram_layer_ids"], config
+
+
+def check_bounded_replay_snippet(r: Result) -> None:
+    # docs/bounded_replay.md: compact bounded replay on the tiny V4.1 prints 4 token ids
+    ids = ast.literal_eval(r.stdout.strip().splitlines()[-1])
+    assert len(ids) == 4 and all(isinstance(t, int) for t in ids), r.stdout
+
+
 def check_checkpoint_snippet(r: Result) -> None:
     # docs/models.md: the tiny checkpoint matches the model built from its config, tensor for tensor
     assert r.stdout.strip() == "[]", r.stdout

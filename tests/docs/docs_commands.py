@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from docs_checks import (
     check_banned_words_snippet,
+    check_bounded_replay_snippet,
     check_batch_invariant_cli,
     check_chat_snippet,
     check_checkpoint_snippet,
@@ -28,6 +29,7 @@ from docs_checks import (
     check_plugins_disabled,
     check_serve_data_parallel_refused,
     check_small_tiny_checkpoint,
+    check_v41_checkpoint,
     check_so_args_cli,
     check_speculative_snippet,
     check_structured_outputs,
@@ -182,6 +184,12 @@ TABLE: dict[str, Run | Skip] = {
     "--set sliding_window=32": Run(check_small_tiny_checkpoint),
     "python -m deepinfer_core.tools.bundled_model": Skip(
         "writes into the user cache; the first command of README.md builds the same model there"),
+    "python -m deepinfer_core.tools.make_tiny_checkpoint /tmp/tiny-v41 --family v41": Run(check_v41_checkpoint),
+    "python benchmarks/bounded_replay.py agreement --no-qat": Skip(
+        "a benchmark run of minutes; its result is committed (benchmarks/results) and the engine "
+        "behaviour it measures is tested in tests/engine/test_bounded_replay.py"),
+    "python benchmarks/bounded_replay.py prefill --width": Skip(
+        "needs a GPU (V4.1-width dummy weights); run on the device, its result is committed"),
     "python -m deepinfer_core.tools.make_tiny_checkpoint /tmp/tiny-v4": Run(
         check_make_tiny_checkpoint
     ),
@@ -330,6 +338,7 @@ PYTHON: dict[str, Check] = {
     "print(check_checkpoint(model": check_checkpoint_snippet,
     "data_parallel_size=2, enable_expert_parallel=True) as llm": check_data_parallel_snippet,
     "EngineConfig.from_options(max_num_seqs=64": check_engine_config_snippet,
+    'yoco_prefill_truncation_mode="compact"': check_bounded_replay_snippet,
 }
 
 
