@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 SWA bounded replay (yoco_prefill_truncation_mode): what 'compact' changes and saves.
+"""DeepSeek-V4.1 SWA bounded replay (yoco_prefill_truncation_mode): what 'compact' changes, saves.
 
     python benchmarks/bounded_replay.py agreement [--model DIR]            # default: a tiny V4.1
     python benchmarks/bounded_replay.py prefill --width [--tokens 16384] [--device cuda]
@@ -15,6 +15,7 @@ layers) and --experts routed experts, Engram tables of --engram-rows rows per he
 
 Both print a table and write benchmarks/results/bounded_replay_<what>_<device>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,13 @@ WIDTH_CONFIG = HERE.parent / "tests" / "data" / "deepseek-v4.1-flash" / "config.
 
 
 def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                         check=False)
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return out.stdout.strip() or "unknown"
 
 
@@ -43,11 +49,13 @@ def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     import platform
+
     return f"CPU {platform.machine()}"
 
 
 def tiny_model(out: Path) -> Path:
     from deepinfer_core.tools.make_tiny_checkpoint import make_tiny_checkpoint
+
     return make_tiny_checkpoint(out, seed=0, family="v41")
 
 
@@ -58,18 +66,30 @@ def cut_width_config(per_half: int, experts: int, engram_rows: int) -> dict:
     t = cfg["text_config"]
     first_c1 = 2 + per_half
     kv = [2 + 6 * i for i in range(math.ceil(per_half / 6))] + [first_c1]
-    t.update(num_hidden_layers=first_c1 + per_half, compress_ratios=[0, 0] + [2] * per_half + [1] * per_half,
-             kv_source_layer_ids=kv, index_k_source_layer_ids=kv,
-             index_source_layer_ids=kv[:-1] + list(range(first_c1, first_c1 + per_half, 4)),
-             candidate_source_layer_id=first_c1, n_routed_experts=experts,
-             engram_layer_ids=[1, min(14, first_c1 - 1)], engram_vocab_size=[engram_rows] * 3)
+    t.update(
+        num_hidden_layers=first_c1 + per_half,
+        compress_ratios=[0, 0] + [2] * per_half + [1] * per_half,
+        kv_source_layer_ids=kv,
+        index_k_source_layer_ids=kv,
+        index_source_layer_ids=kv[:-1] + list(range(first_c1, first_c1 + per_half, 4)),
+        candidate_source_layer_id=first_c1,
+        n_routed_experts=experts,
+        engram_layer_ids=[1, min(14, first_c1 - 1)],
+        engram_vocab_size=[engram_rows] * 3,
+    )
     return cfg
 
 
 def make_llm(path: Path, mode: str, a: argparse.Namespace, dummy: bool):
     from deepinfer_core.api.llm import LLM
-    kw = dict(dtype=a.dtype, simulate_qat=not a.no_qat, yoco_prefill_truncation_mode=mode,
-              yoco_prefill_keep_tokens=a.keep, seed=0)
+
+    kw = dict(
+        dtype=a.dtype,
+        simulate_qat=not a.no_qat,
+        yoco_prefill_truncation_mode=mode,
+        yoco_prefill_keep_tokens=a.keep,
+        seed=0,
+    )
     if a.device:
         kw["device"] = a.device
     if dummy:
@@ -83,6 +103,7 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 
 def agreement(a: argparse.Namespace, path: Path) -> dict:
     from deepinfer_core.api.sampling_params import SamplingParams
+
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(64, 700, (16,), generator=gen).tolist()
     prompts = [torch.randint(3, 128000, (n,), generator=gen).tolist() for n in lengths]
@@ -91,32 +112,47 @@ def agreement(a: argparse.Namespace, path: Path) -> dict:
     for mode in ("off", "compact"):
         llm = make_llm(path, mode, a, dummy=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        runs[mode] = [(o.outputs[0].token_ids, next(iter(o.outputs[0].logprobs[0].values())).logprob)
-                      for o in outs]
+        runs[mode] = [
+            (o.outputs[0].token_ids, next(iter(o.outputs[0].logprobs[0].values())).logprob)
+            for o in outs
+        ]
         del llm
     agree = [first_divergence(x[0], y[0]) / 32 for x, y in zip(runs["off"], runs["compact"])]
     lp = [abs(x[1] - y[1]) for x, y in zip(runs["off"], runs["compact"])]
-    rows = [{"prompt_tokens": n, "agreement": g, "first_logprob_abs_diff": d}
-            for n, g, d in zip(lengths, agree, lp)]
+    rows = [
+        {"prompt_tokens": n, "agreement": g, "first_logprob_abs_diff": d}
+        for n, g, d in zip(lengths, agree, lp)
+    ]
     print(f"{'prompt':>7} {'agreement':>10} {'|dlogp| tok 1':>14}")
     for r in rows:
-        print(f"{r['prompt_tokens']:>7} {r['agreement']:>10.3f} {r['first_logprob_abs_diff']:>14.2e}")
-    summary = {"mean_agreement": sum(agree) / len(agree), "max_first_logprob_abs_diff": max(lp),
-               "mean_first_logprob_abs_diff": sum(lp) / len(lp)}
-    print(f"mean greedy agreement {summary['mean_agreement']:.3f}; first-token |dlogp| mean "
-          f"{summary['mean_first_logprob_abs_diff']:.2e}, max {summary['max_first_logprob_abs_diff']:.2e}")
+        print(
+            f"{r['prompt_tokens']:>7} {r['agreement']:>10.3f} {r['first_logprob_abs_diff']:>14.2e}"
+        )
+    summary = {
+        "mean_agreement": sum(agree) / len(agree),
+        "max_first_logprob_abs_diff": max(lp),
+        "mean_first_logprob_abs_diff": sum(lp) / len(lp),
+    }
+    print(
+        f"mean greedy agreement {summary['mean_agreement']:.3f}; first-token |dlogp| mean "
+        f"{summary['mean_first_logprob_abs_diff']:.2e}, "
+        f"max {summary['max_first_logprob_abs_diff']:.2e}"
+    )
     return {"rows": rows, **summary}
 
 
 def prefill(a: argparse.Namespace, path: Path, dummy: bool) -> dict:
     from deepinfer_core.api.sampling_params import SamplingParams
+
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, 128000, (a.tokens,), generator=gen).tolist()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     rows = []
     for mode in ("off", "compact"):
         llm = make_llm(path, mode, a, dummy)
-        llm.generate([{"prompt_token_ids": prompt[: min(len(prompt), 512)]}], params, use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": prompt[: min(len(prompt), 512)]}], params, use_tqdm=False
+        )
         times = []
         for _ in range(a.repeats):
             if a.device and a.device.startswith("cuda"):
@@ -127,8 +163,15 @@ def prefill(a: argparse.Namespace, path: Path, dummy: bool) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         cfg = llm.model_config
-        rows.append({"mode": mode, "seconds": min(times), "tokens_per_s": a.tokens / min(times),
-                     "layers": cfg.num_hidden_layers, "consumer_layers": cfg.num_hidden_layers - cfg.n_prefill_layer})
+        rows.append(
+            {
+                "mode": mode,
+                "seconds": min(times),
+                "tokens_per_s": a.tokens / min(times),
+                "layers": cfg.num_hidden_layers,
+                "consumer_layers": cfg.num_hidden_layers - cfg.n_prefill_layer,
+            }
+        )
         del llm
         if a.device and a.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -136,22 +179,40 @@ def prefill(a: argparse.Namespace, path: Path, dummy: bool) -> dict:
     print(f"{'mode':>8} {'prefill s':>10} {'tok/s':>10} {'time saved':>11}")
     for r in rows:
         r["saved"] = 1 - r["seconds"] / base
-        print(f"{r['mode']:>8} {r['seconds']:>10.3f} {r['tokens_per_s']:>10.0f} {r['saved']:>10.1%}")
+        print(
+            f"{r['mode']:>8} {r['seconds']:>10.3f} {r['tokens_per_s']:>10.0f} {r['saved']:>10.1%}"
+        )
     share = rows[0]["consumer_layers"] / rows[0]["layers"]
-    print(f"consumer half: {rows[0]['consumer_layers']} of {rows[0]['layers']} layers ({share:.0%})")
+    print(
+        f"consumer half: {rows[0]['consumer_layers']} of {rows[0]['layers']} layers ({share:.0%})"
+    )
     return {"rows": rows, "consumer_layer_share": share, "tokens": a.tokens}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=("agreement", "prefill"))
-    ap.add_argument("--model", default=None, help="a V4.1 checkpoint (default: the tiny V4.1, written to a temp dir)")
-    ap.add_argument("--width", action="store_true", help="prefill: dummy weights at V4.1-Flash width")
-    ap.add_argument("--per-half", type=int, default=4, help="--width: C2 and C1 layers each (default 4)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a V4.1 checkpoint (default: the tiny V4.1, written to a temp dir)",
+    )
+    ap.add_argument(
+        "--width", action="store_true", help="prefill: dummy weights at V4.1-Flash width"
+    )
+    ap.add_argument(
+        "--per-half", type=int, default=4, help="--width: C2 and C1 layers each (default 4)"
+    )
     ap.add_argument("--experts", type=int, default=32, help="--width: routed experts (default 32)")
-    ap.add_argument("--engram-rows", type=int, default=100003, help="--width: Engram table rows per head")
-    ap.add_argument("--tokens", type=int, default=2048, help="prefill: prompt tokens (default 2048)")
-    ap.add_argument("--keep", type=int, default=None, help="KEEP (default 40 on the tiny model, else 140)")
+    ap.add_argument(
+        "--engram-rows", type=int, default=100003, help="--width: Engram table rows per head"
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=2048, help="prefill: prompt tokens (default 2048)"
+    )
+    ap.add_argument(
+        "--keep", type=int, default=None, help="KEEP (default 40 on the tiny model, else 140)"
+    )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -163,7 +224,9 @@ def main(argv: list[str] | None = None) -> None:
         if a.width:
             path = Path(tmp) / "v41_width"
             path.mkdir()
-            (path / "config.json").write_text(json.dumps(cut_width_config(a.per_half, a.experts, a.engram_rows)))
+            (path / "config.json").write_text(
+                json.dumps(cut_width_config(a.per_half, a.experts, a.engram_rows))
+            )
             label = f"width_{2 + 2 * a.per_half}L"
         else:
             path = Path(a.model) if a.model else tiny_model(Path(tmp) / "tiny_v41")
@@ -172,10 +235,19 @@ def main(argv: list[str] | None = None) -> None:
         result = agreement(a, path) if a.what == "agreement" else prefill(a, path, dummy)
     device = a.device or "cpu"
     out = HERE / "results" / f"bounded_replay_{a.what}_{label}_{device.split(':')[0]}.json"
-    record = {"what": a.what, "model": label, "keep": a.keep, "dtype": a.dtype, "simulate_qat": not a.no_qat,
-              "device": device_name(device), "commit": commit(), "date": datetime.date.today().isoformat(),
-              "command": "python benchmarks/bounded_replay.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              **result}
+    record = {
+        "what": a.what,
+        "model": label,
+        "keep": a.keep,
+        "dtype": a.dtype,
+        "simulate_qat": not a.no_qat,
+        "device": device_name(device),
+        "commit": commit(),
+        "date": datetime.date.today().isoformat(),
+        "command": "python benchmarks/bounded_replay.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        **result,
+    }
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
 

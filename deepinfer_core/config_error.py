@@ -1,4 +1,5 @@
 """The one error type of config.json parsing (kept apart so config and config_v41 share it)."""
+
 from __future__ import annotations
 
 

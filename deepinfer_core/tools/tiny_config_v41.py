@@ -7,6 +7,7 @@ selects inside the candidate blocks, and Engram on two producer layers. Every FP
 multiple of the 32x32 weight blocks and every FP4 expert input dim a multiple of 32.
 Candidate blocks of 4 entries, 8 kept: at a few hundred tokens both top-k levels bind.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,8 +56,13 @@ _TEXT: dict[str, Any] = {
     "attention_dropout": 0.0,
     "rope_theta": 10000,
     "compress_rope_theta": 160000,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 1024,
-                     "beta_fast": 32, "beta_slow": 1},
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 1024,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
     "max_position_embeddings": 16384,
     "tie_word_embeddings": False,
     "use_fp4_sparse_kv": True,
@@ -80,8 +86,13 @@ _BASE: dict[str, Any] = {
     "pad_token_id": 2,
     "image_token_id": 128815,
     "tokenizer_compatibility": "release",
-    "quantization_config": {"quant_method": "fp8", "expert_dtype": "fp4", "activation_scheme": "dynamic",
-                            "weight_block_size": [32, 32], "scale_fmt": "ue8m0"},
+    "quantization_config": {
+        "quant_method": "fp8",
+        "expert_dtype": "fp4",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [32, 32],
+        "scale_fmt": "ue8m0",
+    },
     "vision_config": {"hidden_size": 1024, "downsample_ratio": 3, "patch_size": 14},
     "text_config": _TEXT,
 }

@@ -2,6 +2,7 @@
 V4.1): greedy tokens and log-probs against the independent float32 reference, bounded replay, and
 an Engram step that never synchronises with the host.
 Run on a GPU machine: `python -m pytest -q -m gpu tests/gpu`."""
+
 from __future__ import annotations
 
 import sys
@@ -13,7 +14,7 @@ import torch
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.model.forward_batch import ForwardBatch
 
-pytestmark = pytest.mark.gpu      # deselected in CI; on a machine without CUDA these fail, not skip
+pytestmark = pytest.mark.gpu  # deselected in CI; on a machine without CUDA these fail, not skip
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from v41_reference.reference import ReferenceV41  # noqa: E402
@@ -27,18 +28,30 @@ def _prompts(lengths, seed=5):
 @pytest.mark.parametrize("mode", ["off", "compact"])
 def test_greedy_tokens_match_the_reference_on_cuda(tiny_v41_dir, mode):
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
-    llm = LLM(str(tiny_v41_dir), dtype="float32", simulate_qat=False, device="cuda",
-              yoco_prefill_truncation_mode=mode, yoco_prefill_keep_tokens=40, max_num_batched_tokens=128)
+    llm = LLM(
+        str(tiny_v41_dir),
+        dtype="float32",
+        simulate_qat=False,
+        device="cuda",
+        yoco_prefill_truncation_mode=mode,
+        yoco_prefill_keep_tokens=40,
+        max_num_batched_tokens=128,
+    )
     assert type(llm.runner.loaded.ops.attention).__name__ == "PortableAttentionBackend"
     prompts = _prompts((33, 200, 480))
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=24, temperature=0, logprobs=0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=24, temperature=0, logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     ref = ReferenceV41.from_dir(tiny_v41_dir)
     for p, o in zip(prompts, outs):
         toks = o.outputs[0].token_ids
         rect = max(0, len(p) - 40) if mode == "compact" else None
-        logp = torch.log_softmax(ref.forward(p + toks[:-1], rect_lo=rect).double(), -1)[len(p) - 1:]
-        if mode == "off":        # compact approximates 'mask' only up to its skipped rows' rounding
+        logp = torch.log_softmax(ref.forward(p + toks[:-1], rect_lo=rect).double(), -1)[
+            len(p) - 1 :
+        ]
+        if mode == "off":  # compact approximates 'mask' only up to its skipped rows' rounding
             assert logp.argmax(-1).tolist() == toks
         ours = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
         err = max(abs(a - logp[j, t].item()) for j, (a, t) in enumerate(zip(ours, toks)))
@@ -50,11 +63,14 @@ def test_an_engram_step_never_synchronises(tiny_v41_dir):
     the device without a host synchronisation (tables on the device)."""
     from deepinfer_core.cache.sequence_state import new_sequence_state
     from deepinfer_core.runner.model_loader import load_model
+
     model = load_model(tiny_v41_dir, dtype="bfloat16", device="cuda").model
     st = new_sequence_state(model.cfg, torch.bfloat16, device="cuda", max_tokens=64)
     batch = ForwardBatch.build([_prompts((20,))[0]], [st], device="cuda")
     layer = model.layers[model.cfg.engram.layer_ids[0]]
-    h = torch.randn(20, model.cfg.hc_mult, model.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(
+        20, model.cfg.hc_mult, model.cfg.hidden_size, device="cuda", dtype=torch.bfloat16
+    )
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

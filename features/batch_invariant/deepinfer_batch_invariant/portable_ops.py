@@ -118,6 +118,13 @@ class InvariantPortableMHC(PortableMHC):
 class InvariantPortableAttention(PortableAttentionBackend):
     batch_invariant = True
 
+    def top_mask(self, scores, valid, topk: int):
+        """Always the stable sort (ties: the lowest row wins): torch.topk breaks ties by the row's
+        length, which is the number of rows written so far, so it would depend on chunking."""
+        k = min(topk, scores.shape[1])
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        return torch.zeros_like(valid).scatter_(1, top, True) & valid
+
     def index_scores(self, q, w, keys) -> torch.Tensor:
         T, H, D = q.shape
         dtype = q.dtype if self.official else torch.float32

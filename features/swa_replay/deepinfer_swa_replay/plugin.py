@@ -10,6 +10,7 @@ that the options suit the model:
 * DSpark target layers all on one side of the boundary (the drafter reads target features of
   every prompt row).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ from deepinfer_core.hookspecs import hookimpl
 NAME = "swa_replay"
 DEEPINFER_PLUGIN_INFO = {
     "status": "partial",
-    "note": "V4.1 SWA bounded replay: yoco_prefill_truncation_mode 'mask' and 'compact' on the portable "
-            "attention backends (CPU and CUDA); no fused GPU kernels",
+    "note": "V4.1 SWA bounded replay: yoco_prefill_truncation_mode 'mask' and 'compact' on the "
+    "portable attention backends (CPU and CUDA); no fused GPU kernels",
 }
 
 
@@ -41,15 +42,19 @@ def deepinfer_prefill_truncation(ctx):
     mode, keep = opts.model.yoco_prefill_truncation_mode, opts.model.yoco_prefill_keep_tokens
     backtrack = opts.cache.max_backtracking_tokens
     if keep < cfg.sliding_window + backtrack:
-        raise ValueError(f"yoco_prefill_keep_tokens={keep}; allowed: >= sliding_window + "
-                         f"max_backtracking_tokens = {cfg.sliding_window} + {backtrack} = "
-                         f"{cfg.sliding_window + backtrack} (a decode or verification step must "
-                         "find its whole window inside the replayed suffix)")
+        raise ValueError(
+            f"yoco_prefill_keep_tokens={keep}; allowed: >= sliding_window + "
+            f"max_backtracking_tokens = {cfg.sliding_window} + {backtrack} = "
+            f"{cfg.sliding_window + backtrack} (a decode or verification step must "
+            "find its whole window inside the replayed suffix)"
+        )
     if cfg.dspark is not None:
         boundary = cfg.n_prefill_layer
         sides = {layer >= boundary for layer in cfg.dspark.target_layer_ids}
         if len(sides) > 1:
-            raise ValueError(f"yoco_prefill_truncation_mode={mode!r}: dspark_target_layer_ids="
-                             f"{list(cfg.dspark.target_layer_ids)} straddle the YOCO boundary (layer "
-                             f"{boundary}); allowed: 'off' for this checkpoint")
+            raise ValueError(
+                f"yoco_prefill_truncation_mode={mode!r}: dspark_target_layer_ids="
+                f"{list(cfg.dspark.target_layer_ids)} straddle the YOCO boundary (layer "
+                f"{boundary}); allowed: 'off' for this checkpoint"
+            )
     return BoundedReplay(mode, keep)
