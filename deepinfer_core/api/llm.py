@@ -200,7 +200,8 @@ class LLM:
         """Render one conversation (list of message dicts) or a list of them with the DeepSeek-V4 chat
         format (`api/chat.py`), then `generate`. The rendered text already holds BOS: none is added."""
         from .chat import chat_prompts, encode_chat_prompt
-        prompts = chat_prompts(messages, thinking_mode, reasoning_effort, tools, self.model_config.vision)
+        prompts = chat_prompts(messages, thinking_mode, reasoning_effort, tools,
+                               getattr(self.model_config, "vision", False))
         ids = [encode_chat_prompt(self.tokenizer, p) for p in prompts]
         return self.generate(prompts, sampling_params, prompt_token_ids=ids, use_tqdm=use_tqdm)
 

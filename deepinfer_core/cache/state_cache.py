@@ -245,3 +245,12 @@ class StateCache:
             z.fill_(float("-inf"))
         return CompressorState(ratio=ratio, overlap=coff(ratio) == 2, tail_kv=kv, tail_z=z,
                                pool=pools["rows"], table=table)
+
+
+def new_sequence_state(cfg, dtype: torch.dtype, device="cpu", backtrack: int = 0,
+                       with_mtp: bool = True, max_tokens: int = 8192) -> SequenceState:
+    """A standalone state with a private one-slot cache for up to `max_tokens` positions (tests and
+    tools; the engine binds states from its shared `StateCache`)."""
+    layout = CacheLayout.from_config(cfg, dtype, backtrack, with_mtp=with_mtp)
+    cache = StateCache(layout, num_slots=1, num_blocks=-(-max_tokens // layout.block_size), device=device)
+    return cache.bind(0, list(range(cache.num_blocks)))

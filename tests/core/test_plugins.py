@@ -265,7 +265,7 @@ def test_cli_table_lists_installed_skeletons(site):
         if os.environ.get("CI"):
             pytest.fail("build.sh should have installed the feature skeletons")
         pytest.skip("feature skeletons not installed (run ./build.sh)")
-    for name, state in (("dspark", "partial"), ("swa_replay", "skeleton"), ("batch_invariant", "ready"),
+    for name, state in (("dspark", "partial"), ("swa_replay", "partial"), ("batch_invariant", "ready"),
                         ("structured_outputs", "ready")):
         line = next(line for line in proc.stdout.splitlines() if line.startswith(name + " "))
         assert f"loaded ({state})" in line, line

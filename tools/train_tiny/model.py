@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.cache.sequence_state import new_sequence_state
+from deepinfer_core.cache.state_cache import new_sequence_state
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.contracts import ModelOps
 from deepinfer_core.model import ForwardBatch, bind_ops, build_model, process_weights
