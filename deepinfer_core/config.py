@@ -240,6 +240,9 @@ class ModelConfig:
         if scoring != "sqrtsoftplus":
             raise ConfigError(f"config.json: scoring_func={scoring!r}; allowed: ['sqrtsoftplus']")
         topology = LayerTopology.from_keys(d, ratios, n_layers) if v41 else None
+        if v41 and n_mtp and "dspark_block_size" not in d and "dspark_target_layer_ids" not in d:
+            raise ConfigError(f"config.json: text_config.num_nextn_predict_layers={n_mtp} without dspark_* "
+                              "keys; allowed: 0, or a DSpark drafter's keys (V4.1 has no MTP block)")
         cfg = cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=int(need("hidden_size")),

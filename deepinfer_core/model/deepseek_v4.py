@@ -48,8 +48,6 @@ class Block(nn.Module):
         self.mhc = None   # bound by bind_ops()
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, states, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.engram is not None:
-            h = self.engram(h, batch.shared["engram_rows"][self.layer_id])
         y, post, comb = self.mhc.pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         h = self.mhc.post(self.attn(self.attn_norm(y), batch, states), h, post, comb)
         y, post, comb = self.mhc.pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
@@ -59,8 +57,6 @@ class Block(nn.Module):
                         input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Shifted mHC (V4.1): each sub-layer's input is collapsed with the `pre` weights of the
         sub-layer before it; returns (streams, this block's ffn `pre`)."""
-        if self.engram is not None:
-            h = self.engram(h, batch.shared["engram_rows"][self.layer_id])
         y, pre, post, comb = self.mhc.pre_shifted(h, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         h = self.mhc.post(self.attn(self.attn_norm(y), batch, states), h, post, comb)
         y, pre, post, comb = self.mhc.pre_shifted(h, pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
@@ -156,6 +152,8 @@ class DeepseekV4Model(nn.Module):
         for i, layer in enumerate(self.layers):
             if i == compact_at:          # bounded replay: the consumer half runs on the kept rows
                 batch, h, pre = compact(batch, h, pre, lambda: layer.attn_norm(self.mhc.collapse(h, pre)))
+            if layer.engram is not None:     # on the trunk entering the layer's attention
+                h = layer.engram(h, batch.shared["engram_rows"][i])
             if i in self.capture_layers:
                 captured[i] = h.mean(1)
             states = [st.layers[i] for st in batch.states]

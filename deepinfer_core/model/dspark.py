@@ -62,7 +62,8 @@ def build_stages(cfg: ModelConfig, block_cls, hc_params, device="cpu") -> nn.Mod
                                      block=cfg.weight_block_size or (128, 128), device=device)
             stage.main_norm = RMSNorm(dim, cfg.rms_norm_eps, device=device)
         if i == n - 1:
-            hc_params(stage, "hc_head", cfg, cfg.hc_mult, device)
+            if not cfg.hc_shifted:       # V4.1 (shifted mHC): the last stage's pre collapses
+                hc_params(stage, "hc_head", cfg, cfg.hc_mult, device)
             stage.norm = RMSNorm(dim, cfg.rms_norm_eps, device=device)
             stage.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark.markov_rank, device=device)
             stage.confidence_head = ConfidenceHead(dim + cfg.dspark.markov_rank, device=device)

@@ -98,11 +98,25 @@ _BASE: dict[str, Any] = {
 }
 
 
-def tiny_v41_config_dict(**text_overrides: Any) -> dict[str, Any]:
-    """The tiny V4.1 config; `text_overrides` replace keys of `text_config` (a value of None
-    removes the key)."""
+# A DSpark drafter of two stages reading two producer layers (`--set` these, or drafter=True).
+DRAFTER: dict[str, Any] = {
+    "num_nextn_predict_layers": 2,
+    "compress_ratios": _TEXT["compress_ratios"] + [0, 0],
+    "dspark_block_size": 3,
+    "dspark_target_layer_ids": [1, 3],
+    "dspark_target_attn_input": True,
+    "dspark_markov_rank": 32,
+    "dspark_noise_token_id": 128799,
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 2,
+}
+
+
+def tiny_v41_config_dict(drafter: bool = False, **text_overrides: Any) -> dict[str, Any]:
+    """The tiny V4.1 config; `drafter`: with the DSpark stages of `DRAFTER`; `text_overrides`
+    replace keys of `text_config` (a value of None removes the key)."""
     cfg = copy.deepcopy(_BASE)
-    for key, value in copy.deepcopy(text_overrides).items():
+    for key, value in copy.deepcopy({**(DRAFTER if drafter else {}), **text_overrides}).items():
         if value is None:
             cfg["text_config"].pop(key, None)
         else:

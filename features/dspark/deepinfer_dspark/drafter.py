@@ -268,7 +268,7 @@ def block_attention(attn, x: torch.Tensor, positions: torch.Tensor, context: tor
     T, pw, eps = x.shape[0], attn.pointwise, attn.cfg.rms_norm_eps
     n = T // k
     q = pw.norm_rope_quant(attn.wq_b(attn.q_norm(attn.wq_a(x))).view(T, attn.n_heads, attn.head_dim), positions,
-                           attn.rope, norm="head", eps=eps)
+                           attn.rope, norm="head" if attn.cfg.use_q_head_norm else "none", eps=eps)
     kv = stage_keys(attn, x, positions)
     keys = torch.cat([context.to(kv.dtype), kv.view(n, k, -1)], 1)                          # [N, W + k, d]
     logits = torch.einsum("nthd,nsd->nths", q.view(n, k, attn.n_heads, -1).float(), keys.float()) * attn.scale
@@ -288,13 +288,27 @@ def block_hidden(model: DeepseekV4Model, ids: torch.Tensor, positions: torch.Ten
     giving stage i's (context keys, valid) for `block_attention`; returns the collapsed, pre-norm
     hidden h_k [N*k, D] of the last stage."""
     h = model.embed_tokens(ids)[:, None, :].expand(-1, model.cfg.hc_mult, -1).contiguous()
+    shifted = model.cfg.hc_shifted          # V4.1: each sub-layer collapses with the previous pre
+    pre = torch.zeros(h.shape[:2], dtype=torch.float32, device=h.device) if shifted else None
+    if shifted:
+        pre[:, 0] = 1.0
     for i, stage in enumerate(model.mtp):
-        y, post, comb = stage.mhc.pre(h, stage.hc_attn_fn, stage.hc_attn_scale, stage.hc_attn_base)
         attn = stage.attn
+        if shifted:
+            y, pre, post, comb = stage.mhc.pre_shifted(h, pre, stage.hc_attn_fn, stage.hc_attn_scale,
+                                                       stage.hc_attn_base)
+        else:
+            y, post, comb = stage.mhc.pre(h, stage.hc_attn_fn, stage.hc_attn_scale, stage.hc_attn_base)
         h = stage.mhc.post(block_attention(attn, stage.attn_norm(y), positions, *contexts(i, attn), k), h, post, comb)
-        y, post, comb = stage.mhc.pre(h, stage.hc_ffn_fn, stage.hc_ffn_scale, stage.hc_ffn_base)
+        if shifted:
+            y, pre, post, comb = stage.mhc.pre_shifted(h, pre, stage.hc_ffn_fn, stage.hc_ffn_scale,
+                                                       stage.hc_ffn_base)
+        else:
+            y, post, comb = stage.mhc.pre(h, stage.hc_ffn_fn, stage.hc_ffn_scale, stage.hc_ffn_base)
         h = stage.mhc.post(stage.ffn(stage.ffn_norm(y), ids), h, post, comb)
     last = model.mtp[-1]
+    if shifted:
+        return last.mhc.collapse(h, pre)
     return last.mhc.head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base)
 
 

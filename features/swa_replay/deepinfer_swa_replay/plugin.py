@@ -51,10 +51,11 @@ def deepinfer_prefill_truncation(ctx):
     if cfg.dspark is not None:
         boundary = cfg.n_prefill_layer
         sides = {layer >= boundary for layer in cfg.dspark.target_layer_ids}
-        if len(sides) > 1:
+        if len(sides) > 1 or (mode == "compact" and True in sides):
             raise ValueError(
                 f"yoco_prefill_truncation_mode={mode!r}: dspark_target_layer_ids="
-                f"{list(cfg.dspark.target_layer_ids)} straddle the YOCO boundary (layer "
+                f"{list(cfg.dspark.target_layer_ids)} straddle the YOCO boundary or, for 'compact', "
+                f"lie behind it (layer "
                 f"{boundary}); allowed: 'off' for this checkpoint"
             )
     return BoundedReplay(mode, keep)
