@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deepinfer_core.cache.sequence_state import new_sequence_state
+from deepinfer_core.cache.state_cache import new_sequence_state
 from deepinfer_core.model import ForwardBatch
 from deepinfer_core.ops.quant import dequant_fp4, dequant_fp8_block
 from deepinfer_core.runner.model_loader import load_model

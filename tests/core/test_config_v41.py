@@ -146,7 +146,8 @@ def test_v41_detected_by_architecture_alone_and_mtp_entries_counted():
     assert ModelConfig.from_dict(top(model_type=None)).family == "v41"
     cfg = ModelConfig.from_dict(
         tiny_v41_config_dict(
-            compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 0], num_nextn_predict_layers=1
+            compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 0], num_nextn_predict_layers=1,
+            dspark_target_layer_ids=[1],
         )
     )
     assert cfg.num_nextn_predict_layers == 1 and cfg.mtp_ratio(0) == 0
@@ -670,5 +671,6 @@ def test_cli_v41_refuses_topology_flags(tmp_path, capsys, flag, value):
 
 
 def test_drafter_entries_must_be_window_only():
-    refused(tiny_v41_config_dict(num_nextn_predict_layers=1, compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 1]),
+    refused(tiny_v41_config_dict(num_nextn_predict_layers=1, compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 1],
+                                 dspark_target_layer_ids=[1]),
             "drafter entries", "allowed: 0")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepinfer_core.cache.sequence_state import new_sequence_state
+from deepinfer_core.cache.state_cache import new_sequence_state
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.contracts import resolve_model_ops
 from deepinfer_core.model import ForwardBatch, bind_ops, build_model, process_weights

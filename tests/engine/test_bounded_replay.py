@@ -49,7 +49,7 @@ def test_mask_and_compact_are_bitwise_equal(tiny_v41_dir):
 
 def _consumer_rows(model, prompt, truncation, depth):
     """The streams leaving consumer layer n_prefill + depth - 1, one sequence, one forward."""
-    from deepinfer_core.cache.sequence_state import new_sequence_state
+    from deepinfer_core.cache.state_cache import new_sequence_state
 
     layer, seen = model.layers[model.cfg.n_prefill_layer + depth - 1], {}
     run = layer.forward_shifted

@@ -20,7 +20,8 @@ def v41_dict(n_mtp: int = 0, engram: bool = True) -> dict:
     over = {}
     if n_mtp:  # drafter stages: window-only entries after the main layers
         ratios = tiny_v41_config_dict()["text_config"]["compress_ratios"]
-        over = {"num_nextn_predict_layers": n_mtp, "compress_ratios": ratios + [0] * n_mtp}
+        over = {"num_nextn_predict_layers": n_mtp, "compress_ratios": ratios + [0] * n_mtp,
+                "dspark_block_size": 3, "dspark_target_layer_ids": [1]}
     if not engram:
         over.update(
             dict.fromkeys(

@@ -61,7 +61,7 @@ def test_greedy_tokens_match_the_reference_on_cuda(tiny_v41_dir, mode):
 def test_an_engram_step_never_synchronises(tiny_v41_dir):
     """Engram's hashing (compressed ids, n-gram ring, hash) and its table gather and gate run on
     the device without a host synchronisation (tables on the device)."""
-    from deepinfer_core.cache.sequence_state import new_sequence_state
+    from deepinfer_core.cache.state_cache import new_sequence_state
     from deepinfer_core.runner.model_loader import load_model
 
     model = load_model(tiny_v41_dir, dtype="bfloat16", device="cuda").model
