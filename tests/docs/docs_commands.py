@@ -188,8 +188,8 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/bounded_replay.py agreement --no-qat": Skip(
         "a benchmark run of minutes; its result is committed (benchmarks/results) and the engine "
         "behaviour it measures is tested in tests/engine/test_bounded_replay.py"),
-    "python benchmarks/bounded_replay.py prefill --width --tokens 16384 --device cuda": Skip(
-        "needs a GPU (V4.1-width dummy weights); never run yet"),
+    "python benchmarks/bounded_replay.py prefill --width --tokens 16384 --device cuda --no-qat --repeats 1": Skip(
+        "needs a GPU (V4.1-width dummy weights); run on the device, its result is committed"),
     "python benchmarks/bounded_replay.py prefill --width": Skip(
         "needs a GPU (V4.1-width dummy weights); run on the device, its result is committed"),
     "python -m deepinfer_core.tools.make_tiny_checkpoint /tmp/tiny-v4": Run(
