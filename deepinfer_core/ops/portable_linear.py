@@ -16,23 +16,35 @@ from .quant import dequant_fp4, dequant_fp8_block, fake_quant_fp8
 FP4_K_BLOCK = 32     # K elements per FP4 weight scale
 
 
+BLOCKWISE_BYTES = 1 << 30   # the batched path's [blocks, rows, N] fp32 products stay below this
+
+
 def blockwise_linear(x: torch.Tensor, w: torch.Tensor, k_block: int, mm=None) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T: fp32 sums per K block of `k_block`, added block by block in order,
     rounded to x.dtype once. `mm(a, b)` = a @ b^T in fp32, one block at a time (a subclass may
-    choose the GEMM); by default every block's product is one batched GEMM."""
+    choose the GEMM); by default every block's product is one batched GEMM over as many rows as
+    keep it under BLOCKWISE_BYTES (each row's sums are its own: chunking changes no bit)."""
     K, N = x.shape[-1], w.shape[0]
     xf = x.reshape(-1, K).float()
     if mm is None and K % k_block == 0:
         nb = K // k_block
-        parts = torch.bmm(xf.view(-1, nb, k_block).transpose(0, 1),
-                          w.float().view(N, nb, k_block).permute(1, 2, 0))      # [nb, M, N]
+        wb = w.float().view(N, nb, k_block).permute(1, 2, 0)                       # [nb, k, N]
+        rows = max(1, BLOCKWISE_BYTES // (4 * nb * N))
+        out = [_block_sums(torch.bmm(xf[r:r + rows].view(-1, nb, k_block).transpose(0, 1), wb))
+               for r in range(0, xf.shape[0], rows)]                                 # [nb, M, N]
+        acc = out[0] if len(out) == 1 else torch.cat(out)
     else:
         mm = mm or F.linear
-        parts = [mm(xf[:, k0:k0 + k_block], w[:, k0:k0 + k_block].float()) for k0 in range(0, K, k_block)]
+        acc = _block_sums([mm(xf[:, k0:k0 + k_block], w[:, k0:k0 + k_block].float())
+                           for k0 in range(0, K, k_block)])
+    return acc.to(x.dtype).view(*x.shape[:-1], N)
+
+
+def _block_sums(parts) -> torch.Tensor:
     acc = parts[0]
     for part in parts[1:]:
         acc = acc + part
-    return acc.to(x.dtype).view(*x.shape[:-1], N)
+    return acc
 
 
 class PortableLinearMethod:

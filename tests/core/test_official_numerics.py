@@ -262,3 +262,15 @@ def test_quantised_linear_sums_per_block_like_the_kernels(fmt, dtype):
     if fmt == "fp8" and dtype == torch.float32:
         one_sum = torch.nn.functional.linear(fake_quant_fp8(x), layer.weight)
         assert not torch.equal(one_sum, want)
+
+
+def test_blockwise_linear_in_row_chunks_is_bit_identical(monkeypatch):
+    """The batched per-block products are bounded in memory by splitting the rows; every row's
+    sums are its own, so the chunked result is the same bits."""
+    from deepinfer_core.ops import portable_linear as pl
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 256, generator=g).to(torch.bfloat16)
+    w = torch.randn(64, 256, generator=g)
+    whole = pl.blockwise_linear(x, w, 32)
+    monkeypatch.setattr(pl, "BLOCKWISE_BYTES", 4 * 8 * 64 * 7)      # 7 rows per chunk
+    assert torch.equal(pl.blockwise_linear(x, w, 32), whole)
