@@ -19,6 +19,7 @@ class NvidiaMHC:
                  official: bool = False):
         self.hc, self.iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
         self.official = official
+        self._shifted = PortableMHC(hc_mult, sinkhorn_iters, hc_eps, norm_eps, official)
 
     def pre(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):
         """x [T, hc, D] -> (collapsed input [T, D] in x.dtype, post [T, hc], comb [T, hc, hc]) fp32."""
@@ -38,7 +39,6 @@ class NvidiaMHC:
     # Shifted mHC (V4.1) has no fused kernel yet: the plugin does not serve V4.1 models (the core's
     # portable ops run them); these keep the contract whole with the portable math.
     def pre_shifted(self, x, pre_prev, fn, scale, base):
-        return PortableMHC(self.hc, self.iters, self.hc_eps, self.norm_eps, self.official).pre_shifted(
-            x, pre_prev, fn, scale, base)
+        return self._shifted.pre_shifted(x, pre_prev, fn, scale, base)
 
     collapse = staticmethod(PortableMHC.collapse)
