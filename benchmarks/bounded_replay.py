@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the sibling modules, run as a script
 WIDTH_CONFIG = HERE.parent / "tests" / "data" / "deepseek-v4.1-flash" / "config.json"
 
 
@@ -61,23 +61,13 @@ def tiny_model(out: Path) -> Path:
 
 def cut_width_config(per_half: int, experts: int, engram_rows: int) -> dict:
     """The V4.1-width config with 2 window-only layers, `per_half` C2 layers (a KV source every 6
-    as in the full model) and `per_half` C1 layers (an index source every 4)."""
-    cfg = json.loads(WIDTH_CONFIG.read_text())
-    t = cfg["text_config"]
-    first_c1 = 2 + per_half
-    kv = [2 + 6 * i for i in range(math.ceil(per_half / 6))] + [first_c1]
-    t.update(
-        num_hidden_layers=first_c1 + per_half,
-        compress_ratios=[0, 0] + [2] * per_half + [1] * per_half,
-        kv_source_layer_ids=kv,
-        index_k_source_layer_ids=kv,
-        index_source_layer_ids=kv[:-1] + list(range(first_c1, first_c1 + per_half, 4)),
-        candidate_source_layer_id=first_c1,
-        n_routed_experts=experts,
-        engram_layer_ids=[1, min(14, first_c1 - 1)],
-        engram_vocab_size=[engram_rows] * 3,
-    )
-    return cfg
+    as in the full model) and `per_half` C1 layers (an index source every 4): the benchmarks'
+    shared cut (`v41_cut.cut_v41`)."""
+    from v41_cut import cut_v41
+
+    base = json.loads(WIDTH_CONFIG.read_text())
+    return cut_v41(base, 2 + 2 * per_half, experts=experts, engram_rows=engram_rows,
+                   flag="--per-half")
 
 
 def make_llm(path: Path, mode: str, a: argparse.Namespace, dummy: bool):

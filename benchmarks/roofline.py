@@ -1,4 +1,5 @@
 """Roofline arithmetic of one DeepSeek-V4 forward step: the bytes it must move and the FLOPs it must do.
+A DeepSeek-V4.1 config's layers are costed by `roofline_v41` (its own rules and ASSUMPTIONS).
 
 Pure arithmetic over a `ModelConfig` (no torch, no GPU), so it can be checked by hand and against the
 model's own buffers. A step's time floor is max(bytes / HBM bandwidth, sum over FLOP classes of
@@ -319,10 +320,14 @@ def head_cost(cfg, tokens: int, logit_rows: int) -> Cost:
     c = Cost()
     D, hc, V = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
     c.add_bytes("embed", tokens * D * 2)
-    c.add_bytes("mhc", 4 * (hc * hc * D + hc + 1))
+    if getattr(cfg, "hc_shifted", False):       # V4.1: no hc_head, the streams collapse with the
+        c.add_flops("bf16", 2 * hc * D * logit_rows)                 # last sub-layer's pre weights
+    else:
+        c.add_bytes("mhc", 4 * (hc * hc * D + hc + 1))
+        c.add_flops("bf16", 2 * hc * hc * D * logit_rows)
     c.add_bytes("norms", 2 * D)
     c.add_bytes("lm_head", V * D * 2)
-    c.add_flops("bf16", 2 * hc * hc * D * logit_rows + 2 * V * D * logit_rows)
+    c.add_flops("bf16", 2 * V * D * logit_rows)
     return c
 
 
@@ -332,6 +337,7 @@ class StepRoofline:
     head: Cost
     ratios: tuple[int, ...]
     head_fp32_extra_bytes: float     # what an fp32 LM head weight adds (our runtime form)
+    kinds: tuple[str, ...] | None = None   # V4.1: each layer's kind (roofline_v41.layer_kind)
 
     @property
     def total(self) -> Cost:
@@ -342,7 +348,7 @@ class StepRoofline:
 
     def to_dict(self, p: Peaks) -> dict:
         by_kind: dict[str, dict] = {}
-        for r, layer in zip(self.ratios, self.layers):
+        for r, layer in zip(self.kinds or self.ratios, self.layers):
             by_kind.setdefault(str(r), layer.to_dict(p))
         tot = self.total
         out = tot.to_dict(p)
@@ -356,9 +362,18 @@ class StepRoofline:
 
 def step_roofline(cfg, ratios: list[int] | tuple[int, ...], q: Queries, cache_elem: int, decode: bool,
                   logit_rows: int) -> StepRoofline:
-    layers = [block_cost(cfg, r, i < cfg.num_hash_layers, q, cache_elem, decode) for i, r in enumerate(ratios)]
+    kinds = None
+    if getattr(cfg, "family", "v4") == "v41":
+        import roofline_v41 as V41
+        main = [cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers)]
+        if list(ratios) != main:
+            raise ValueError(f"roofline: ratios {list(ratios)} are not the V4.1 config's layers {main}")
+        layers = [V41.block_cost(cfg, i, q, cache_elem, decode) for i in range(len(main))]
+        kinds = tuple(V41.layer_kind(cfg, i) for i in range(len(main)))
+    else:
+        layers = [block_cost(cfg, r, i < cfg.num_hash_layers, q, cache_elem, decode) for i, r in enumerate(ratios)]
     return StepRoofline(layers, head_cost(cfg, q.tokens, logit_rows), tuple(ratios),
-                        head_fp32_extra_bytes=2.0 * cfg.vocab_size * cfg.hidden_size)
+                        head_fp32_extra_bytes=2.0 * cfg.vocab_size * cfg.hidden_size, kinds=kinds)
 
 
 def decode_roofline(cfg, ratios, batch: int, context: int, cache_elem: int = 2) -> StepRoofline:

@@ -3,7 +3,10 @@ NVIDIA one on an SM90+ GPU) against transformers' DeepseekV4ForCausalLM on the s
 same random weights, in one process.
 
 The model is V4-Flash at full width with `--layers` layers (CSA/HCA alternating, FP8 dense weights
-and FP8 experts, random values; `sweep_model`). Decode steps run at fabricated state of the wanted
+and FP8 experts, random values; `sweep_model`). A DeepSeek-V4.1 `--config` (model_type deepseek_v41,
+e.g. tests/data/deepseek-v4.1-flash) is cut by the shared V4.1 cut (`v41_cut`: window-only, C2 and C1
+layers with their sources, FP4 experts, Engram tables of `--engram-rows` rows), costed by
+`roofline_v41`, and never compared with transformers (no V4.1 model there). Decode steps run at fabricated state of the wanted
 context (no prefill of batch x context tokens); prefill runs one prompt from position 0. Every shape
 gets its roofline (`roofline`: the bytes and FLOPs the step must move) and per-layer and 43-layer
 figures (`sweep_report`). Prints tables, writes benchmarks/results/sweep_<gpu>.json and a PNG.
@@ -28,11 +31,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))     # the sibling modules, run as a script
 
 import roofline as RL  # noqa: E402
-from sweep_model import (bench_config, build_random_model, cache_layout, decode_states, finish_model,  # noqa: E402
-                         full_config, load_base_config, prefill_cache, random_ids, use_cuda_core_moe,
-                         weight_bytes)
-from sweep_report import extrapolate, fractions, print_tables, print_verdicts, verdicts  # noqa: E402
-from sweep_timing import Clock, cuda_graph_timing, layer_split  # noqa: E402
+import roofline_v41 as RL41  # noqa: E402
+from sweep_model import (bench_config, build_random_model, cache_layout, default_expert_dtype,  # noqa: E402
+                         finish_model, full_config, load_base_config, prefill_cache, random_ids,
+                         use_cuda_core_moe, weight_bytes)
+from sweep_report import (extrapolate, fractions, print_tables, print_verdicts, sweep_assumptions,  # noqa: E402
+                          verdicts)
+from v41_cut import DEFAULT_ENGRAM_ROWS, cut_notes, family, text_keys  # noqa: E402
+from sweep_timing import Clock, free, run_decode, run_prefill  # noqa: E402
 
 from deepinfer_core.config import ModelConfig  # noqa: E402
 from deepinfer_core.model import ForwardBatch  # noqa: E402
@@ -57,9 +63,15 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--no-qat", action="store_true", help="simulate_qat=False (default: the engine's True)")
     m.add_argument("--tiny", action="store_true", help="tiny dimensions (deepinfer_core/tools/tiny_config.py)")
     m.add_argument("--config", default=None, help="config.json to take the width from (default: the real V4-Flash config in tests/data)")
-    m.add_argument("--layers", type=int, default=4, help="main layers built and run (CSA/HCA alternating)")
-    m.add_argument("--full-layers", type=int, default=43, help="depth the figures are extrapolated to")
-    m.add_argument("--expert-dtype", default="fp8", choices=("fp8", "fp4", "bf16"))
+    m.add_argument("--layers", type=int, default=4, help="main layers built and run (V4: CSA/HCA alternating; "
+                   "V4.1: the shared V4.1 cut, benchmarks/v41_cut.py)")
+    m.add_argument("--full-layers", type=int, default=None,
+                   help="depth the figures are extrapolated to (default: 43; V4.1: the config's own depth)")
+    m.add_argument("--expert-dtype", default=None, choices=("fp8", "fp4", "bf16"),
+                   help="routed experts (default: fp8; V4.1: fp4, fixed by its quantization_config)")
+    m.add_argument("--engram-rows", type=int, default=DEFAULT_ENGRAM_ROWS,
+                   help="V4.1: Engram table rows per head and n-gram order (engram_vocab_size; the real "
+                        "tables need ~100 GB per layer; 0: the config's own)")
     m.add_argument("--fp4-experts", action="store_true",
                    help="with --expert-dtype fp4: keep the experts FP4 in the fused MoE (LLM(fp4_experts=True)) "
                         "instead of re-encoding them to FP8 at load")
@@ -113,60 +125,6 @@ def over_budget(a) -> str | None:
     if a.time_budget and time.perf_counter() - a.t_start > a.time_budget:
         return f"not run: --time-budget {a.time_budget:.0f} s spent"
     return None
-
-
-def _free(device) -> None:
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
-# ---- our engine ----------------------------------------------------------------------------------
-
-def run_prefill(built, layout, n: int, chunk: int, clock: Clock, a) -> dict:
-    model, dev = built.model, built.ctx.device
-    cache = prefill_cache(layout, n, dev)
-    ids = random_ids(n, built.cfg.vocab_size, a.seed + n)
-    holder = {}
-
-    def setup():
-        holder["st"] = cache.bind(0, list(range(cache.num_blocks)))       # fresh tails, position 0
-
-    def run():
-        st = holder["st"]
-        for s in range(0, n, chunk):
-            batch = ForwardBatch.build([ids[s:s + chunk]], [st], dev)
-            model(batch)
-            batch.commit()
-    with torch.no_grad():
-        t = clock.time(run, setup, a.warmup, a.reps, a.max_shape_seconds)
-        split = layer_split(model, run, clock, setup)
-    return {"ours": {"eager": t.to_dict()}, "split": split, "step_ms": t.median_ms}
-
-
-def run_decode(built, layout, b: int, c: int, clock: Clock, a, graph_note: dict) -> dict:
-    model, dev = built.model, built.ctx.device
-    cache, states = decode_states(layout, b, c, dev, a.seed)
-    toks = [[t] for t in random_ids(b, built.cfg.vocab_size, a.seed + b + c)]
-    run = lambda: model(ForwardBatch.build(toks, states, dev))  # noqa: E731  (no commit: same position every run)
-    with torch.no_grad():
-        t = clock.time(run, None, a.warmup, a.reps, a.max_shape_seconds)
-        split = layer_split(model, run, clock)
-    out = {"ours": {"eager": t.to_dict()}, "split": split, "step_ms": t.median_ms}
-    if a.cuda_graph and clock.cuda:
-        if graph_note.get("broken"):
-            out["ours"]["cuda_graph"] = {"status": f"not tried: capture failed earlier ({graph_note['broken']})"}
-        else:
-            try:
-                g = cuda_graph_timing(model, ForwardBatch.build(toks, states, dev), clock, max(a.reps, 10),
-                                      a.max_shape_seconds)
-                out["ours"]["cuda_graph"] = {"status": "ok", **g.to_dict()}
-                out["step_ms"] = min(out["step_ms"], g.median_ms)
-            except Exception as e:                      # a sync or host read inside the forward
-                graph_note["broken"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                out["ours"]["cuda_graph"] = {"status": f"failed: {graph_note['broken']}"}
-                _free(dev)
-    return out
 
 
 # ---- transformers --------------------------------------------------------------------------------
@@ -241,13 +199,15 @@ def hf_runs(a, hf, built, layout, clock: Clock, info: dict) -> tuple[dict, dict]
                 dec[(b, c)] = {"status": _err(e)}
             finally:
                 cache = None
-                _free(dev)
+                free(dev)
     return pre, dec
 
 
 # ---- rows ----------------------------------------------------------------------------------------
 
 def finish_row(row: dict, roof, full_roof, ratios, full_ratios, peaks, hf: dict | None, n_tokens: int) -> None:
+    """The row's roofline, transformers' timing and figures; `ratios` / `full_ratios`: each layer's
+    kind for the extrapolation (V4: its ratio; V4.1: roofline_v41.layer_kind)."""
     row["roofline"] = {"bench": roof.to_dict(peaks), "full": full_roof.to_dict(peaks)}
     row["hf"] = hf or {"status": "not run: --no-hf"}
     if row.get("status") != "ok":
@@ -292,18 +252,28 @@ def main(argv: list[str] | None = None) -> dict:
     a = parser().parse_args(argv)
     a.t_start = t_start = time.perf_counter()
     base, source = load_base_config(a.config, a.tiny)
+    fam = family(base)
     if a.vocab:
-        base["vocab_size"] = a.vocab
-    cfg_dict = bench_config(base, a.layers, a.expert_dtype)
+        text_keys(base)["vocab_size"] = a.vocab
+    a.expert_dtype = a.expert_dtype or default_expert_dtype(base)
+    a.full_layers = a.full_layers or (int(text_keys(base)["num_hidden_layers"]) if fam == "v41" else 43)
+    try:
+        cfg_dict = bench_config(base, a.layers, a.expert_dtype, a.engram_rows or None)
+        full_dict = full_config(base, cfg_dict, a.full_layers)
+    except ValueError as e:                       # a V4.1 cut's --layers / --expert-dtype / --engram-rows
+        raise SystemExit(f"sweep: {e}") from None
     if a.cuda_core_moe is not None:
         use_cuda_core_moe(a.cuda_core_moe)
-    full_dict = full_config(base, cfg_dict, a.full_layers)
     built = build_random_model(cfg_dict, a.device, a.dtype, not a.no_qat, a.seed, batch_invariant=a.batch_invariant,
                                options=dict(fp4_experts=a.fp4_experts))
     dev, cfg = built.ctx.device, built.cfg
     full_cfg = ModelConfig.from_dict(full_dict)
     ratios = [cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers)]
     full_ratios = [full_cfg.layer_ratio(i) for i in range(full_cfg.num_hidden_layers)]
+    kinds, full_kinds = ratios, full_ratios                 # what the extrapolation tells apart
+    if fam == "v41":
+        kinds = [RL41.layer_kind(cfg, i) for i in range(len(ratios))]
+        full_kinds = [RL41.layer_kind(full_cfg, i) for i in range(len(full_ratios))]
     clock = Clock(dev)
     gpu = torch.cuda.get_device_name(torch.device(dev)) if clock.cuda else "cpu"
     known = RL.Peaks.for_device(gpu)
@@ -313,13 +283,18 @@ def main(argv: list[str] | None = None) -> dict:
           f"attention {ops['attention']}, moe {ops['moe']}", flush=True)
     ckpt_bytes = weight_bytes(built.model)
     layout = cache_layout(cfg, built.ctx.torch_dtype, built.ctx.simulate_qat, a.kv_cache_dtype)
-    hf, hf_info = (None, {"status": "not run: --no-hf"}) if a.no_hf else hf_build(a, cfg_dict, built)
+    if a.no_hf or fam == "v41":
+        hf, hf_info = None, {"status": "not run: --no-hf" if a.no_hf else
+                             "not run: transformers has no DeepSeek-V4.1 model (model_type deepseek_v41)"}
+    else:
+        hf, hf_info = hf_build(a, cfg_dict, built)
+    hf_none = {"status": hf_info["status"]} if fam == "v41" else None     # V4: "not run: --no-hf"
     finish_model(built)                                  # the weights in our runtime form from here on
     hf_pre, hf_dec = {}, {}
     if hf is not None:
         hf_pre, hf_dec = hf_runs(a, hf, built, layout, clock, hf_info)
         hf = None                                        # free transformers' copy before our sweep
-        _free(dev)
+        free(dev)
     # bytes per cached KV element (584/512 with FP8 rows; the indexer keys, bf16, are counted at this
     # rate too, which makes the roofline slightly faster than the truth: conservative for us)
     elem = layout.kv_row_bytes / layout.head_dim
@@ -331,10 +306,10 @@ def main(argv: list[str] | None = None) -> dict:
                 row.update(run_prefill(built, layout, n, a.prefill_chunk, clock, a))
         except Exception as e:
             row["status"] = _err(e)
-        _free(dev)
+        free(dev)
         finish_row(row, RL.prefill_roofline(cfg, ratios, n, a.prefill_chunk, elem),
-                   RL.prefill_roofline(full_cfg, full_ratios, n, a.prefill_chunk, elem), ratios, full_ratios, peaks,
-                   None if a.no_hf else hf_pre.get(n), n)
+                   RL.prefill_roofline(full_cfg, full_ratios, n, a.prefill_chunk, elem), kinds, full_kinds, peaks,
+                   None if a.no_hf else hf_pre.get(n, hf_none), n)
         prefill_rows.append(row)
         print(f"[sweep] prefill {n}: {row['status']} {row.get('step_ms', float('nan')):.3f} ms", flush=True)
     graph_note: dict = {}
@@ -346,10 +321,10 @@ def main(argv: list[str] | None = None) -> dict:
                     row.update(run_decode(built, layout, b, c, clock, a, graph_note))
             except Exception as e:
                 row["status"] = _err(e)
-            _free(dev)
+            free(dev)
             finish_row(row, RL.decode_roofline(cfg, ratios, b, c, elem),
-                       RL.decode_roofline(full_cfg, full_ratios, b, c, elem), ratios, full_ratios, peaks,
-                       None if a.no_hf else hf_dec.get((b, c)), b)
+                       RL.decode_roofline(full_cfg, full_ratios, b, c, elem), kinds, full_kinds, peaks,
+                       None if a.no_hf else hf_dec.get((b, c), hf_none), b)
             decode_rows.append(row)
             print(f"[sweep] decode b{b} c{c}: {row['status']} {row.get('step_ms', float('nan')):.3f} ms", flush=True)
     vs = verdicts(decode_rows, prefill_rows)
@@ -360,34 +335,26 @@ def main(argv: list[str] | None = None) -> dict:
         "gpu": gpu, "device": str(dev), "commit": _git("rev-parse", "HEAD") or None,
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "versions": versions(),
         "command": [sys.executable, *sys.argv] if argv is None else ["sweep.py", *argv],
-        "config_source": source, "config": cfg_dict, "layers": a.layers, "ratios": ratios,
+        "family": fam, "config_source": source, "config": cfg_dict, "layers": a.layers, "ratios": ratios,
         "full_layers": a.full_layers, "full_ratios": full_ratios, "ops": built.ops_summary(),
         "weights": {"checkpoint_format_bytes": ckpt_bytes, "runtime_bytes": weight_bytes(built.model),
                     "note": "MTP block not built (never run)"},
         "cache": {"dtype": str(layout.dtype), "kv_fp8": layout.kv_fp8, "backtrack": layout.backtrack, "slot_bytes": layout.slot_bytes,
                   "block_bytes": layout.block_bytes},
         "peaks": {"bw": peaks.bw, "bf16": peaks.bf16, "fp8": peaks.fp8},
-        "assumptions": RL.ASSUMPTIONS + [
-            "decode state fabricated: random pools, num_tokens = context, one new token per sequence at position "
-            "context, no commit (every timed step writes the same position); at a context that is a multiple of "
-            "128 the timed step closes no compressed block (the roofline amortises the pooling over steps)",
-            "per-layer figures: block times from CUDA events on forward hooks (one extra run), scaled to the median; "
-            "embed+head = the remainder; full-depth figures = embed+head + the schedule's layers at their kind's "
-            "time (window-only layers at the HCA time)",
-            "embed_head_ms = time outside the blocks: embedding, hc_head, LM head and the step's host-side "
-            "batch building",
-            "verdicts: the performance targets (sweep_report.TARGETS) on the measured model "
-            "(the full-depth figures are in each roofline and FP8-peak verdict's info); the transformers "
-            "comparison uses the measured model; decode step = min(eager, CUDA graph) median"],
+        "assumptions": sweep_assumptions(fam),
         "settings": {k: getattr(a, k) for k in ("warmup", "reps", "max_shape_seconds", "time_budget", "prefill_chunk",
                                                 "cuda_graph", "seed", "dtype", "no_qat", "kv_cache_dtype", "batch_invariant", "expert_dtype",
                                                 "fp4_experts", "cuda_core_moe", "hf_max_prefill",
                                                 "hf_max_batch", "hf_max_context", "hf_max_tokens", "hf_reps")},
         "hf": hf_info, "prefill": prefill_rows, "decode": decode_rows, "verdicts": vs,
     }
+    if fam == "v41":
+        result.update(layer_kinds=kinds, full_layer_kinds=full_kinds, v41_cut=cut_notes(base, cfg_dict))
+        result["weights"]["note"] = "DSpark drafter stages dropped by the V4.1 cut (never run)"
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "sweep_" + gpu.replace(" ", "_") + ("_tiny" if a.tiny else "") + ("_kvfp8" if layout.kv_fp8 else "") \
+    stem = "sweep_" + gpu.replace(" ", "_") + ("_v41" if fam == "v41" else "") + ("_tiny" if a.tiny else "") + ("_kvfp8" if layout.kv_fp8 else "") \
         + ("_invariant" if a.batch_invariant else "") + ("_fp4experts" if a.fp4_experts else "") \
         + ("" if a.cuda_core_moe is None else f"_ccmoe{a.cuda_core_moe:g}")
     png = out_dir / f"{stem}.png"

@@ -1,5 +1,7 @@
 """The sweep's model: a V4-Flash-width DeepSeek-V4 with few layers and random weights, built without a
-checkpoint on disk, plus fabricated decode state.
+checkpoint on disk, plus fabricated decode state. A DeepSeek-V4.1 config (`model_type: deepseek_v41`)
+is cut by the benchmarks' shared V4.1 cut (`v41_cut.cut_v41`: valid topology, both YOCO halves,
+shrunk Engram tables) and its Engram layers hash with the installed V4 tokenizer.
 
 The build mirrors `deepinfer_core.runner.model_loader.load_model` step for step (plugin manager ->
 BuildContext -> configure -> ModelOps -> graph -> weights -> bind_ops -> process_weights), except that
@@ -34,6 +36,7 @@ from deepinfer_core.plugin_context import BuildContext, normalize_dtype
 from deepinfer_core.plugins import get_plugin_manager
 from deepinfer_core.runner.model_loader import check_batch_invariant, check_fp4_experts
 from deepinfer_core.tools.tiny_config import tiny_config_dict
+from v41_cut import DEFAULT_ENGRAM_ROWS, cut_v41, family, text_keys
 
 REPO = Path(__file__).resolve().parents[1]
 # the real V4-Flash config.json, kept in the repository (see its README there)
@@ -65,9 +68,24 @@ def load_base_config(path: str | None = None, tiny: bool = False) -> tuple[dict[
     return json.loads(p.read_text()), str(p)
 
 
-def bench_config(base: dict[str, Any], layers: int, expert_dtype: str = "fp8") -> dict[str, Any]:
+def default_expert_dtype(base: dict[str, Any]) -> str:
+    """The sweep's routed-expert format: FP8 for V4 (the sweep's choice), FP4 for V4.1 (fixed by its
+    quantization_config)."""
+    return "fp4" if family(base) == "v41" else "fp8"
+
+
+def bench_config(base: dict[str, Any], layers: int, expert_dtype: str = "fp8",
+                 engram_rows: int | None = DEFAULT_ENGRAM_ROWS) -> dict[str, Any]:
     """`base` cut to `layers` main layers alternating CSA/HCA (+ the base's MTP entries, not run),
-    every linear FP8 (experts too unless `expert_dtype` says otherwise)."""
+    every linear FP8 (experts too unless `expert_dtype` says otherwise). A V4.1 base: the shared
+    V4.1 cut (`engram_rows`: Engram table rows per head and order, None: the base's)."""
+    if family(base) == "v41":
+        have = text_keys(base).get("expert_dtype") or (base.get("quantization_config") or {}).get(
+            "expert_dtype", "bf16")
+        if expert_dtype != have:
+            raise ValueError(f"--expert-dtype {expert_dtype}: a DeepSeek-V4.1 config's quantization_config "
+                             f"fixes its routed experts; allowed: {have}")
+        return cut_v41(base, layers, engram_rows=engram_rows)
     d = copy.deepcopy(base)
     n_base, n_mtp = int(base["num_hidden_layers"]), int(base.get("num_nextn_predict_layers", 1))
     mtp = list(base["compress_ratios"][n_base:n_base + n_mtp])
@@ -83,7 +101,14 @@ def bench_config(base: dict[str, Any], layers: int, expert_dtype: str = "fp8") -
 
 def full_config(base: dict[str, Any], bench: dict[str, Any], full_layers: int) -> dict[str, Any]:
     """The model the figures are extrapolated to: the base's own schedule when it has `full_layers`
-    layers (V4-Flash: 2 window-only, then CSA/HCA), else V4-Flash's pattern."""
+    layers (V4-Flash: 2 window-only, then CSA/HCA), else V4-Flash's pattern. V4.1: the base (at its
+    own depth) or its V4.1 cut, with the bench model's Engram table sizes."""
+    if family(base) == "v41":
+        rows = text_keys(bench).get("engram_vocab_size")
+        cut = cut_v41(base, full_layers, engram_rows=None, flag="--full-layers")
+        if rows is not None:
+            text_keys(cut)["engram_vocab_size"] = rows
+        return cut
     d = copy.deepcopy(bench)
     n_base = int(base["num_hidden_layers"])
     if n_base >= full_layers:
@@ -141,6 +166,9 @@ def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str 
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()                      # the dropped MTP block's memory
     fill_dummy_weights(model, cfg, seed)
+    if cfg.engram is not None:                       # Engram hashes token ids: the V4 tokenizer's
+        from deepinfer_core.tools.make_tiny_checkpoint import tokenizer_dir
+        model.bind_engram(tokenizer_dir() / "tokenizer.json", device)
     plugins = [{"name": r.name, "status": r.status, **({"error": r.error} if r.error else {})} for r in pm.records]
     return Built(model.eval(), cfg, ctx, ops, plugins)
 
@@ -176,7 +204,9 @@ def decode_states(layout: CacheLayout, batch: int, context: int, device, seed: i
     cache = StateCache(layout, batch, batch * nb, device)
     gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
     for t in cache.tensors():
-        if t.dtype == torch.uint8:          # packed FP8 rows: pack random rows chunk by chunk
+        if t.dtype == torch.int64:          # Engram's ring of earlier token ids (compressed ids)
+            t.random_(0, 1024, generator=gen)
+        elif t.dtype == torch.uint8:        # packed FP8 rows: pack random rows chunk by chunk
             rows = t.view(-1, t.shape[-1])
             for i in range(0, rows.shape[0], 1 << 18):
                 part = rows[i:i + (1 << 18)]

@@ -1,6 +1,7 @@
 """Timing for the sweep: warm-up, then the median of several runs measured with CUDA events (host
 perf_counter on the CPU); a per-layer split from events recorded by forward hooks on every block;
-and an optional CUDA-graph replay of a decode step.
+an optional CUDA-graph replay of a decode step; and the sweep's timed prefill and decode runs of our
+engine (`run_prefill`, `run_decode`).
 
 Events bracket the whole step including the host work inside it (batch metadata, Python), which is
 what a serving step costs; the split's remainder (total minus the blocks) is the embedding, the
@@ -8,12 +9,16 @@ hc_head collapse and the LM head.
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from sweep_model import decode_states, prefill_cache, random_ids
+
+from deepinfer_core.model import ForwardBatch
 
 
 @dataclass
@@ -128,3 +133,61 @@ def cuda_graph_timing(model: torch.nn.Module, batch, clock: Clock, reps: int = 1
         return clock.time(graph.replay, warmup=2, reps=reps, max_seconds=max_seconds)
     finally:
         del graph
+
+
+def free(device) -> None:
+    """Collect garbage and return the CUDA allocator's cached blocks (between shapes)."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- the sweep's runs of our engine ---------------------------------------------------------------
+
+def run_prefill(built, layout, n: int, chunk: int, clock: Clock, a) -> dict:
+    """One `n`-token prompt from position 0 in chunks of `chunk`, on a fresh state each run."""
+    model, dev = built.model, built.ctx.device
+    cache = prefill_cache(layout, n, dev)
+    ids = random_ids(n, built.cfg.vocab_size, a.seed + n)
+    holder = {}
+
+    def setup():
+        holder["st"] = cache.bind(0, list(range(cache.num_blocks)))       # fresh tails, position 0
+
+    def run():
+        st = holder["st"]
+        for s in range(0, n, chunk):
+            batch = ForwardBatch.build([ids[s:s + chunk]], [st], dev)
+            model(batch)
+            batch.commit()
+    with torch.no_grad():
+        t = clock.time(run, setup, a.warmup, a.reps, a.max_shape_seconds)
+        split = layer_split(model, run, clock, setup)
+    return {"ours": {"eager": t.to_dict()}, "split": split, "step_ms": t.median_ms}
+
+
+def run_decode(built, layout, b: int, c: int, clock: Clock, a, graph_note: dict) -> dict:
+    """One decode step of `b` sequences at context `c` (fabricated state), eager and, with
+    `--cuda-graph` on CUDA, replayed from a graph (`graph_note` remembers a failed capture)."""
+    model, dev = built.model, built.ctx.device
+    cache, states = decode_states(layout, b, c, dev, a.seed)
+    toks = [[t] for t in random_ids(b, built.cfg.vocab_size, a.seed + b + c)]
+    run = lambda: model(ForwardBatch.build(toks, states, dev))  # noqa: E731  (no commit: same position every run)
+    with torch.no_grad():
+        t = clock.time(run, None, a.warmup, a.reps, a.max_shape_seconds)
+        split = layer_split(model, run, clock)
+    out = {"ours": {"eager": t.to_dict()}, "split": split, "step_ms": t.median_ms}
+    if a.cuda_graph and clock.cuda:
+        if graph_note.get("broken"):
+            out["ours"]["cuda_graph"] = {"status": f"not tried: capture failed earlier ({graph_note['broken']})"}
+        else:
+            try:
+                g = cuda_graph_timing(model, ForwardBatch.build(toks, states, dev), clock, max(a.reps, 10),
+                                      a.max_shape_seconds)
+                out["ours"]["cuda_graph"] = {"status": "ok", **g.to_dict()}
+                out["step_ms"] = min(out["step_ms"], g.median_ms)
+            except Exception as e:                      # a sync or host read inside the forward
+                graph_note["broken"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                out["ours"]["cuda_graph"] = {"status": f"failed: {graph_note['broken']}"}
+                free(dev)
+    return out

@@ -124,6 +124,7 @@ class PrefillTruncation(Protocol):
 @runtime_checkable
 class PointwiseMethod(Protocol):
     batch_invariant: bool
+    reads_host_memory: bool     # gather_rows reads tables in pinned host memory (no copy, no sync)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -131,6 +132,10 @@ class PointwiseMethod(Protocol):
         """Normalise, rotate the RoPE dims and (QAT) round, fused."""
 
     def inverse_rope(self, x: torch.Tensor, positions: torch.Tensor, rope: Any) -> torch.Tensor: ...
+
+    def gather_rows(self, table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Engram: rows [T, K] of an FP8 table [R, dim] with UE8M0 scales per 32 [R, dim/32],
+        dequantised side by side -> [T, K*dim] fp32 on the rows' device."""
 
 
 @runtime_checkable

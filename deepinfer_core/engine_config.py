@@ -86,6 +86,9 @@ class ModelOptions(Section):
     yoco_prefill_keep_tokens: int = env_option(
         "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "V4.1 bounded replay: the prompt suffix the consumer layers "
         "replay (>= sliding_window + max_backtracking_tokens)", positive())
+    engram_force_gpu_storage: bool = env_option(
+        "DEEPINFER_ENGRAM_FORCE_GPU_STORAGE", "V4.1 Engram: keep the n-gram tables in device memory "
+        "(default on CUDA: pinned host memory, gathered by the backend without a copy or a sync)")
     fp4_experts: bool = option(False, "nvidia backend: keep the checkpoint's FP4 routed experts FP4 and decode "
                              "them in the MoE kernels (same results as the default, their FP8 re-encoding at "
                              "load, with about half the expert bytes; opt-in until it has run compiled on a "

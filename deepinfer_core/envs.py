@@ -149,6 +149,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "V4.1 bounded replay: the prompt suffix (KEEP) the YOCO consumer layers replay; at least "
            "sliding_window + the backtracking room.",
            minimum=1),
+    EnvVar("DEEPINFER_ENGRAM_FORCE_GPU_STORAGE", "bool", False,
+           "V4.1 Engram: keep the n-gram tables in device memory instead of pinned host memory "
+           "(the default on CUDA when the backend can gather from host memory)."),
     EnvVar("DEEPINFER_BATCH_INVARIANT", "bool", False,
            "Batch-invariant kernels (cpu and nvidia): a request's logits and tokens do not depend on "
            "its batch or its prefill chunking; with DEEPINFER_ENABLE_MTP_VARLEN=0 and a seed, "
@@ -210,6 +213,7 @@ class Settings:
     max_backtracking_tokens: int = 0
     yoco_prefill_truncation_mode: str = "off"
     yoco_prefill_keep_tokens: int = 140
+    engram_force_gpu_storage: bool = False
     batch_invariant: bool = False
     zero_overhead_scheduling: bool = True
     cpu_kv_cache_bytes: int = 1 << 30

@@ -6,6 +6,7 @@ import torch
 from ..contracts import ModelOps
 from .attention import Attention, Compressor, Indexer, Numerics
 from .deepseek_v4 import Block, DeepseekV4Model, ModelOutput, build_model
+from .engram import EngramTable
 from .forward_batch import ForwardBatch
 from .layers import Linear, RMSNorm
 from .moe import MoE
@@ -30,6 +31,8 @@ def bind_ops(model: DeepseekV4Model, ops: ModelOps, numerics: Numerics) -> None:
             mod.method = ops.moe
         elif isinstance(mod, (Block, DeepseekV4Model)):
             mod.mhc = ops.mhc
+        elif isinstance(mod, EngramTable):
+            mod.gather = ops.pointwise.gather_rows
         if isinstance(mod, (Attention, Compressor, Indexer, DeepseekV4Model)):
             mod.numerics = numerics
         if isinstance(mod, (Attention, Indexer, RMSNorm)):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.portable_pointwise import PORTABLE
+from ..ops.portable_pointwise import PORTABLE, V41_KV_QUANTS, fake_quant_kv_row
 from .layers import Linear, RMSNorm, empty, weight_format
 from .rope import RotaryTable
 
@@ -29,7 +29,10 @@ class Numerics:
 class Compressor(nn.Module):
     """Gated pooling of `ratio` tokens into one KV row: V4 pools 2*ratio overlapping tokens for
     ratio 4 and adds a learned position bias (APE); V4.1 (`compress_overlap` off) pools `ratio`
-    tokens without APE, and its ratio-1 compressor has no gate (one row per token)."""
+    tokens without APE, and its ratio-1 compressor has no gate (one row per token).
+
+    QAT fake-quant of the rows (`quant`, with simulate_qat): V4 KV rows "fp8_nope", V4 indexer keys
+    "hadamard_fp4"; V4.1 KV rows "fp4_kv" (`use_fp4_sparse_kv`) or "mxfp8_kv" over every channel."""
 
     def __init__(self, cfg: ModelConfig, ratio: int, dim: int, kind: str, device="cpu"):
         super().__init__()
@@ -48,6 +51,7 @@ class Compressor(nn.Module):
             self.wkv.compute_dtype = self.wgate.compute_dtype = torch.float32
         self.norm = RMSNorm(dim, cfg.rms_norm_eps, device=device)
         self.nope_dim = dim - cfg.qk_rope_head_dim
+        self.quant = row_quant(cfg, kind)
         self.rope: RotaryTable | None = None
         self.numerics = Numerics()
 
@@ -62,19 +66,37 @@ class Compressor(nn.Module):
 
     def finalize(self, pooled: torch.Tensor, block_starts: torch.Tensor) -> torch.Tensor:
         """Norm, RoPE at the block's first position, and the QAT fake-quant of a pooled row."""
-        quant = ("fp8_nope" if self.kind == "kv" else "hadamard_fp4") if self.numerics.simulate_qat else "none"
-        return self.norm.pointwise.norm_rope_quant(
-            pooled.to(self.numerics.dtype), block_starts, self.rope, norm="weighted", weight=self.norm.weight,
-            eps=self.norm.eps, quant=quant, nope_dim=self.nope_dim)
+        return self._rope_quant(pooled.to(self.numerics.dtype), block_starts, norm="weighted",
+                                weight=self.norm.weight, eps=self.norm.eps)
 
     def finalize_with_prerope(self, pooled: torch.Tensor, block_starts: torch.Tensor):
         """(`finalize`'s rows, the normalised rows before RoPE): V4.1 projects its index keys from
-        the latter."""
+        the latter, which stay unquantised."""
         pre = self.norm(pooled.to(self.numerics.dtype))
-        quant = "fp8_nope" if self.numerics.simulate_qat else "none"
-        rows = self.norm.pointwise.norm_rope_quant(pre, block_starts, self.rope, quant=quant,
-                                                   nope_dim=self.nope_dim)
-        return rows, pre
+        return self._rope_quant(pre, block_starts), pre
+
+    def _rope_quant(self, x: torch.Tensor, block_starts: torch.Tensor, **norm) -> torch.Tensor:
+        """The pointwise op (an optional norm, RoPE, the fake-quant) on rows. A V4.1 KV mode is
+        applied here in PyTorch after the op (quant "none"), so any backend's PointwiseMethod
+        serves it."""
+        quant = self.quant if self.numerics.simulate_qat else "none"
+        late = quant in V41_KV_QUANTS
+        rows = self.norm.pointwise.norm_rope_quant(x, block_starts, self.rope,
+                                                   quant="none" if late else quant,
+                                                   nope_dim=self.nope_dim, **norm)
+        return fake_quant_kv_row(rows, quant) if late else rows
+
+
+def row_quant(cfg: ModelConfig, kind: str) -> str:
+    """The QAT fake-quant of a compressor's rows (see Compressor). V4.1's compressed-KV precision
+    follows `use_fp4_sparse_kv`; a V4 model keeps "fp8_nope" whatever that field says."""
+    if kind == "index":
+        return "hadamard_fp4"
+    if kind != "kv":
+        raise ValueError(f"Compressor kind={kind!r}; allowed: ['kv', 'index']")
+    if cfg.family == "v41":
+        return "fp4_kv" if cfg.use_fp4_sparse_kv else "mxfp8_kv"
+    return "fp8_nope"
 
 
 class Indexer(nn.Module):

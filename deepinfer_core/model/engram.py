@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops.portable_pointwise import gather_rows
 from .engram_inputs import EngramHash, compress_tokenizer, engram_table_sizes
 from .forward_batch import ForwardBatch
 from .layers import E8M0, FP8, Linear, empty, weight_format
@@ -36,18 +37,56 @@ def table_rows(cfg: ModelConfig) -> list[int]:
 
 
 class EngramTable(nn.Module):
-    """`engram.embed`: FP8 rows with one UE8M0 scale per 32 values of a row."""
+    """`engram.embed`: FP8 rows with one UE8M0 scale per 32 values of a row.
+
+    On a GPU the table lives in pinned host memory by default (`keep_on_host`: DeepSeek's engine
+    does the same; a real table is ~100 GB per layer) and the pointwise method's `gather_rows`
+    reads the step's rows from there without a copy or a host synchronisation; `.to(device)`
+    then leaves it where it is."""
 
     def __init__(self, rows: int, dim: int, device="cpu"):
         super().__init__()
         self.register_buffer("weight", empty((rows, dim), FP8, device))
         self.register_buffer("scale", empty((rows, dim // 32), E8M0, device))
+        self.host_resident = False
+        self.gather = gather_rows       # bound by bind_ops(): the pointwise method's gather_rows
+
+    def keep_on_host(self) -> None:
+        """Move the table to pinned host memory for good."""
+        self.weight = self.weight.cpu().pin_memory()
+        self.scale = self.scale.cpu().pin_memory()
+        self.host_resident = True
+
+    def _apply(self, fn, recurse=True):
+        return self if self.host_resident else super()._apply(fn, recurse)
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, K] -> the dequantised rows side by side [T, K * dim], fp32."""
-        w = self.weight[rows].float()
-        s = self.scale[rows].float()
-        return (w.unflatten(-1, (-1, 32)) * s[..., None]).flatten(1)
+        return self.gather(self.weight, self.scale, rows)
+
+
+def engram_storage(device, force_gpu: bool, pointwise) -> str:
+    """Where Engram tables live: "host" (pinned; CUDA with a pointwise method that reads host
+    memory, unless `force_gpu`) or "device"."""
+    if torch.device(device).type != "cuda" or force_gpu:
+        return "device"
+    if not pointwise.reads_host_memory:
+        log.info("Engram tables kept on the device: the pointwise method %s cannot gather from "
+                 "host memory", type(pointwise).__qualname__)
+        return "device"
+    return "host"
+
+
+def place_tables(model: nn.Module, storage: str) -> int:
+    """Move every Engram table to pinned host memory when `storage` is "host" (before the model
+    moves to its device); returns the tables' bytes."""
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, EngramTable):
+            if storage == "host":
+                mod.keep_on_host()
+            total += sum(t.numel() * t.element_size() for t in (mod.weight, mod.scale))
+    return total
 
 
 class Engram(nn.Module):

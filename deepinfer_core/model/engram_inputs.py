@@ -5,8 +5,7 @@ the published formulas are those of DeepSeek's Engram demo (`engram_demo_v1.py`)
 engine (`deepinfer` 0.1.0, `v4_modules/engram_metadata.py`) and TileKernels' `engram_hash_ref`
 (spec `deepseek_v41.md` §11).
 
-Not used by any model yet: the V4.1 model that will feed these ids to its Engram layers is still
-to be written (nothing loads a V4.1 checkpoint today).
+`model/engram.py` (`EngramInputs`) feeds these ids to the Engram layers of a V4.1 model.
 
 Invariants:
 * compressed ids are dense, numbered in order of first appearance while scanning ids 0, 1, ...;

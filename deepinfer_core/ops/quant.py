@@ -115,6 +115,40 @@ def fake_quant_fp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return _unblock(q * s, n).to(x.dtype)
 
 
+def fake_quant_fp4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """FP4 E2M1 values with one E4M3 scale per `block` (V4.1's compressed KV with
+    `use_fp4_sparse_kv`): e2m1(x/s) * s in x.dtype, s = e4m3(amax/6) of each block.
+
+    Choices (DeepSeek's source gives the storage format, not the rounding):
+    * the scale is amax/6 (fp32) rounded to the nearest E4M3 value -- torch's round-to-nearest-even
+      cast to float8_e4m3fn -- after saturating at E4M3's largest value 448; there is no per-tensor
+      second-level scale (288 B/token = 256 B of codes + 32 E4M3 scales);
+    * x/s is clamped to [-6, 6] (a scale rounded down can put amax/s a little above 6) and rounded
+      by `round_to_e2m1` (nearest, ties to the even code, as `fake_quant_fp4`);
+    * a block whose scale is 0 -- all zeros, or amax/6 at most 2^-10 (half of E4M3's smallest
+      subnormal 2^-9) -- gives zeros, never NaN.
+    The result e2m1 * s has at most 6 significant bits and magnitude in [2^-10, 2688], so it is
+    exact in float32, bfloat16 and float16.
+    """
+    xb, n = _blocks_last(x, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    s = (amax / FP4_MAX).clamp_max(FP8_MAX).to(torch.float8_e4m3fn).float()
+    q = round_to_e2m1((xb / s.masked_fill(s == 0, 1.0)).clamp(-FP4_MAX, FP4_MAX))
+    return _unblock(q * s, n).to(x.dtype)
+
+
+def fake_quant_mxfp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """MXFP8: FP8 E4M3 values with one UE8M0 (power-of-two) scale per `block` channels, all channels
+    of the row (V4.1's compressed KV with `use_fp4_sparse_kv` off).
+
+    The scale is DeepSeek's UE8M0 act_quant recipe, s = pow2_ceil(max(amax, 1e-4) / 448) (our
+    choice: the source names the format only), so x/s never exceeds 448; the OCP MX rule
+    2^(floor(log2 amax) - 8) would instead saturate up to half a binade. That is `fake_quant_fp8`
+    with blocks of 32, and like it exact in x.dtype for float32 and bfloat16.
+    """
+    return fake_quant_fp8(x, block)
+
+
 # ---- Hadamard ----------------------------------------------------------------------------------
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 weights) -> runtime weights, with the checks that a requested mode is one the chosen hooks provide."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,8 @@ from ..model.deepseek_v4 import DeepseekV4Model
 from ..plugin_context import BuildContext
 from ..plugins import get_plugin_manager
 
+log = logging.getLogger(__name__)
+
 
 def check_fp4_experts(ops: ModelOps, ctx: BuildContext) -> None:
     """fp4_experts was asked for: the chosen MoE method must keep FP4 experts FP4 (`fp4_experts`)."""
@@ -49,6 +52,16 @@ def check_batch_invariant(ops: ModelOps, sampler: TokenSampler) -> None:
         raise PluginError("DEEPINFER_BATCH_INVARIANT=1 (batch_invariant=True), but these ops are not batch "
                           f"invariant: {'; '.join(missing)}. Is the deepinfer-batch-invariant feature installed "
                           "and not disabled (DEEPINFER_DISABLE_PLUGINS / DEEPINFER_PLUGINS)?")
+
+
+def place_engram(model, device, force_gpu: bool, pointwise) -> None:
+    """Engram tables to pinned host memory (a GPU whose pointwise method reads it), else left to
+    move with the model; logged with their size."""
+    from ..model.engram import engram_storage, place_tables
+    storage = engram_storage(device, force_gpu, pointwise)
+    size = place_tables(model, storage)
+    log.info("Engram tables: %.2f GB in %s memory", size / 1e9,
+             "pinned host" if storage == "host" else f"{device} device")
 
 
 @dataclass
@@ -123,6 +136,8 @@ def load_model(model_dir: str | Path, config: EngineConfig | None = None, expert
         bind_expert_parallel(model, expert_shard.placement, expert_shard.ep_rank, expert_shard.ep_size,
                              expert_shard.group, expert_shard.graph_group)
     process_weights(model)
+    if cfg.engram is not None:
+        place_engram(model, device, config.model.engram_force_gpu_storage, ops.pointwise)
     model.to(device)
     if cfg.engram is not None:
         from ..model.engram import tokenizer_json_for

@@ -1,6 +1,7 @@
-"""The tiny DeepSeek-V4.1 on a CUDA device (the core's portable ops: the nvidia backend declines
-V4.1): greedy tokens and log-probs against the independent float32 reference, bounded replay, and
-an Engram step that never synchronises with the host.
+"""The tiny DeepSeek-V4.1 on a CUDA device (the nvidia backend's pointwise, mHC, linear and MoE
+methods, the core's portable attention): greedy tokens and log-probs against the independent
+float32 reference, bounded replay, Engram tables in pinned host memory (the default) or on the
+device, and an Engram step that never synchronises with the host.
 Run on a GPU machine: `python -m pytest -q -m gpu tests/gpu`."""
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ def test_greedy_tokens_match_the_reference_on_cuda(tiny_v41_dir, mode):
         yoco_prefill_keep_tokens=40,
         max_num_batched_tokens=128,
     )
-    assert type(llm.runner.loaded.ops.attention).__name__ == "PortableAttentionBackend"
+    ops = llm.runner.loaded.ops
+    assert type(ops.attention).__name__ == "PortableAttentionBackend"
+    assert type(ops.pointwise).__name__ == "NvidiaPointwise"
+    table = llm.runner.loaded.model.layers[llm.runner.loaded.model.cfg.engram.layer_ids[0]].engram.embed
+    assert table.weight.device.type == "cpu" and table.weight.is_pinned()
     prompts = _prompts((33, 200, 480))
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
@@ -58,16 +63,20 @@ def test_greedy_tokens_match_the_reference_on_cuda(tiny_v41_dir, mode):
         assert err < 1e-3, f"{mode}: max |logprob difference| {err:.2e}"
 
 
-def test_an_engram_step_never_synchronises(tiny_v41_dir):
-    """Engram's hashing (compressed ids, n-gram ring, hash) and its table gather and gate run on
-    the device without a host synchronisation (tables on the device)."""
+@pytest.mark.parametrize("force_gpu", [False, True])
+def test_an_engram_step_never_synchronises(tiny_v41_dir, force_gpu):
+    """Engram's hashing (compressed ids, n-gram ring, hash), its table gather (from pinned host
+    memory by default, else from the device) and its gate run without a host synchronisation."""
     from deepinfer_core.cache.state_cache import new_sequence_state
     from deepinfer_core.runner.model_loader import load_model
 
-    model = load_model(tiny_v41_dir, dtype="bfloat16", device="cuda").model
+    model = load_model(
+        tiny_v41_dir, dtype="bfloat16", device="cuda", engram_force_gpu_storage=force_gpu
+    ).model
+    layer = model.layers[model.cfg.engram.layer_ids[0]]
+    assert layer.engram.embed.weight.device.type == ("cuda" if force_gpu else "cpu")
     st = new_sequence_state(model.cfg, torch.bfloat16, device="cuda", max_tokens=64)
     batch = ForwardBatch.build([_prompts((20,))[0]], [st], device="cuda")
-    layer = model.layers[model.cfg.engram.layer_ids[0]]
     h = torch.randn(
         20, model.cfg.hc_mult, model.cfg.hidden_size, device="cuda", dtype=torch.bfloat16
     )
@@ -79,3 +88,19 @@ def test_an_engram_step_never_synchronises(tiny_v41_dir):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == h.shape and torch.isfinite(out.float()).all()
+
+
+def test_host_and_device_tables_give_the_same_outputs(tiny_v41_dir):
+    """The pinned-host gather and the device one read the same bytes: equal greedy log-probs."""
+    runs = []
+    for force_gpu in (False, True):
+        llm = LLM(str(tiny_v41_dir), dtype="bfloat16", device="cuda",
+                  engram_force_gpu_storage=force_gpu, max_num_batched_tokens=128)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in _prompts((17, 150))],
+            SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True),
+            use_tqdm=False,
+        )
+        runs.append([[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs])
+        del llm
+    assert runs[0] == runs[1]

@@ -27,7 +27,6 @@ here in `route`, which gives the portable loop's ascending-id order of additions
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from deepinfer_kernels.fp4_experts import Fp4Experts
@@ -38,8 +37,7 @@ from deepinfer_core.parallel.ep_comm import DispatchResult
 from deepinfer_core.parallel.ep_moe import PortableEPExperts
 from deepinfer_core.parallel.ep_padded import PaddedDispatch
 
-if TYPE_CHECKING:
-    from .moe import NvidiaMoEMethod, _Fused
+from .fused_spec import FusedSpec, FusingMoEMethod
 
 
 class NvidiaEPExperts:
@@ -47,7 +45,7 @@ class NvidiaEPExperts:
 
     sort_by_expert = False      # fused layers sum in route order; unfused ones are sorted in `route`
 
-    def __init__(self, method: NvidiaMoEMethod) -> None:
+    def __init__(self, method: FusingMoEMethod) -> None:
         self.method = method
         self.portable = PortableEPExperts(method.portable)
 
@@ -103,18 +101,18 @@ class NvidiaEPExperts:
             return self.portable.slot_modules(moe)
         return [_slot_view(moe, spec, j) for j in range(spec.n_routed)]
 
-    def _outputs(self, moe: nn.Module, spec: _Fused, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+    def _outputs(self, moe: nn.Module, spec: FusedSpec, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  config: dict) -> torch.Tensor:
         """[rows, K1, D] in the compute dtype: `expert_outputs` with `NvidiaMoEMethod.apply`'s flags."""
         w13, w2 = moe.nv_w13, moe.nv_w2
         if spec.n_fp4:
             w13 = Fp4Experts(moe.nv_w13_codes, moe.nv_w13_groups, w13)
             w2 = Fp4Experts(moe.nv_w2_codes, moe.nv_w2_groups, w2)
-        return expert_outputs(x, ids, weights, w13, moe.nv_s13, w2, moe.nv_s2, n_clamped=spec.n_routed,
+        return expert_outputs(x, ids, weights, w13, moe.nv_s13, w2, moe.nv_s2, n_clamped=spec.n_clamped,
                               swiglu_limit=spec.swiglu_limit, quant_in=spec.quant_in, quant_mid=spec.quant_mid,
                               compute_dtype=spec.compute_dtype, config=config)
 
-    def _config(self, spec: _Fused, rows: int, experts: int, device: torch.device) -> dict:
+    def _config(self, spec: FusedSpec, rows: int, experts: int, device: torch.device) -> dict:
         """Tiles for `rows` rows over `experts` experts: the method's override or batch-invariant set
         (`NvidiaMoEMethod._config`), else the heuristic by mean rows per expert (the shared expert: one
         expert with every row, not the stack's S + 1)."""
@@ -126,7 +124,7 @@ class NvidiaEPExperts:
                                fp8_activations=spec.quant_in and spec.quant_mid)
 
 
-def _slot_view(moe: nn.Module, spec: _Fused, j: int) -> nn.Module:
+def _slot_view(moe: nn.Module, spec: FusedSpec, j: int) -> nn.Module:
     """Slot j's weights as views: FP4-kept slots (j < n_fp4) their codes and scale bytes, the others
     their e4m3 rows (the FP8 stacks start at expert n_fp4), each with its FP8 block scales."""
     view = nn.Module()

@@ -22,7 +22,6 @@ experts' linears get a stand-in method whose `process_weights` does nothing.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,32 +31,11 @@ from deepinfer_core.ops.portable_moe import PortableMoE
 from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block
 
 from .ep_experts import NvidiaEPExperts
+from .fused_spec import FusedAway, FusedSpec
 from .linear import Fp8LinearMethod
 
 log = logging.getLogger("deepinfer.nvidia")
 BLOCK = 128
-
-
-@dataclass(frozen=True)
-class _Fused:
-    """Per-layer numerics of the fused path (tensors live as buffers on the MoE module)."""
-    n_routed: int
-    compute_dtype: torch.dtype
-    quant_in: bool          # act_quant of the w1/w3 input
-    quant_mid: bool         # act_quant of the w2 input
-    swiglu_limit: float
-    n_fp4: int              # experts 0..n_fp4-1 kept FP4 (nv_*_codes / nv_*_groups), the rest FP8
-
-
-class _FusedAway:
-    """Stand-in linear method for expert layers whose weights moved into the MoE's stacked tensors."""
-
-    def process_weights(self, layer) -> None:
-        pass
-
-    def apply(self, layer, x):
-        raise RuntimeError("this expert's weights were moved into its MoE layer's fused tensors "
-                           "(NvidiaMoEMethod); run the MoE layer instead")
 
 
 def _expert_fp8(lin) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -188,11 +166,12 @@ class NvidiaMoEMethod:
             lin.scale = None
             if hasattr(lin, "fp8_scale"):
                 lin.fp8_scale = None
-            lin.method = _FusedAway()
+            lin.method = FusedAway()
         for name, t in buffers.items():
             moe.register_buffer(name, t, persistent=False)
-        moe.nv_fused = _Fused(n_routed=len(moe.experts), compute_dtype=dt1, quant_in=q1, quant_mid=q2,
-                              swiglu_limit=float(moe.experts[0].swiglu_limit), n_fp4=n_fp4)
+        moe.nv_fused = FusedSpec(n_routed=len(moe.experts), compute_dtype=dt1, quant_in=q1, quant_mid=q2,
+                              swiglu_limit=float(moe.experts[0].swiglu_limit), n_fp4=n_fp4,
+                                clamp_shared=moe.shared_experts.swiglu_limit > 0)
 
     def route(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k+1] int32, weights [T, k+1] fp32); the last column is the shared expert."""
@@ -232,7 +211,7 @@ class NvidiaMoEMethod:
         if spec.n_fp4:
             w13 = Fp4Experts(moe.nv_w13_codes, moe.nv_w13_groups, w13)
             w2 = Fp4Experts(moe.nv_w2_codes, moe.nv_w2_groups, w2)
-        out = fused_moe(x2, ids, w, w13, moe.nv_s13, w2, moe.nv_s2, n_clamped=spec.n_routed,
+        out = fused_moe(x2, ids, w, w13, moe.nv_s13, w2, moe.nv_s2, n_clamped=spec.n_clamped,
                         swiglu_limit=spec.swiglu_limit, quant_in=spec.quant_in, quant_mid=spec.quant_mid,
                         compute_dtype=spec.compute_dtype, shared_last=True,
                         config=self._config(spec, x2.shape[0], ids.shape[1], moe.nv_s13.shape[0], x.device))

@@ -16,7 +16,9 @@ DEEPINFER_PLUGIN_INFO = {
     "status": "partial",
     "note": "Triton kernels for FP8 linear layers (FP4 experts re-encoded to FP8, or kept FP4 with fp4_experts), the fused FP8 MoE, "
             "sparse attention with the indexer and compressors, mHC, fused RMSNorm/RoPE/KV quant; decode "
-            "CUDA graphs. Not yet: SM100-specific paths",
+            "CUDA graphs; Engram tables gathered from pinned host memory. V4.1 attention (ratio-1/2 "
+            "compressors, shared caches) and FP8 linears in 32x32 blocks run on the core's portable ops. "
+            "Not yet: SM100-specific paths",
 }
 # Either path means a loaded NVIDIA kernel driver (tests may replace this tuple).
 PROBE_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidia0")
@@ -36,11 +38,8 @@ def _fp8_capable(device) -> bool:
 
 
 def _serves(ctx) -> bool:
-    """This backend's ops run V4 models on an SM90+ GPU of the nvidia platform; anything else
-    falls through (V4.1 runs on the core's portable ops on the same GPU: no kernels for its
-    ratio-1/2 compressors, shared caches and shifted mHC yet)."""
-    return (ctx.platform.name == NAME and _fp8_capable(ctx.device)
-            and ctx.model_config.family == "v4")
+    """This backend's ops run on an SM90+ GPU of the nvidia platform; anything else falls through."""
+    return ctx.platform.name == NAME and _fp8_capable(ctx.device)
 
 
 def model_ratios(cfg) -> tuple[int, ...]:
@@ -51,7 +50,9 @@ def model_ratios(cfg) -> tuple[int, ...]:
 
 @hookimpl
 def deepinfer_attention_backend(ctx):
-    if not _serves(ctx):
+    """V4 only: V4.1's ratio-1/2 compressors, shared caches and candidate blocks run on the core's
+    portable attention (on the same GPU) until they have kernels."""
+    if not _serves(ctx) or ctx.model_config.family != "v4":
         return None
     from .attention import NvidiaAttentionBackend
     return NvidiaAttentionBackend(model_ratios(ctx.model_config), official=ctx.simulate_qat)
