@@ -367,11 +367,13 @@ def step_roofline(cfg, ratios: list[int] | tuple[int, ...], q: Queries, cache_el
         import roofline_v41 as V41
         main = [cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers)]
         if list(ratios) != main:
-            raise ValueError(f"roofline: ratios {list(ratios)} are not the V4.1 config's layers {main}")
+            raise ValueError(f"roofline: ratios {list(ratios)} are not the V4.1 config's "
+                             f"layers {main}")
         layers = [V41.block_cost(cfg, i, q, cache_elem, decode) for i in range(len(main))]
         kinds = tuple(V41.layer_kind(cfg, i) for i in range(len(main)))
     else:
-        layers = [block_cost(cfg, r, i < cfg.num_hash_layers, q, cache_elem, decode) for i, r in enumerate(ratios)]
+        layers = [block_cost(cfg, r, i < cfg.num_hash_layers, q, cache_elem, decode)
+                  for i, r in enumerate(ratios)]
     return StepRoofline(layers, head_cost(cfg, q.tokens, logit_rows), tuple(ratios),
                         head_fp32_extra_bytes=2.0 * cfg.vocab_size * cfg.hidden_size, kinds=kinds)
 

@@ -5,7 +5,7 @@ step at checkpoint format, state at the cache's dtype, FLOPs by class) applied t
 What differs from a V4 layer:
 
 * ratios 0 / 1 / 2: C2 compressors pool pairs of tokens with a gate (fp32 tails of kv + gate per
-  token), C1 ones emit one row per token, ungated and without tails; neither overlaps nor has an APE;
+  token), C1 ones emit one row per token, ungated and without tails; no overlap, no APE;
 * cross-layer sharing: only a KV source owns a compressor and writes compressed rows and index keys
   (keys projected from its normalised rows by `indexer.wk`, once per new row); only an index source
   owns an indexer and scores keys; every compressed layer attends its index source's top-k rows,
@@ -14,7 +14,7 @@ What differs from a V4 layer:
   candidate tokens (candidate_topk_blocks x candidate_block_size), the others every visible row;
 * Engram layers gather (max_ngram - 1) x n_heads table rows per token (FP8 + one UE8M0 byte per
   32 values), project them with the FP8 `engram.wkv` and read `q_weight` / `k_weight` (bf16);
-* no hash-routed layers (every gate has its bias), no hc_head (shifted mHC: `roofline.head_cost`).
+* no hash-routed layers (every gate has its bias), no hc_head (shifted mHC, `roofline.head_cost`).
 """
 from __future__ import annotations
 
@@ -34,27 +34,29 @@ from roofline import (
 )
 
 ASSUMPTIONS = [
-    "DeepSeek-V4.1 layers (benchmarks/roofline_v41.py): only KV sources hold a compressor and write "
-    "compressed rows and index keys; only index sources hold an indexer and score keys; sharing layers "
-    "hold neither and read their sources' rows",
-    "weights counted at checkpoint format: FP8 e4m3 + 1 UE8M0 byte per weight block, FP4 experts 0.5 B + "
-    "1 UE8M0 byte per 32, bf16, fp32 (mHC, sinks, gate bias)",
-    "each weight is read once per step (per forward chunk); routed experts: expected distinct experts hit, "
-    "E*(1-(1-k/E)^tokens) (uniform routing)",
-    "embedding: only the step's rows; LM head: the whole bf16 weight (our runtime holds it in fp32: "
-    "see roofline 'head_fp32_extra_bytes'); no hc_head (shifted mHC)",
-    "state at the cache dtype: every layer's window ring rows; every compressed layer the top-k rows it "
-    "attends (min(index_topk, visible rows), C1: one row per token, C2: one per 2 tokens); index sources "
-    "the index keys they score (all visible rows, candidate consumers at most candidate_topk_blocks x "
-    "candidate_block_size); C2 tails fp32 written per token, read when a block closes (amortised); "
-    "C1 has no tails; prefill: state written per token, compressed rows, index keys and (for a later "
-    "chunk) the earlier window read once per layer",
-    "Engram: (max_ngram-1) x n_heads table rows gathered per token and layer (FP8 + 1 UE8M0 byte per 32); "
-    "the id ring and the hashing are not counted; bounded replay (yoco_prefill_truncation_mode) off",
-    "activations, softmax, norms, RoPE, pooling, top-k and Engram's gate are not counted in bytes or FLOPs",
-    "FLOP classes: FP8 = linears with FP8/FP4 weights and quantised inputs (Engram's wkv included) + "
-    "indexer scores; bf16 = wo_a, compressor, indexer-weight and index-key projections, gate, mHC mixes, "
-    "attention, LM head",
+    "DeepSeek-V4.1 layers (benchmarks/roofline_v41.py): only KV sources hold a compressor and "
+    "write compressed rows and index keys; only index sources hold an indexer and score keys; "
+    "sharing layers hold neither and read their sources' rows",
+    "weights counted at checkpoint format: FP8 e4m3 + 1 UE8M0 byte per weight block, FP4 experts "
+    "0.5 B + 1 UE8M0 byte per 32, bf16, fp32 (mHC, sinks, gate bias)",
+    "each weight is read once per step (per forward chunk); routed experts: expected distinct "
+    "experts hit, E*(1-(1-k/E)^tokens) (uniform routing)",
+    "embedding: only the step's rows; LM head: the whole bf16 weight (our runtime holds it in "
+    "fp32: see roofline 'head_fp32_extra_bytes'); no hc_head (shifted mHC)",
+    "state at the cache dtype: every layer's window ring rows; every compressed layer the top-k "
+    "rows it attends (min(index_topk, visible rows); C1: one row per token, C2: one per 2 "
+    "tokens); index sources the index keys they score (every visible row; candidate consumers at "
+    "most candidate_topk_blocks x candidate_block_size); C2 tails fp32 written per token, read "
+    "when a block closes (amortised); C1 has no tails; prefill: state written per token, "
+    "compressed rows, index keys and (for a later chunk) the earlier window read once per layer",
+    "Engram: (max_ngram-1) x n_heads table rows gathered per token and layer (FP8 + 1 UE8M0 byte "
+    "per 32), counted at HBM bandwidth although tables in pinned host memory (ops.engram_tables, "
+    "the engine's default on CUDA) are read over the host link; the id ring and the hashing are "
+    "not counted; bounded replay (yoco_prefill_truncation_mode) off",
+    "activations, softmax, norms, RoPE, pooling, top-k and Engram's gate are not counted",
+    "FLOP classes: FP8 = linears with FP8/FP4 weights and quantised inputs (Engram's wkv "
+    "included) + indexer scores; bf16 = wo_a, compressor, indexer-weight and index-key "
+    "projections, gate, mHC mixes, attention, LM head",
     "time floor = max(bytes / peak_bw, fp8_flops / peak_fp8 + bf16_flops / peak_bf16)",
 ]
 
@@ -64,8 +66,9 @@ def _is_engram(cfg, i: int) -> bool:
 
 
 def layer_kind(cfg, i: int) -> str:
-    """What a layer's step costs depend on: "SWA", or "C<ratio> source" (owns a compressor and an
-    indexer), "C<ratio> index" (owns an indexer only), "C<ratio> shared" (neither); "+Engram"."""
+    """What a layer's step costs depend on: "SWA", or "C<ratio> source" (owns a compressor and
+    an indexer), "C<ratio> index" (owns an indexer only), "C<ratio> shared" (neither);
+    "+Engram"."""
     r = cfg.layer_ratio(i)
     if not r:
         kind = "SWA"
@@ -77,15 +80,16 @@ def layer_kind(cfg, i: int) -> str:
 
 
 def dense_linears(cfg, i: int) -> list[tuple[LinearSpec, float]]:
-    """Every non-routed-expert linear of layer `i`, with the rows it runs on per token (1, or 1/ratio
-    for the index-key projection of new compressed rows)."""
+    """Every non-routed-expert linear of layer `i`, with the rows it runs on per token (1, or
+    1/ratio for the index-key projection of new compressed rows)."""
     D, H, Dh, qr = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
-    f, r = _dense_fmt(cfg), cfg.layer_ratio(i)
-    out = [LinearSpec("attn.wq_a", qr, D, f, _cls(f)), LinearSpec("attn.wq_b", H * Dh, qr, f, _cls(f)),
-           LinearSpec("attn.wkv", Dh, D, f, _cls(f)),
-           LinearSpec("attn.wo_a", cfg.o_groups * cfg.o_lora_rank, H * Dh // cfg.o_groups, f, "bf16"),
-           LinearSpec("attn.wo_b", D, cfg.o_groups * cfg.o_lora_rank, f, _cls(f))]
-    out = [(s, 1.0) for s in out]
+    f, r, lo = _dense_fmt(cfg), cfg.layer_ratio(i), cfg.o_groups * cfg.o_lora_rank
+    attn = [LinearSpec("attn.wq_a", qr, D, f, _cls(f)),
+            LinearSpec("attn.wq_b", H * Dh, qr, f, _cls(f)),
+            LinearSpec("attn.wkv", Dh, D, f, _cls(f)),
+            LinearSpec("attn.wo_a", lo, H * Dh // cfg.o_groups, f, "bf16"),
+            LinearSpec("attn.wo_b", D, lo, f, _cls(f))]
+    out = [(s, 1.0) for s in attn]
     source = bool(r) and cfg.kv_source(i) == i
     if source:
         out.append((LinearSpec("attn.compressor.wkv", Dh, D, "bf16", "bf16"), 1.0))
@@ -97,11 +101,11 @@ def dense_linears(cfg, i: int) -> list[tuple[LinearSpec, float]]:
                 (LinearSpec("attn.indexer.weights_proj", Hi, D, "bf16", "bf16"), 1.0)]
         if source:
             out.append((LinearSpec("attn.indexer.wk", Di, Dh, "bf16", "bf16"), 1.0 / r))
-    I = cfg.moe_intermediate_size
+    inter = cfg.moe_intermediate_size
     out += [(LinearSpec("ffn.gate", cfg.n_routed_experts, D, "bf16", "bf16"), 1.0),
-            (LinearSpec("ffn.shared_experts.w1", I, D, f, _cls(f)), 1.0),
-            (LinearSpec("ffn.shared_experts.w3", I, D, f, _cls(f)), 1.0),
-            (LinearSpec("ffn.shared_experts.w2", D, I, f, _cls(f)), 1.0)]
+            (LinearSpec("ffn.shared_experts.w1", inter, D, f, _cls(f)), 1.0),
+            (LinearSpec("ffn.shared_experts.w3", inter, D, f, _cls(f)), 1.0),
+            (LinearSpec("ffn.shared_experts.w2", D, inter, f, _cls(f)), 1.0)]
     if _is_engram(cfg, i):
         ec = cfg.engram
         width = (ec.max_ngram - 1) * ec.n_heads * ec.head_dim
@@ -115,8 +119,8 @@ def block_small_bytes(cfg, i: int) -> dict[str, int]:
     D, hc, Dh, r = cfg.hidden_size, cfg.hc_mult, cfg.head_dim, cfg.layer_ratio(i)
     n_mix = (2 + hc) * hc
     out = {"mhc": 2 * 4 * (n_mix * hc * D + n_mix + 3),
-           "norms": 2 * (2 * D + cfg.q_lora_rank + Dh),               # attn/ffn norm, q_norm, kv_norm
-           "other_fp32": 4 * cfg.num_attention_heads + 4 * cfg.n_routed_experts}   # sink, gate.bias
+           "norms": 2 * (2 * D + cfg.q_lora_rank + Dh),       # attn/ffn norm, q_norm, kv_norm
+           "other_fp32": 4 * cfg.num_attention_heads + 4 * cfg.n_routed_experts}   # sink, bias
     if r and cfg.kv_source(i) == i:
         out["norms"] += 2 * Dh                                         # compressor.norm
         if cfg.index_source(i) == i:
@@ -176,10 +180,12 @@ def block_cost(cfg, i: int, q: Queries, cache_elem: float, decode: bool) -> Cost
     c.add_flops("bf16", 2 * 2 * n_mix * hc * D * T)                      # mHC mixes (attn, ffn)
     if _is_engram(cfg, i):
         ec = cfg.engram
-        c.add_bytes("engram_gather", T * (ec.max_ngram - 1) * ec.n_heads * (ec.head_dim + ec.head_dim // 32))
+        rows = T * (ec.max_ngram - 1) * ec.n_heads
+        c.add_bytes("engram_gather", rows * (ec.head_dim + ec.head_dim // 32))
 
     pairs = attention_pairs(cfg, i, q)
-    c.add_flops("bf16", 4 * cfg.num_attention_heads * Dh * (pairs["window"] + pairs["compressed"]))
+    keys = pairs["window"] + pairs["compressed"]
+    c.add_flops("bf16", 4 * cfg.num_attention_heads * Dh * keys)
     c.add_flops("fp8", 2 * cfg.index_n_heads * Di * pairs["indexed"])
 
     c.add_bytes("state_write", T * Dh * cache_elem)                      # the ring row
@@ -188,16 +194,17 @@ def block_cost(cfg, i: int, q: Queries, cache_elem: float, decode: bool) -> Cost
         c.add_bytes("state_read", pairs["compressed"] * Dh * cache_elem)
         c.add_bytes("state_read", pairs["indexed"] * Di * cache_elem)
     else:
-        visible = q.seqs * (q.start + q.count) // r if r else 0          # rows of this and earlier chunks
+        visible = q.seqs * (q.start + q.count) // r if r else 0   # rows of this + earlier chunks
         if q.start:
-            c.add_bytes("state_read", q.seqs * min(q.start, cfg.sliding_window) * Dh * cache_elem)
+            earlier = q.seqs * min(q.start, cfg.sliding_window)
+            c.add_bytes("state_read", earlier * Dh * cache_elem)
         c.add_bytes("state_read", visible * Dh * cache_elem)
         if pairs["indexed"]:
             c.add_bytes("state_read", visible * Di * cache_elem)
     if r and cfg.kv_source(i) == i:
-        c.add_bytes("state_write", T / r * (Dh + Di) * cache_elem)       # compressed rows + index keys
+        c.add_bytes("state_write", T / r * (Dh + Di) * cache_elem)   # compressed rows, index keys
         if r > 1:
-            c.add_bytes("state_write", T * Dh * 4 * 2)                    # tails: kv + gate, fp32
-            if decode:                                                    # pooled when a block closes
-                c.add_bytes("state_read", T * Dh * 4 * 2)                # (amortised per token)
+            c.add_bytes("state_write", T * Dh * 4 * 2)             # tails: kv + gate, fp32
+            if decode:                                             # pooled when a block closes
+                c.add_bytes("state_read", T * Dh * 4 * 2)         # (amortised per token)
     return c

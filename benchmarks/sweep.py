@@ -4,9 +4,10 @@ same random weights, in one process.
 
 The model is V4-Flash at full width with `--layers` layers (CSA/HCA alternating, FP8 dense weights
 and FP8 experts, random values; `sweep_model`). A DeepSeek-V4.1 `--config` (model_type deepseek_v41,
-e.g. tests/data/deepseek-v4.1-flash) is cut by the shared V4.1 cut (`v41_cut`: window-only, C2 and C1
-layers with their sources, FP4 experts, Engram tables of `--engram-rows` rows), costed by
-`roofline_v41`, and never compared with transformers (no V4.1 model there). Decode steps run at fabricated state of the wanted
+e.g. tests/data/deepseek-v4.1-flash) is cut by the shared V4.1 cut (`v41_cut`: window-only, C2
+and C1 layers with their sources, FP4 experts, Engram tables of at most `--engram-rows` rows),
+costed by `roofline_v41`, extrapolated to the config's own depth and never compared with
+transformers (which has no V4.1 model). Decode steps run at fabricated state of the wanted
 context (no prefill of batch x context tokens); prefill runs one prompt from position 0. Every shape
 gets its roofline (`roofline`: the bytes and FLOPs the step must move) and per-layer and 43-layer
 figures (`sweep_report`). Prints tables, writes benchmarks/results/sweep_<gpu>.json and a PNG.
@@ -32,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))     # the sibling modul
 
 import roofline as RL  # noqa: E402
 import roofline_v41 as RL41  # noqa: E402
-from sweep_model import (bench_config, build_random_model, cache_layout, default_expert_dtype,  # noqa: E402
-                         finish_model, full_config, load_base_config, prefill_cache, random_ids,
-                         use_cuda_core_moe, weight_bytes)
-from sweep_report import (extrapolate, fractions, print_tables, print_verdicts, sweep_assumptions,  # noqa: E402
-                          verdicts)
-from v41_cut import DEFAULT_ENGRAM_ROWS, cut_notes, family, text_keys  # noqa: E402
+from sweep_model import (  # noqa: E402
+    bench_config, build_random_model, cache_layout, default_expert_dtype, finish_model, full_config,
+    load_base_config, prefill_cache, random_ids, use_cuda_core_moe, weight_bytes)
+from sweep_report import (  # noqa: E402
+    extrapolate, fractions, print_tables, print_verdicts, sweep_assumptions, verdicts)
 from sweep_timing import Clock, free, run_decode, run_prefill  # noqa: E402
+from v41_cut import DEFAULT_ENGRAM_ROWS, cut_notes, family, text_keys  # noqa: E402
 
 from deepinfer_core.config import ModelConfig  # noqa: E402
 from deepinfer_core.model import ForwardBatch  # noqa: E402
@@ -63,15 +64,16 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--no-qat", action="store_true", help="simulate_qat=False (default: the engine's True)")
     m.add_argument("--tiny", action="store_true", help="tiny dimensions (deepinfer_core/tools/tiny_config.py)")
     m.add_argument("--config", default=None, help="config.json to take the width from (default: the real V4-Flash config in tests/data)")
-    m.add_argument("--layers", type=int, default=4, help="main layers built and run (V4: CSA/HCA alternating; "
-                   "V4.1: the shared V4.1 cut, benchmarks/v41_cut.py)")
+    m.add_argument("--layers", type=int, default=4,
+                   help="main layers built and run (V4: CSA/HCA alternating; V4.1: the shared V4.1 "
+                        "cut, benchmarks/v41_cut.py)")
     m.add_argument("--full-layers", type=int, default=None,
-                   help="depth the figures are extrapolated to (default: 43; V4.1: the config's own depth)")
+                   help="depth the figures are extrapolated to (default: 43; V4.1: the config's)")
     m.add_argument("--expert-dtype", default=None, choices=("fp8", "fp4", "bf16"),
-                   help="routed experts (default: fp8; V4.1: fp4, fixed by its quantization_config)")
+                   help="routed experts (default: fp8; V4.1: fp4, set by its quantization_config)")
     m.add_argument("--engram-rows", type=int, default=DEFAULT_ENGRAM_ROWS,
-                   help="V4.1: Engram table rows per head and n-gram order (engram_vocab_size; the real "
-                        "tables need ~100 GB per layer; 0: the config's own)")
+                   help="V4.1: Engram table rows per head and n-gram order at most "
+                        "(engram_vocab_size; real tables need ~100 GB a layer; 0: the config's)")
     m.add_argument("--fp4-experts", action="store_true",
                    help="with --expert-dtype fp4: keep the experts FP4 in the fused MoE (LLM(fp4_experts=True)) "
                         "instead of re-encoding them to FP8 at load")
@@ -256,11 +258,12 @@ def main(argv: list[str] | None = None) -> dict:
     if a.vocab:
         text_keys(base)["vocab_size"] = a.vocab
     a.expert_dtype = a.expert_dtype or default_expert_dtype(base)
-    a.full_layers = a.full_layers or (int(text_keys(base)["num_hidden_layers"]) if fam == "v41" else 43)
+    own_depth = int(text_keys(base)["num_hidden_layers"])
+    a.full_layers = a.full_layers or (own_depth if fam == "v41" else 43)
     try:
         cfg_dict = bench_config(base, a.layers, a.expert_dtype, a.engram_rows or None)
         full_dict = full_config(base, cfg_dict, a.full_layers)
-    except ValueError as e:                       # a V4.1 cut's --layers / --expert-dtype / --engram-rows
+    except ValueError as e:               # a V4.1 cut's --layers / --expert-dtype / --engram-rows
         raise SystemExit(f"sweep: {e}") from None
     if a.cuda_core_moe is not None:
         use_cuda_core_moe(a.cuda_core_moe)
@@ -284,8 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt_bytes = weight_bytes(built.model)
     layout = cache_layout(cfg, built.ctx.torch_dtype, built.ctx.simulate_qat, a.kv_cache_dtype)
     if a.no_hf or fam == "v41":
-        hf, hf_info = None, {"status": "not run: --no-hf" if a.no_hf else
-                             "not run: transformers has no DeepSeek-V4.1 model (model_type deepseek_v41)"}
+        hf, hf_info = None, {"status": "not run: --no-hf" if a.no_hf else "not run: transformers "
+                             "has no DeepSeek-V4.1 model (model_type deepseek_v41)"}
     else:
         hf, hf_info = hf_build(a, cfg_dict, built)
     hf_none = {"status": hf_info["status"]} if fam == "v41" else None     # V4: "not run: --no-hf"
@@ -308,8 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
             row["status"] = _err(e)
         free(dev)
         finish_row(row, RL.prefill_roofline(cfg, ratios, n, a.prefill_chunk, elem),
-                   RL.prefill_roofline(full_cfg, full_ratios, n, a.prefill_chunk, elem), kinds, full_kinds, peaks,
-                   None if a.no_hf else hf_pre.get(n, hf_none), n)
+                   RL.prefill_roofline(full_cfg, full_ratios, n, a.prefill_chunk, elem), kinds,
+                   full_kinds, peaks, None if a.no_hf else hf_pre.get(n, hf_none), n)
         prefill_rows.append(row)
         print(f"[sweep] prefill {n}: {row['status']} {row.get('step_ms', float('nan')):.3f} ms", flush=True)
     graph_note: dict = {}
@@ -323,8 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
                 row["status"] = _err(e)
             free(dev)
             finish_row(row, RL.decode_roofline(cfg, ratios, b, c, elem),
-                       RL.decode_roofline(full_cfg, full_ratios, b, c, elem), kinds, full_kinds, peaks,
-                       None if a.no_hf else hf_dec.get((b, c), hf_none), b)
+                       RL.decode_roofline(full_cfg, full_ratios, b, c, elem), kinds, full_kinds,
+                       peaks, None if a.no_hf else hf_dec.get((b, c), hf_none), b)
             decode_rows.append(row)
             print(f"[sweep] decode b{b} c{c}: {row['status']} {row.get('step_ms', float('nan')):.3f} ms", flush=True)
     vs = verdicts(decode_rows, prefill_rows)
@@ -335,7 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
         "gpu": gpu, "device": str(dev), "commit": _git("rev-parse", "HEAD") or None,
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "versions": versions(),
         "command": [sys.executable, *sys.argv] if argv is None else ["sweep.py", *argv],
-        "family": fam, "config_source": source, "config": cfg_dict, "layers": a.layers, "ratios": ratios,
+        "family": fam, "config_source": source, "config": cfg_dict, "layers": a.layers,
+        "ratios": ratios,
         "full_layers": a.full_layers, "full_ratios": full_ratios, "ops": built.ops_summary(),
         "weights": {"checkpoint_format_bytes": ckpt_bytes, "runtime_bytes": weight_bytes(built.model),
                     "note": "MTP block not built (never run)"},
@@ -350,11 +354,13 @@ def main(argv: list[str] | None = None) -> dict:
         "hf": hf_info, "prefill": prefill_rows, "decode": decode_rows, "verdicts": vs,
     }
     if fam == "v41":
-        result.update(layer_kinds=kinds, full_layer_kinds=full_kinds, v41_cut=cut_notes(base, cfg_dict))
+        result.update(layer_kinds=kinds, full_layer_kinds=full_kinds,
+                      v41_cut=cut_notes(base, cfg_dict))
         result["weights"]["note"] = "DSpark drafter stages dropped by the V4.1 cut (never run)"
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "sweep_" + gpu.replace(" ", "_") + ("_v41" if fam == "v41" else "") + ("_tiny" if a.tiny else "") + ("_kvfp8" if layout.kv_fp8 else "") \
+    stem = "sweep_" + gpu.replace(" ", "_") + ("_v41" if fam == "v41" else "") \
+        + ("_tiny" if a.tiny else "") + ("_kvfp8" if layout.kv_fp8 else "") \
         + ("_invariant" if a.batch_invariant else "") + ("_fp4experts" if a.fp4_experts else "") \
         + ("" if a.cuda_core_moe is None else f"_ccmoe{a.cuda_core_moe:g}")
     png = out_dir / f"{stem}.png"

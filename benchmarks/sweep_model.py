@@ -1,5 +1,5 @@
 """The sweep's model: a V4-Flash-width DeepSeek-V4 with few layers and random weights, built without a
-checkpoint on disk, plus fabricated decode state. A DeepSeek-V4.1 config (`model_type: deepseek_v41`)
+checkpoint on disk, plus fabricated decode state. A DeepSeek-V4.1 config (model_type deepseek_v41)
 is cut by the benchmarks' shared V4.1 cut (`v41_cut.cut_v41`: valid topology, both YOCO halves,
 shrunk Engram tables) and its Engram layers hash with the installed V4 tokenizer.
 
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from v41_cut import DEFAULT_ENGRAM_ROWS, cut_v41, family, text_keys
 
 from deepinfer_core.cache.sequence_state import SequenceState
 from deepinfer_core.cache.state_cache import CacheLayout, StateCache
@@ -31,12 +32,16 @@ from deepinfer_core.engine_config import EngineConfig
 from deepinfer_core.model import ModelOps, bind_ops, build_model, process_weights
 from deepinfer_core.model.attention import Numerics
 from deepinfer_core.model.dummy_weights import fill_dummy_weights
+from deepinfer_core.model.engram import EngramTable
 from deepinfer_core.ops.kv_fp8 import pack_kv_fp8
 from deepinfer_core.plugin_context import BuildContext, normalize_dtype
 from deepinfer_core.plugins import get_plugin_manager
-from deepinfer_core.runner.model_loader import check_batch_invariant, check_fp4_experts
+from deepinfer_core.runner.model_loader import (
+    check_batch_invariant,
+    check_fp4_experts,
+    place_engram,
+)
 from deepinfer_core.tools.tiny_config import tiny_config_dict
-from v41_cut import DEFAULT_ENGRAM_ROWS, cut_v41, family, text_keys
 
 REPO = Path(__file__).resolve().parents[1]
 # the real V4-Flash config.json, kept in the repository (see its README there)
@@ -83,8 +88,8 @@ def bench_config(base: dict[str, Any], layers: int, expert_dtype: str = "fp8",
         have = text_keys(base).get("expert_dtype") or (base.get("quantization_config") or {}).get(
             "expert_dtype", "bf16")
         if expert_dtype != have:
-            raise ValueError(f"--expert-dtype {expert_dtype}: a DeepSeek-V4.1 config's quantization_config "
-                             f"fixes its routed experts; allowed: {have}")
+            raise ValueError(f"--expert-dtype {expert_dtype}: a DeepSeek-V4.1 config's "
+                             f"quantization_config fixes its routed experts; allowed: {have}")
         return cut_v41(base, layers, engram_rows=engram_rows)
     d = copy.deepcopy(base)
     n_base, n_mtp = int(base["num_hidden_layers"]), int(base.get("num_nextn_predict_layers", 1))
@@ -139,7 +144,15 @@ class Built:
                 "simulate_qat": self.ctx.simulate_qat,
                 "linear": {f: name(m) for f, m in self.ops.linear.items()},
                 "attention": name(self.ops.attention), "moe": name(self.ops.moe), "mhc": name(self.ops.mhc),
-                "plugins": self.plugins}
+                "plugins": self.plugins, **self._engram()}
+
+    def _engram(self) -> dict[str, Any]:
+        """Where the Engram tables are (V4.1): pinned host memory or the model's device."""
+        tables = [m for m in self.model.modules() if isinstance(m, EngramTable)]
+        if not tables:
+            return {}
+        host = all(t.host_resident for t in tables)
+        return {"engram_tables": "pinned host memory" if host else str(self.ctx.device)}
 
 
 def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str = "bfloat16",
@@ -174,9 +187,14 @@ def build_random_model(cfg_dict: dict[str, Any], device: str | None, dtype: str 
 
 
 def finish_model(built: Built) -> None:
-    """The rest of load_model: bind the op objects, let them convert the weights to runtime form."""
+    """The rest of load_model: bind the op objects, let them convert the weights to runtime form,
+    and put Engram tables where the loader does (pinned host memory on CUDA unless
+    DEEPINFER_ENGRAM_FORCE_GPU_STORAGE)."""
     bind_ops(built.model, built.ops, Numerics(dtype=built.ctx.torch_dtype, simulate_qat=built.ctx.simulate_qat))
     process_weights(built.model)
+    if built.cfg.engram is not None:
+        force_gpu = built.ctx.options.model.engram_force_gpu_storage
+        place_engram(built.model, built.ctx.device, force_gpu, built.ops.pointwise)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -24,11 +24,11 @@ TARGETS = {
 def extrapolate(measured_ms: float, split: dict | None, ratios: list, full_ratios: list,
                 roof: StepRoofline, peaks: Peaks) -> dict:
     """Per-layer and full-depth time from the measured step. With a split: each layer kind's mean
-    block time (V4: kind = ratio; window-only layers, absent from the sweep model, take the HCA time:
-    an HCA block is a window block plus a cheap compressor; V4.1: kind = roofline_v41.layer_kind, one
-    absent from the measured model takes `_v41_fallback`'s) and the measured remainder for embed +
-    head, all scaled to `measured_ms`. Without one: mean block time, embed + head at their roofline
-    floor."""
+    block time (V4: kind = ratio; window-only layers, absent from the sweep model, take the HCA
+    time: an HCA block is a window block plus a cheap compressor; V4.1: kind =
+    roofline_v41.layer_kind, one absent from the measured model takes `_v41_fallback`'s) and the
+    measured remainder for embed + head, all scaled to `measured_ms`. Without one: mean block
+    time, embed + head at their roofline floor."""
     L = len(ratios)
     if split and split.get("total_ms", 0) > 0:
         f = measured_ms / split["total_ms"]
@@ -51,8 +51,9 @@ def extrapolate(measured_ms: float, split: dict | None, ratios: list, full_ratio
             return _v41_fallback(r, kind_ms, mean_layer)
         return kind_ms.get(128, mean_layer)
     full = eh + sum(kind_time(r) for r in full_ratios)
-    out = {"per_layer_ms": mean_layer, "per_kind_ms": {str(r): t for r, t in sorted(kind_ms.items())},
-           "embed_head_ms": eh, "full_ms": full, "full_layers": len(full_ratios), "source": source}
+    per_kind = {str(r): t for r, t in sorted(kind_ms.items())}
+    out = {"per_layer_ms": mean_layer, "per_kind_ms": per_kind, "embed_head_ms": eh,
+           "full_ms": full, "full_layers": len(full_ratios), "source": source}
     missing = sorted({r for r in full_ratios if isinstance(r, str) and r not in kind_ms})
     if missing:
         out["estimated_kinds"] = {r: kind_time(r) for r in missing}
@@ -79,16 +80,19 @@ def sweep_assumptions(family: str) -> list[str]:
     outside = ("embedding, Engram hashing, the final stream collapse, LM head" if v41 else
                "embedding, hc_head, LM head")
     return (roofline_v41.ASSUMPTIONS if v41 else roofline.ASSUMPTIONS) + [
-        "decode state fabricated: random pools, num_tokens = context, one new token per sequence at position "
-        "context, no commit (every timed step writes the same position); at a context that is a multiple of "
-        "128 the timed step closes no compressed block (the roofline amortises the pooling over steps)",
-        "per-layer figures: block times from CUDA events on forward hooks (one extra run), scaled to the median; "
-        "embed+head = the remainder; full-depth figures = embed+head + the schedule's layers at their kind's "
-        f"time ({full})",
-        f"embed_head_ms = time outside the blocks: {outside} and the step's host-side batch building",
+        "decode state fabricated: random pools, num_tokens = context, one new token per sequence "
+        "at position context, no commit (every timed step writes the same position); at a context "
+        "that is a multiple of 128 the timed step closes no compressed block (the roofline "
+        "amortises the pooling over steps)",
+        "per-layer figures: block times from CUDA events on forward hooks (one extra run), scaled "
+        "to the median; embed+head = the remainder; full-depth figures = embed+head + the "
+        f"schedule's layers at their kind's time ({full})",
+        f"embed_head_ms = time outside the blocks: {outside} and the step's host-side "
+        "batch building",
         "verdicts: the performance targets (sweep_report.TARGETS) on the measured model "
-        "(the full-depth figures are in each roofline and FP8-peak verdict's info); the transformers "
-        "comparison uses the measured model; decode step = min(eager, CUDA graph) median"]
+        "(the full-depth figures are in each roofline and FP8-peak verdict's info); the "
+        "transformers comparison uses the measured model; decode step = min(eager, CUDA graph) "
+        "median"]
 
 
 def fractions(ms: float, roof: StepRoofline, peaks: Peaks) -> dict:

@@ -88,12 +88,19 @@ class Clock:
 def layer_split(model: torch.nn.Module, fn: Callable[[], object], clock: Clock,
                 setup: Callable[[], object] | None = None) -> dict:
     """One run of `fn` with an event before and after every block: ms per layer (summed over the
-    chunks of a chunked prefill), the whole run, and the remainder outside the blocks."""
+    chunks of a chunked prefill), the whole run, and the remainder outside the blocks. A V4.1 block
+    runs through `forward_shifted` (no module call, so no hooks: wrapped for the run instead) and
+    its Engram (called by the model before the block) counts as the block's."""
     marks: list[tuple[int, str, object]] = []
-    hooks = []
+    hooks, wrapped = [], []
     for i, layer in enumerate(model.layers):
-        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: marks.append((i, "s", clock.mark()))))
-        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: marks.append((i, "e", clock.mark()))))
+        parts = [layer] + ([layer.engram] if getattr(layer, "engram", None) is not None else [])
+        for m in parts:
+            hooks += [m.register_forward_pre_hook(lambda m, a, i=i: _mark(marks, i, "s", clock)),
+                      m.register_forward_hook(lambda m, a, o, i=i: _mark(marks, i, "e", clock))]
+        if getattr(model, "cfg", None) is not None and model.cfg.hc_shifted:
+            layer.forward_shifted = _marked(layer.forward_shifted, i, marks, clock)
+            wrapped.append(layer)
     try:
         if setup is not None:
             setup()
@@ -104,6 +111,8 @@ def layer_split(model: torch.nn.Module, fn: Callable[[], object], clock: Clock,
     finally:
         for h in hooks:
             h.remove()
+        for layer in wrapped:
+            del layer.forward_shifted           # the class's method again
     per = [0.0] * len(model.layers)
     open_marks: dict[int, object] = {}
     for i, kind, m in marks:
@@ -113,6 +122,20 @@ def layer_split(model: torch.nn.Module, fn: Callable[[], object], clock: Clock,
             per[i] += clock.elapsed_ms(open_marks.pop(i), m)
     total = clock.elapsed_ms(start, end)
     return {"layers_ms": per, "total_ms": total, "embed_head_ms": max(0.0, total - sum(per))}
+
+
+def _mark(marks: list, i: int, kind: str, clock: Clock) -> None:
+    marks.append((i, kind, clock.mark()))
+
+
+def _marked(method: Callable, i: int, marks: list, clock: Clock) -> Callable:
+    """`method` with a start and an end mark of layer `i` around every call."""
+    def run(*args, **kwargs):
+        _mark(marks, i, "s", clock)
+        out = method(*args, **kwargs)
+        _mark(marks, i, "e", clock)
+        return out
+    return run
 
 
 def cuda_graph_timing(model: torch.nn.Module, batch, clock: Clock, reps: int = 10,
@@ -142,7 +165,7 @@ def free(device) -> None:
         torch.cuda.empty_cache()
 
 
-# ---- the sweep's runs of our engine ---------------------------------------------------------------
+# ---- the sweep's runs of our engine --------------------------------------------------------
 
 def run_prefill(built, layout, n: int, chunk: int, clock: Clock, a) -> dict:
     """One `n`-token prompt from position 0 in chunks of `chunk`, on a fresh state each run."""
@@ -172,22 +195,25 @@ def run_decode(built, layout, b: int, c: int, clock: Clock, a, graph_note: dict)
     model, dev = built.model, built.ctx.device
     cache, states = decode_states(layout, b, c, dev, a.seed)
     toks = [[t] for t in random_ids(b, built.cfg.vocab_size, a.seed + b + c)]
-    run = lambda: model(ForwardBatch.build(toks, states, dev))  # noqa: E731  (no commit: same position every run)
+    # no commit: every run writes the same position
+    run = lambda: model(ForwardBatch.build(toks, states, dev))  # noqa: E731
     with torch.no_grad():
         t = clock.time(run, None, a.warmup, a.reps, a.max_shape_seconds)
         split = layer_split(model, run, clock)
     out = {"ours": {"eager": t.to_dict()}, "split": split, "step_ms": t.median_ms}
     if a.cuda_graph and clock.cuda:
         if graph_note.get("broken"):
-            out["ours"]["cuda_graph"] = {"status": f"not tried: capture failed earlier ({graph_note['broken']})"}
+            why = f"not tried: capture failed earlier ({graph_note['broken']})"
+            out["ours"]["cuda_graph"] = {"status": why}
         else:
             try:
-                g = cuda_graph_timing(model, ForwardBatch.build(toks, states, dev), clock, max(a.reps, 10),
-                                      a.max_shape_seconds)
+                g = cuda_graph_timing(model, ForwardBatch.build(toks, states, dev), clock,
+                                      max(a.reps, 10), a.max_shape_seconds)
                 out["ours"]["cuda_graph"] = {"status": "ok", **g.to_dict()}
                 out["step_ms"] = min(out["step_ms"], g.median_ms)
-            except Exception as e:                      # a sync or host read inside the forward
-                graph_note["broken"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            except Exception as e:                # a sync or host read inside the forward
+                first = str(e).splitlines()[0][:200] if str(e) else ""
+                graph_note["broken"] = f"{type(e).__name__}: {first}"
                 out["ours"]["cuda_graph"] = {"status": f"failed: {graph_note['broken']}"}
                 free(dev)
     return out

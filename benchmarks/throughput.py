@@ -4,8 +4,9 @@ of the same batch beside it, so the engine's host overhead is a number.
 What it runs, in one process (the model is built once; a V4-Flash-width model takes a while):
 1. `LLM(model=DIR, load_format="dummy" | "auto", ...)`: a checkpoint (`--model`), or a temporary
    directory holding only a config.json (`--config`, default the real V4-Flash config, cut to `--layers`
-   layers the way `benchmarks/sweep.py` cuts it: CSA/HCA alternating, FP8 experts; or `--tiny`) with
-   random weights of its shape. The construction time is reported as start-up.
+   layers the way `benchmarks/sweep.py` cuts it: CSA/HCA alternating, FP8 experts; a DeepSeek-V4.1
+   config by the shared V4.1 cut, `v41_cut.py`; or `--tiny`) with random weights of its shape. The
+   construction time is reported as start-up.
 2. The first request of the process, then one more like it (another prompt of the same length): cold
    and warm time to first token (a kernel compiled inside a user's first request shows as cold >> warm;
    `--fresh-kernel-cache` empties Triton's cache first, as on a fresh machine).
@@ -68,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))     # the sibling modul
 
 import throughput_metrics as TM  # noqa: E402
 import throughput_run as TR  # noqa: E402
+from v41_cut import DEFAULT_ENGRAM_ROWS, family  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -85,11 +87,16 @@ def parser() -> argparse.ArgumentParser:
                    "(deepinfer_core/tools/tiny_config.py: the bundled tiny model's shape)")
     m.add_argument("--load-format", choices=("auto", "dummy"), default=None,
                    help="LLM(load_format=...): default auto with --model, dummy with --config/--tiny")
-    m.add_argument("--layers", type=int, default=None, help="main layers of a --config model (default 4, cut "
-                   "as sweep.py does: CSA/HCA alternating) or of --tiny (default 8, its own schedule)")
+    m.add_argument("--layers", type=int, default=None,
+                   help="main layers of a --config model (default 4, cut as sweep.py does: "
+                        "CSA/HCA alternating; V4.1: benchmarks/v41_cut.py) or of --tiny (default "
+                        "8, its own schedule)")
     m.add_argument("--expert-dtype", choices=("fp8", "fp4", "bf16"), default=None,
-                   help="routed experts of a dummy model (default: fp8 for --config as in the sweep, the "
-                   "tiny config's fp4 for --tiny)")
+                   help="routed experts of a dummy model (default: fp8 for --config as in the "
+                        "sweep, fp4 for a V4.1 --config, the tiny config's fp4 for --tiny)")
+    m.add_argument("--engram-rows", type=int, default=DEFAULT_ENGRAM_ROWS,
+                   help="V4.1 --config: Engram table rows per head and n-gram order at most "
+                        "(0: the config's)")
     m.add_argument("--mtp", action="store_true", help="keep the config's MTP blocks in a dummy model (built, "
                    "never run without speculative decoding); default: dropped")
     m.add_argument("--device", default=None, help="torch device (default: the detected platform's)")
@@ -334,7 +341,9 @@ class Run:
                         else ["benchmarks/throughput.py", *self.argv]),
             "settings": settings, "label": self.label,
             "model": {"path": None if spec.tmp_dir else spec.path, "load_format": spec.load_format,
-                      "config_source": spec.source, "config": spec.config, "notes": spec.notes},
+                      "config_source": spec.source, "config": spec.config, "notes": spec.notes,
+                      "family": family(spec.config) if spec.config else None,
+                      **({"v41_cut": spec.cut} if spec.cut else {})},
             "engine": self.info, "startup_s": self.builds[0]["startup_s"] if self.builds else None,
             "builds": self.builds, "async_switch": self.switch, "first_request": self.first,
             "forward_context": self.context, "rows": self.rows,

@@ -29,8 +29,10 @@ from typing import Any
 import torch
 
 import throughput_metrics as TM
-from sweep_model import bench_config, cache_layout, decode_states, full_config, load_base_config, random_ids
+from sweep_model import (bench_config, cache_layout, decode_states, default_expert_dtype,
+                         full_config, load_base_config, random_ids)
 from sweep_timing import Clock, cuda_graph_timing
+from v41_cut import DEFAULT_ENGRAM_ROWS, cut_notes, family, text_keys
 
 FORWARD_MAX_SECONDS = 30.0        # a slow forward shape stops repeating after this (the sweep's rule)
 
@@ -65,6 +67,7 @@ class ModelSpec:
     label: str
     tmp_dir: Path | None = None     # the written config dir (removed at the end)
     notes: list[str] = field(default_factory=list)
+    cut: dict | None = None         # a V4.1 config's cut (v41_cut.cut_notes)
 
 
 def dummy_config(a: argparse.Namespace) -> tuple[dict, str, str]:
@@ -73,7 +76,9 @@ def dummy_config(a: argparse.Namespace) -> tuple[dict, str, str]:
     real V4-Flash config by default) cut to `--layers` (4) by the sweep's `bench_config` (CSA/HCA
     alternating, FP8 experts), so the model is the sweep's; at the config's own layer count it is the whole
     model, with the config's own schedule (V4-Flash: two window-only layers first). MTP blocks are dropped
-    unless `--mtp`: the engine never runs them without speculative decoding, they would only take memory."""
+    unless `--mtp`: the engine never runs them without speculative decoding, they would only take
+    memory. A V4.1 `--config`: the shared V4.1 cut (`v41_cut`; FP4 experts, Engram tables of at most
+    `--engram-rows` rows per head and order, the DSpark drafter dropped, so `--mtp` is refused)."""
     if a.tiny:
         from deepinfer_core.tools.tiny_config import tiny_config_dict
         cfg = tiny_config_dict(**({"num_hidden_layers": a.layers} if a.layers else {}))
@@ -84,11 +89,18 @@ def dummy_config(a: argparse.Namespace) -> tuple[dict, str, str]:
     else:
         base, source = load_base_config(a.config)
         layers = a.layers or 4
-        cfg = bench_config(base, layers, a.expert_dtype or "fp8")
-        if layers == int(base["num_hidden_layers"]):
+        if family(base) == "v41" and a.mtp:
+            raise SystemExit("throughput: --mtp: a DeepSeek-V4.1 --config model has no MTP "
+                             "block (the V4.1 cut drops its DSpark drafter stages)")
+        try:
+            cfg = bench_config(base, layers, a.expert_dtype or default_expert_dtype(base),
+                               getattr(a, "engram_rows", DEFAULT_ENGRAM_ROWS) or None)
+        except ValueError as e:          # a V4.1 cut's --layers / --expert-dtype / --engram-rows
+            raise SystemExit(f"throughput: {e}") from None
+        if family(base) == "v4" and layers == int(base["num_hidden_layers"]):
             cfg = full_config(base, cfg, layers)
         label = f"{Path(source).parent.name}_{layers}L"
-    if not a.mtp:
+    if not a.mtp and family(cfg) == "v4":          # (a V4.1 cut has no drafter stages left)
         cfg["compress_ratios"] = list(cfg["compress_ratios"][:int(cfg["num_hidden_layers"])])
         cfg["num_nextn_predict_layers"] = 0
     return cfg, source, label
@@ -114,15 +126,18 @@ def prepare_model(a: argparse.Namespace) -> ModelSpec:
     tmp = Path(tempfile.mkdtemp(prefix="deepinfer-throughput-"))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     spec = ModelSpec(str(tmp), "dummy", source, cfg, label, tmp)
+    if family(cfg) == "v41":
+        spec.cut = cut_notes(load_base_config(a.config)[0], cfg)
+    vocab = int(text_keys(cfg)["vocab_size"])
     try:
         from tokenizers import Tokenizer
         from deepinfer_core.tools.make_tiny_checkpoint import TOKENIZER_FILES, tokenizer_dir
         n = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json")).get_vocab_size()
-        if n == int(cfg["vocab_size"]):
+        if n == vocab:
             for name in TOKENIZER_FILES:
                 shutil.copyfile(tokenizer_dir() / name, tmp / name)
         else:
-            spec.notes.append(f"no tokenizer: the V4 tokenizer has {n} tokens, the config {cfg['vocab_size']}")
+            spec.notes.append(f"no tokenizer: the V4 tokenizer has {n} tokens, the config {vocab}")
     except Exception as e:                  # no tokenizer package: the run still works, undetokenized
         spec.notes.append(f"no tokenizer: {type(e).__name__}: {e}")
     return spec

@@ -14,7 +14,7 @@ layers and C1 consumer layers (the producer half takes an odd one), so both YOCO
 At the base's own depth the base's topology is kept as it is. The DSpark drafter stages
 (`num_nextn_predict_layers`, `dspark_*`) are dropped: their target layers name the uncut stack.
 Engram tables hold hundreds of millions of rows per layer at the real `engram_vocab_size` (16M per
-head and order): `engram_rows` replaces it (default `DEFAULT_ENGRAM_ROWS`, ~2.4M rows and ~0.6 GB
+head and order): `engram_rows` caps it (default `DEFAULT_ENGRAM_ROWS`, ~2.4M rows and ~0.6 GB
 per Engram layer at V4.1-Flash width). A token gathers the same number of rows either way, so
 only the table's memory changes, not the work of a step.
 """
@@ -79,8 +79,8 @@ def cut_v41(
     flag: str = "--layers",
 ) -> dict[str, Any]:
     """`base` (a V4.1 config) cut to `layers` main layers (module docstring). `experts`: routed
-    experts per layer (None: the base's); `engram_rows`: each order's `engram_vocab_size` (None:
-    the base's). `flag` names the option in errors."""
+    experts per layer (None: the base's); `engram_rows`: each order's `engram_vocab_size` at most
+    (None: the base's). `flag` names the option in errors."""
     if family(base) != "v41":
         raise ValueError("cut_v41: the config is not DeepSeek-V4.1 (model_type deepseek_v41)")
     cfg = copy.deepcopy(base)
@@ -107,7 +107,10 @@ def cut_v41(
     if engram_rows is not None and t.get("engram_layer_ids"):
         if engram_rows < 2:
             raise ValueError(f"--engram-rows {engram_rows}: allowed: an int >= 2")
-        t["engram_vocab_size"] = [engram_rows] * (int(t["engram_max_ngram_size"]) - 1)
+        orders = int(t["engram_max_ngram_size"]) - 1
+        sizes = t["engram_vocab_size"]
+        sizes = [sizes] * orders if isinstance(sizes, int) else list(sizes)
+        t["engram_vocab_size"] = [min(int(v), engram_rows) for v in sizes]
     return cfg
 
 

@@ -51,7 +51,7 @@ class Compressor(nn.Module):
             self.wkv.compute_dtype = self.wgate.compute_dtype = torch.float32
         self.norm = RMSNorm(dim, cfg.rms_norm_eps, device=device)
         self.nope_dim = dim - cfg.qk_rope_head_dim
-        self.quant = row_quant(cfg, kind)
+        self.quant = self.row_quant(cfg, kind)
         self.rope: RotaryTable | None = None
         self.numerics = Numerics()
 
@@ -86,17 +86,17 @@ class Compressor(nn.Module):
                                                    nope_dim=self.nope_dim, **norm)
         return fake_quant_kv_row(rows, quant) if late else rows
 
-
-def row_quant(cfg: ModelConfig, kind: str) -> str:
-    """The QAT fake-quant of a compressor's rows (see Compressor). V4.1's compressed-KV precision
-    follows `use_fp4_sparse_kv`; a V4 model keeps "fp8_nope" whatever that field says."""
-    if kind == "index":
-        return "hadamard_fp4"
-    if kind != "kv":
-        raise ValueError(f"Compressor kind={kind!r}; allowed: ['kv', 'index']")
-    if cfg.family == "v41":
-        return "fp4_kv" if cfg.use_fp4_sparse_kv else "mxfp8_kv"
-    return "fp8_nope"
+    @staticmethod
+    def row_quant(cfg: ModelConfig, kind: str) -> str:
+        """The QAT fake-quant of a compressor's rows. V4.1's compressed-KV precision follows
+        `use_fp4_sparse_kv`; a V4 model keeps "fp8_nope" whatever that field says."""
+        if kind == "index":
+            return "hadamard_fp4"
+        if kind != "kv":
+            raise ValueError(f"Compressor kind={kind!r}; allowed: ['kv', 'index']")
+        if cfg.family == "v41":
+            return "fp4_kv" if cfg.use_fp4_sparse_kv else "mxfp8_kv"
+        return "fp8_nope"
 
 
 class Indexer(nn.Module):

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool) -> bool:
+def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool,
+                   family: str = "v4") -> bool:
     """Whether window rings and compressed rows are stored as packed FP8 (`ops.kv_fp8`).
 
     "auto" (as in vLLM) keeps the model dtype; "bfloat16" says so explicitly. "fp8" stores 584 B
@@ -42,6 +43,10 @@ def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool) 
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; allowed: {', '.join(map(repr, KV_CACHE_DTYPES))}")
     if kv_cache_dtype == "fp8" and dtype != torch.bfloat16:
         raise ValueError(f"kv_cache_dtype='fp8' needs dtype='bfloat16' (the RoPE dims stay bf16), got {dtype}")
+    if kv_cache_dtype == "fp8" and family != "v4":
+        # V4.1 rounds its compressed rows to FP4 (or MXFP8): V4's packed layout would round them again
+        raise ValueError(f"kv_cache_dtype='fp8' is V4's packed row layout; a {family} model allows "
+                         f"'auto' or 'bfloat16'")
     return kv_cache_dtype == "fp8"
 
 
@@ -122,7 +127,8 @@ class ModelRunner:
         if self.expert_parallel and not config.model.enforce_eager and torch.device(self.device).type == "cuda":
             log.info("expert parallel over %d ranks: decode %s", expert_shard.ep_size,
                      "replays CUDA graphs (fixed-size exchanges)" if ep_graphs else "runs eagerly (no CUDA graphs)")
-        self.kv_fp8 = resolve_kv_fp8(config.cache.kv_cache_dtype, self.dtype, config.model.simulate_qat)
+        self.kv_fp8 = resolve_kv_fp8(config.cache.kv_cache_dtype, self.dtype, config.model.simulate_qat,
+                                     self.model.cfg.family)
         self.graphs: DecodeGraphs | None = None
         self.cache: StateCache | None = None
         self._cache_request: CacheRequest | None = None

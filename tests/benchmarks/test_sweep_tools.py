@@ -2,7 +2,8 @@
 a small case, the weight inventory against the model's own buffers), random-weight construction, the
 plot's graceful degradation, and one end-to-end run of benchmarks/sweep.py on the tiny config with
 transformers on the same weights (float32, QAT off: the logits must agree, which checks the in-memory
-weight mapping) and one without.
+weight mapping) and one without. DeepSeek-V4.1: the shared cut (v41_cut) of the width config, the V4.1
+roofline (roofline_v41) against the model's buffers and by hand, and the sweep on a tiny V4.1.
 """
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import roofline as RL  # noqa: E402
+import roofline_v41 as RL41  # noqa: E402
 import sweep_model as SM  # noqa: E402
+import v41_cut  # noqa: E402
 from deepinfer_core.config import ModelConfig  # noqa: E402
 from deepinfer_core.model import build_model  # noqa: E402
 from deepinfer_core.tools.tiny_config import tiny_config_dict  # noqa: E402
+from deepinfer_core.tools.tiny_config_v41 import tiny_v41_config_dict  # noqa: E402
+
+V41_WIDTH = BENCH.parent / "tests" / "data" / "deepseek-v4.1-flash" / "config.json"
 
 
 def tiny_cfg(ratios: list[int], **kw) -> ModelConfig:
@@ -249,3 +255,118 @@ def test_cuda_core_moe_flag_switches_the_tile_heuristic(monkeypatch):
     assert "gemv_rows" not in moe.moe_tile_config(1, 7, 257, fp4=True)
     with pytest.raises(ValueError, match="allowed: 0"):
         SM.use_cuda_core_moe(-1)
+
+
+# ---- DeepSeek-V4.1 -----------------------------------------------------------------------------
+
+def test_v41_cut_of_the_width_config():
+    """Every depth from the minimum to the full one is a valid V4.1 config with both YOCO halves; the
+    layout at 8 and 12 layers (bounded_replay's --per-half 5 uses the same cut); the full depth keeps
+    the base's topology; Engram tables capped; too few layers refused naming --layers."""
+    base = json.loads(V41_WIDTH.read_text())
+    assert v41_cut.family(base) == "v41" and v41_cut.min_layers(base) == 4
+    for n in range(4, 41):
+        cfg = ModelConfig.from_dict(v41_cut.cut_v41(base, n))
+        assert cfg.num_hidden_layers == n and 2 < cfg.n_prefill_layer < n
+    t = v41_cut.cut_v41(base, 8)["text_config"]
+    assert t["compress_ratios"] == [0, 0, 2, 2, 2, 1, 1, 1] and t["kv_source_layer_ids"] == [2, 5]
+    assert t["index_source_layer_ids"] == [2, 5] and t["candidate_source_layer_id"] == 5
+    assert t["engram_layer_ids"] == [1, 4] and t["engram_vocab_size"] == [100003] * 3
+    import bounded_replay
+    t = bounded_replay.cut_width_config(5, 32, 7)["text_config"]
+    assert t["compress_ratios"] == [0, 0] + [2] * 5 + [1] * 5
+    assert t["kv_source_layer_ids"] == [2, 7] and t["index_source_layer_ids"] == [2, 7, 11]
+    assert t["candidate_source_layer_id"] == 7 and t["engram_layer_ids"] == [1, 6]
+    assert t["n_routed_experts"] == 32 and t["engram_vocab_size"] == [7] * 3
+    full = v41_cut.cut_v41(base, 40, engram_rows=None)["text_config"]
+    assert full == base["text_config"]
+    for bad in (3, 41):
+        with pytest.raises(ValueError, match=rf"--layers: {bad} layers; allowed .*: 4\.\.40"):
+            v41_cut.cut_v41(base, bad)
+    with pytest.raises(ValueError, match="--expert-dtype fp8.*allowed: fp4"):
+        SM.bench_config(base, 4, "fp8")
+    # 8 layers at full width (all 384 FP4 experts) with the capped Engram tables fit one 80 GB GPU
+    model = build_model(ModelConfig.from_dict(SM.bench_config(base, 8, "fp4")), device="meta")
+    assert 55e9 < sum(t.numel() * t.element_size() for t in model.state_dict().values()) < 70e9
+
+
+def test_v41_weight_inventory_matches_the_models_buffers():
+    """roofline_v41's weights of every kind of layer (sources, sharers, Engram) = the model's buffers."""
+    cfg = ModelConfig.from_dict(tiny_v41_config_dict())
+    sd = build_model(cfg, device="meta").state_dict()
+
+    def nbytes(names):
+        return sum(sd[n].numel() * sd[n].element_size() for n in names)
+    kinds = [RL41.layer_kind(cfg, i) for i in range(8)]
+    assert kinds == ["SWA", "SWA+Engram", "C2 source", "C2 shared+Engram", "C2 source", "C1 source",
+                     "C1 shared", "C1 index"]
+    for i in range(8):
+        pre = f"layers.{i}."
+        dense = [n for n in sd if n.startswith(pre) and ".ffn.experts." not in n and ".engram.embed." not in n]
+        want = sum(RL.linear_bytes(s.out_f, s.in_f, s.fmt, cfg.weight_block_size)
+                   for s, _ in RL41.dense_linears(cfg, i))
+        assert nbytes(dense) == want + sum(RL41.block_small_bytes(cfg, i).values()), kinds[i]
+        assert nbytes([n for n in sd if n.startswith(pre + "ffn.experts.0.")]) == RL.expert_bytes(cfg)
+    head = RL.head_cost(cfg, 1, 1)
+    assert "mhc" not in head.bytes and not any(n.startswith("hc_head") for n in sd)   # shifted mHC
+
+
+def test_v41_decode_roofline_by_hand():
+    """Tiny V4.1 (window 16, top-8, C2 then C1, candidate blocks 8 x 4, Engram 2 orders x 2 heads x 32),
+    batch 2 at context 300 (u = 301 positions visible), bf16 cache: the state each kind of layer reads
+    and writes, and the indexer's work."""
+    cfg = ModelConfig.from_dict(tiny_v41_config_dict())
+    roof = RL.decode_roofline(cfg, list(cfg.compress_ratios), 2, 300)
+    L, row = roof.layers, 128 * 2
+    # C2 source: 15 older window rows, top-8 of 150 C2 rows, 150 index keys scored, the fp32 tails
+    # (128 kv + 128 gate per token) pooled when a block closes; writes ring row, C2 row + index key
+    # (1 per 2 tokens) and the tails
+    assert L[2].bytes["state_read"] == 2 * (15 + 8 + 150) * row + 2 * 128 * 8
+    assert L[2].bytes["state_write"] == 2 * row + 2 / 2 * (row + row) + 2 * 128 * 8
+    assert L[2].flops["fp8"] - L[4].flops["fp8"] == 0                       # both C2 sources
+    # C1 source (the candidate source): every one of 301 rows scored, no tails, a row + key per token
+    assert L[5].bytes["state_read"] == 2 * (15 + 8 + 301) * row
+    assert L[5].bytes["state_write"] == 2 * row + 2 * (row + row)
+    # C1 shared: window + its source's top-8 rows only; C1 index (candidate consumer): 32 candidates
+    assert L[6].bytes["state_read"] == 2 * (15 + 8) * row and L[6].bytes["state_write"] == 2 * row
+    assert L[7].bytes["state_read"] == 2 * (15 + 8 + 32) * row
+    assert L[7].flops["fp8"] - L[6].flops["fp8"] == (
+        2 * 8 * 128 * 2 * 32                                                # index scores
+        + 2 * (8 * 128 * 128) * 2)                                          # indexer.wq_b (FP8)
+    assert L[3].bytes["engram_gather"] == 2 * 2 * 2 * (32 + 1) and "engram_gather" not in L[2].bytes
+    assert roof.to_dict(RL.Peaks())["per_kind"].keys() == set(RL41.layer_kind(cfg, i) for i in range(8))
+    with pytest.raises(ValueError, match="not the V4.1 config's layers"):
+        RL.decode_roofline(cfg, [4, 128], 2, 300)
+
+
+V41_SMOKE = ["--device", "cpu", "--layers", "4", "--vocab", "1024", "--dtype", "float32", "--batches", "1,2",
+             "--contexts", "40", "--prefill", "64", "--warmup", "0", "--reps", "1", "--no-plot"]
+
+
+def test_sweep_end_to_end_on_a_tiny_v41(tmp_path):
+    """The tiny V4.1 cut to 4 layers (SWA, SWA+Engram, C2 source+Engram, C1 source): every shape runs,
+    the per-layer split sees every block (shifted mHC calls no module), transformers is skipped with the
+    reason, the roofline is V4.1's and the figures extrapolate to the config's own 8 layers."""
+    import sweep
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_v41_config_dict(drafter=True)))
+    result = sweep.main(V41_SMOKE + ["--config", str(path), "--out-dir", str(tmp_path / "out")])
+    data = json.loads(Path(result["json_path"]).read_text())
+    assert data["family"] == "v41" and Path(result["json_path"]).name == "sweep_cpu_v41.json"
+    assert data["ratios"] == [0, 0, 2, 1] and data["full_layers"] == 8 and len(data["full_ratios"]) == 8
+    assert data["layer_kinds"] == ["SWA", "SWA+Engram", "C2 source+Engram", "C1 source"]
+    assert data["v41_cut"]["drafter"].startswith("dropped") and data["v41_cut"]["engram_layer_ids"] == [1, 2]
+    assert data["hf"]["status"].startswith("not run: transformers has no DeepSeek-V4.1 model")
+    assert any("DeepSeek-V4.1 layers" in x for x in data["assumptions"])
+    assert [(r["batch"], r["context"]) for r in data["decode"]] == [(1, 40), (2, 40)]
+    for r in data["decode"] + data["prefill"]:
+        assert r["status"] == "ok", r["status"]
+        assert r["hf"]["status"] == data["hf"]["status"] and "speedup_vs_hf" not in r
+        assert all(ms > 0 for ms in r["split"]["layers_ms"]) and len(r["split"]["layers_ms"]) == 4
+        assert set(r["roofline"]["bench"]["per_kind"]) == set(data["layer_kinds"])
+        assert r["roofline"]["bench"]["bytes"]["engram_gather"] > 0
+        ex = r["extrapolated"]
+        assert ex["full_layers"] == 8 and set(ex["estimated_kinds"]) == {"C2 source", "C2 shared+Engram",
+                                                                         "C1 shared", "C1 index"}
+    with pytest.raises(SystemExit, match="--layers: 3 layers; allowed .*4..8"):
+        sweep.main(V41_SMOKE[:2] + ["--layers", "3", "--config", str(path)])

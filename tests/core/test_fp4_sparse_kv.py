@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.model.attention import Compressor, row_quant
+from deepinfer_core.model.attention import Compressor
 from deepinfer_core.model.rope import RotaryTable
 from deepinfer_core.ops.portable_pointwise import (
     PORTABLE,
@@ -238,7 +238,7 @@ def test_v4_compressors_keep_their_rounding():
                                         nope_dim=c.nope_dim)
         assert c.quant == quant and torch.equal(c.finalize(pooled, starts), want)
     with pytest.raises(ValueError, match=r"kind='kvx'; allowed: \['kv', 'index'\]"):
-        row_quant(cfg, "kvx")
+        Compressor.row_quant(cfg, "kvx")
 
 
 # ---- the rows the engine caches ----------------------------------------------------------------
@@ -298,3 +298,13 @@ def test_tiny_v4_keeps_fp8_nope_rows(tiny_ckpt_dir):
         assert e4m3_pow2_ok(rows[:, :nope], 64).all()
         assert not e4m3_pow2_ok(rows[:, nope:], 32).all()               # RoPE channels unrounded
         assert not fp4_e4m3_ok(rows, 16).all()
+
+
+def test_fp8_kv_cache_is_refused_for_v41():
+    """V4's packed FP8 rows would round V4.1's FP4 rows a second time: the option is refused,
+    naming it and the values a V4.1 model allows."""
+    from deepinfer_core.runner.model_runner import resolve_kv_fp8
+    assert resolve_kv_fp8("fp8", torch.bfloat16, True, "v4") is True
+    assert resolve_kv_fp8("auto", torch.bfloat16, True, "v41") is False
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*'auto' or 'bfloat16'"):
+        resolve_kv_fp8("fp8", torch.bfloat16, True, "v41")
