@@ -7,7 +7,8 @@ memory through unified virtual addressing (a pinned CPU tensor's pointer is vali
 accepts it). The row ids are computed on the device and never leave it, so a step that gathers
 from host-resident tables neither copies them nor waits for the host.
 
-Reference: `deepinfer_core.ops.portable_pointwise.gather_rows` (index, then `fp8.float() * 2^(e-127)`).
+Reference: `deepinfer_core.ops.portable_pointwise.gather_rows` (index, then
+`fp8.float() * 2^(e-127)`).
 The FP8 and scale bytes are decoded from their bits (exact, and the same in the interpreter):
 E4M3 normal values are 2^(e-7) * (1 + m/8), subnormal ones m * 2^-9; the E4M3 NaN code is not
 expected in a table and decodes as 480.
@@ -42,7 +43,8 @@ def engram_gather(weight: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor)
     """weight [R, dim] float8_e4m3fn and scale [R, dim / 32] float8_e8m0fnu (device memory, or
     pinned host memory), rows [T, K] int64 on the device -> [T, K * dim] fp32 on rows' device."""
     R, dim = weight.shape
-    if weight.dtype != torch.float8_e4m3fn or scale.shape != (R, dim // SCALE_BLOCK) or dim % SCALE_BLOCK:
+    bad_scale = scale.shape != (R, dim // SCALE_BLOCK)
+    if weight.dtype != torch.float8_e4m3fn or bad_scale or dim % SCALE_BLOCK:
         raise ValueError(f"engram_gather: weight [R, dim] float8_e4m3fn with dim a multiple of "
                          f"{SCALE_BLOCK} and scale [R, dim/{SCALE_BLOCK}], got {weight.dtype} "
                          f"{tuple(weight.shape)} and {tuple(scale.shape)}")

@@ -41,7 +41,8 @@ def test_greedy_tokens_match_the_reference_on_cuda(tiny_v41_dir, mode):
     ops = llm.runner.loaded.ops
     assert type(ops.attention).__name__ == "PortableAttentionBackend"
     assert type(ops.pointwise).__name__ == "NvidiaPointwise"
-    table = llm.runner.loaded.model.layers[llm.runner.loaded.model.cfg.engram.layer_ids[0]].engram.embed
+    model = llm.runner.loaded.model
+    table = model.layers[model.cfg.engram.layer_ids[0]].engram.embed
     assert table.weight.device.type == "cpu" and table.weight.is_pinned()
     prompts = _prompts((33, 200, 480))
     outs = llm.generate(

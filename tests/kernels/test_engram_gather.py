@@ -32,7 +32,8 @@ def test_gather_matches_the_portable_gather_bitwise(kdev, dim):
 
 def test_no_rows_and_bad_tables(kdev):
     weight, scale = _table(8, 64)
-    empty = engram_gather(weight.to(kdev), scale.to(kdev), torch.zeros((0, 3), dtype=torch.long, device=kdev))
+    none = torch.zeros((0, 3), dtype=torch.long, device=kdev)
+    empty = engram_gather(weight.to(kdev), scale.to(kdev), none)
     assert empty.shape == (0, 192)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         engram_gather(weight.float(), scale, torch.zeros((1, 1), dtype=torch.long))

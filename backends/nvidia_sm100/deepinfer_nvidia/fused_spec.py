@@ -18,7 +18,7 @@ class FusedSpec:
     quant_in: bool          # act_quant of the w1/w3 input
     quant_mid: bool         # act_quant of the w2 input
     swiglu_limit: float
-    n_fp4: int              # experts 0..n_fp4-1 kept FP4 (nv_*_codes / nv_*_groups), the rest FP8
+    n_fp4: int              # experts 0..n_fp4-1 kept FP4 (nv_*_codes / nv_*_groups), rest FP8
     clamp_shared: bool = False      # the shared expert is SwiGLU-clamped too (V4.1)
 
     @property
@@ -28,7 +28,7 @@ class FusedSpec:
 
 
 class FusedAway:
-    """Stand-in linear method for expert layers whose weights moved into the MoE's stacked tensors."""
+    """Stand-in linear method for expert layers whose weights moved into the MoE's stacks."""
 
     def process_weights(self, layer) -> None:
         pass
@@ -48,4 +48,5 @@ class FusingMoEMethod(Protocol):
     def route(self, moe: nn.Module, x: torch.Tensor,
               input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def _config(self, spec: FusedSpec, rows: int, k: int, experts: int, device: Any) -> dict | None: ...
+    def _config(self, spec: FusedSpec, rows: int, k: int, experts: int,
+                device: Any) -> dict | None: ...
