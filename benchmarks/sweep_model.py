@@ -74,9 +74,12 @@ def load_base_config(path: str | None = None, tiny: bool = False) -> tuple[dict[
 
 
 def default_expert_dtype(base: dict[str, Any]) -> str:
-    """The sweep's routed-expert format: FP8 for V4 (the sweep's choice), FP4 for V4.1 (fixed by its
-    quantization_config)."""
-    return "fp4" if family(base) == "v41" else "fp8"
+    """The sweep's routed-expert format: FP8 for V4 (the sweep's choice); for V4.1 the one its
+    quantization_config fixes (FP4; bf16 without one, as the engine reads it)."""
+    if family(base) != "v41":
+        return "fp8"
+    qc = base.get("quantization_config", text_keys(base).get("quantization_config"))
+    return (qc or {}).get("expert_dtype", "fp4" if qc else "bf16")
 
 
 def bench_config(base: dict[str, Any], layers: int, expert_dtype: str = "fp8",
@@ -85,8 +88,7 @@ def bench_config(base: dict[str, Any], layers: int, expert_dtype: str = "fp8",
     every linear FP8 (experts too unless `expert_dtype` says otherwise). A V4.1 base: the shared
     V4.1 cut (`engram_rows`: Engram table rows per head and order, None: the base's)."""
     if family(base) == "v41":
-        have = text_keys(base).get("expert_dtype") or (base.get("quantization_config") or {}).get(
-            "expert_dtype", "bf16")
+        have = default_expert_dtype(base)
         if expert_dtype != have:
             raise ValueError(f"--expert-dtype {expert_dtype}: a DeepSeek-V4.1 config's "
                              f"quantization_config fixes its routed experts; allowed: {have}")
@@ -206,11 +208,13 @@ def weight_bytes(model: nn.Module) -> int:
 
 def cache_layout(cfg: ModelConfig, dtype: torch.dtype, simulate_qat: bool = True,
                  kv_cache_dtype: str = "auto") -> CacheLayout:
-    """The engine's layout: the runner's backtrack default (env table) and KV storage choice."""
+    """The engine's layout: the runner's backtrack default (env table) and KV storage choice (a
+    V4.1 model refuses 'fp8', V4's packed rows)."""
     from deepinfer_core.envs import read_settings
     from deepinfer_core.runner.model_runner import resolve_kv_fp8
+    kv_fp8 = resolve_kv_fp8(kv_cache_dtype, dtype, simulate_qat, cfg.family)
     return CacheLayout.from_config(cfg, dtype, read_settings().effective_max_backtracking_tokens,
-                                   kv_fp8=resolve_kv_fp8(kv_cache_dtype, dtype, simulate_qat))
+                                   kv_fp8=kv_fp8)
 
 
 @torch.no_grad()

@@ -223,7 +223,8 @@ def candidate_rows(scores: torch.Tensor, valid: torch.Tensor, block_size: int, n
     block = padded.view(n, nb, block_size).amax(-1).clamp(max=BF16_MAX)
     seen = valid.sum(dim=1)
     last = ((seen - 1).clamp(min=0) // block_size)[:, None]
-    block = block.scatter(1, last, torch.where(seen[:, None] > 0, float("inf"), float("-inf")))
+    pin = torch.where(seen[:, None] > 0, float("inf"), float("-inf")).to(block.dtype)
+    block = block.scatter(1, last, pin)
     top = torch.sort(block, dim=-1, descending=True, stable=True).indices[:, :n_blocks]
     keep = torch.zeros(n, nb, dtype=torch.bool, device=scores.device).scatter_(1, top, True)
     keep &= block > float("-inf")

@@ -2,8 +2,8 @@
 a small case, the weight inventory against the model's own buffers), random-weight construction, the
 plot's graceful degradation, and one end-to-end run of benchmarks/sweep.py on the tiny config with
 transformers on the same weights (float32, QAT off: the logits must agree, which checks the in-memory
-weight mapping) and one without. DeepSeek-V4.1: the shared cut (v41_cut) of the width config, the V4.1
-roofline (roofline_v41) against the model's buffers and by hand, and the sweep on a tiny V4.1.
+weight mapping) and one without. DeepSeek-V4.1: the shared cut (v41_cut) of the width config, the
+V4.1 roofline (roofline_v41) against the model's buffers and by hand, the sweep on a tiny V4.1.
 """
 from __future__ import annotations
 
@@ -260,9 +260,9 @@ def test_cuda_core_moe_flag_switches_the_tile_heuristic(monkeypatch):
 # ---- DeepSeek-V4.1 -----------------------------------------------------------------------------
 
 def test_v41_cut_of_the_width_config():
-    """Every depth from the minimum to the full one is a valid V4.1 config with both YOCO halves; the
-    layout at 8 and 12 layers (bounded_replay's --per-half 5 uses the same cut); the full depth keeps
-    the base's topology; Engram tables capped; too few layers refused naming --layers."""
+    """Every depth from the minimum to the full one is a valid V4.1 config with both YOCO halves;
+    the layout at 8 and 12 layers (bounded_replay's --per-half 5 uses the same cut); the full depth
+    keeps the base's topology; Engram tables capped; too few layers refused naming --layers."""
     base = json.loads(V41_WIDTH.read_text())
     assert v41_cut.family(base) == "v41" and v41_cut.min_layers(base) == 4
     for n in range(4, 41):
@@ -291,30 +291,33 @@ def test_v41_cut_of_the_width_config():
 
 
 def test_v41_weight_inventory_matches_the_models_buffers():
-    """roofline_v41's weights of every kind of layer (sources, sharers, Engram) = the model's buffers."""
+    """roofline_v41's weights of every kind of layer (sources, sharers, Engram) = the model's
+    buffers."""
     cfg = ModelConfig.from_dict(tiny_v41_config_dict())
     sd = build_model(cfg, device="meta").state_dict()
 
     def nbytes(names):
         return sum(sd[n].numel() * sd[n].element_size() for n in names)
     kinds = [RL41.layer_kind(cfg, i) for i in range(8)]
-    assert kinds == ["SWA", "SWA+Engram", "C2 source", "C2 shared+Engram", "C2 source", "C1 source",
-                     "C1 shared", "C1 index"]
+    assert kinds == ["SWA", "SWA+Engram", "C2 source", "C2 shared+Engram", "C2 source",
+                     "C1 source", "C1 shared", "C1 index"]
     for i in range(8):
         pre = f"layers.{i}."
-        dense = [n for n in sd if n.startswith(pre) and ".ffn.experts." not in n and ".engram.embed." not in n]
+        dense = [n for n in sd if n.startswith(pre) and ".ffn.experts." not in n
+                 and ".engram.embed." not in n]
         want = sum(RL.linear_bytes(s.out_f, s.in_f, s.fmt, cfg.weight_block_size)
                    for s, _ in RL41.dense_linears(cfg, i))
         assert nbytes(dense) == want + sum(RL41.block_small_bytes(cfg, i).values()), kinds[i]
-        assert nbytes([n for n in sd if n.startswith(pre + "ffn.experts.0.")]) == RL.expert_bytes(cfg)
+        expert0 = [n for n in sd if n.startswith(pre + "ffn.experts.0.")]
+        assert nbytes(expert0) == RL.expert_bytes(cfg)
     head = RL.head_cost(cfg, 1, 1)
     assert "mhc" not in head.bytes and not any(n.startswith("hc_head") for n in sd)   # shifted mHC
 
 
 def test_v41_decode_roofline_by_hand():
-    """Tiny V4.1 (window 16, top-8, C2 then C1, candidate blocks 8 x 4, Engram 2 orders x 2 heads x 32),
-    batch 2 at context 300 (u = 301 positions visible), bf16 cache: the state each kind of layer reads
-    and writes, and the indexer's work."""
+    """Tiny V4.1 (window 16, top-8, C2 then C1, candidate blocks 8 x 4, Engram 2 orders x 2 heads
+    x 32), batch 2 at context 300 (u = 301 positions visible), bf16 cache: the state each kind of
+    layer reads and writes, and the indexer's work."""
     cfg = ModelConfig.from_dict(tiny_v41_config_dict())
     roof = RL.decode_roofline(cfg, list(cfg.compress_ratios), 2, 300)
     L, row = roof.layers, 128 * 2
@@ -324,7 +327,7 @@ def test_v41_decode_roofline_by_hand():
     assert L[2].bytes["state_read"] == 2 * (15 + 8 + 150) * row + 2 * 128 * 8
     assert L[2].bytes["state_write"] == 2 * row + 2 / 2 * (row + row) + 2 * 128 * 8
     assert L[2].flops["fp8"] - L[4].flops["fp8"] == 0                       # both C2 sources
-    # C1 source (the candidate source): every one of 301 rows scored, no tails, a row + key per token
+    # C1 source (the candidate source): all 301 rows scored, no tails, a row + key per token
     assert L[5].bytes["state_read"] == 2 * (15 + 8 + 301) * row
     assert L[5].bytes["state_write"] == 2 * row + 2 * (row + row)
     # C1 shared: window + its source's top-8 rows only; C1 index (candidate consumer): 32 candidates
@@ -334,28 +337,33 @@ def test_v41_decode_roofline_by_hand():
         2 * 8 * 128 * 2 * 32                                                # index scores
         + 2 * (8 * 128 * 128) * 2)                                          # indexer.wq_b (FP8)
     assert L[3].bytes["engram_gather"] == 2 * 2 * 2 * (32 + 1) and "engram_gather" not in L[2].bytes
-    assert roof.to_dict(RL.Peaks())["per_kind"].keys() == set(RL41.layer_kind(cfg, i) for i in range(8))
+    kinds = {RL41.layer_kind(cfg, i) for i in range(8)}
+    assert roof.to_dict(RL.Peaks())["per_kind"].keys() == kinds
     with pytest.raises(ValueError, match="not the V4.1 config's layers"):
         RL.decode_roofline(cfg, [4, 128], 2, 300)
 
 
-V41_SMOKE = ["--device", "cpu", "--layers", "4", "--vocab", "1024", "--dtype", "float32", "--batches", "1,2",
-             "--contexts", "40", "--prefill", "64", "--warmup", "0", "--reps", "1", "--no-plot"]
+V41_SMOKE = ["--device", "cpu", "--layers", "4", "--vocab", "1024", "--dtype", "float32",
+             "--batches", "1,2", "--contexts", "40", "--prefill", "64", "--warmup", "0",
+             "--reps", "1", "--no-plot"]
 
 
 def test_sweep_end_to_end_on_a_tiny_v41(tmp_path):
-    """The tiny V4.1 cut to 4 layers (SWA, SWA+Engram, C2 source+Engram, C1 source): every shape runs,
-    the per-layer split sees every block (shifted mHC calls no module), transformers is skipped with the
-    reason, the roofline is V4.1's and the figures extrapolate to the config's own 8 layers."""
+    """The tiny V4.1 cut to 4 layers (SWA, SWA+Engram, C2 source+Engram, C1 source): every shape
+    runs, the per-layer split sees every block (shifted mHC calls no module), transformers is
+    skipped with the reason, the roofline is V4.1's and the figures extrapolate to the config's
+    own 8 layers."""
     import sweep
     path = tmp_path / "config.json"
     path.write_text(json.dumps(tiny_v41_config_dict(drafter=True)))
     result = sweep.main(V41_SMOKE + ["--config", str(path), "--out-dir", str(tmp_path / "out")])
     data = json.loads(Path(result["json_path"]).read_text())
     assert data["family"] == "v41" and Path(result["json_path"]).name == "sweep_cpu_v41.json"
-    assert data["ratios"] == [0, 0, 2, 1] and data["full_layers"] == 8 and len(data["full_ratios"]) == 8
+    assert data["ratios"] == [0, 0, 2, 1] and data["full_layers"] == 8
+    assert len(data["full_ratios"]) == 8
     assert data["layer_kinds"] == ["SWA", "SWA+Engram", "C2 source+Engram", "C1 source"]
-    assert data["v41_cut"]["drafter"].startswith("dropped") and data["v41_cut"]["engram_layer_ids"] == [1, 2]
+    assert data["v41_cut"]["drafter"].startswith("dropped")
+    assert data["v41_cut"]["engram_layer_ids"] == [1, 2]
     assert data["hf"]["status"].startswith("not run: transformers has no DeepSeek-V4.1 model")
     assert any("DeepSeek-V4.1 layers" in x for x in data["assumptions"])
     assert [(r["batch"], r["context"]) for r in data["decode"]] == [(1, 40), (2, 40)]
@@ -366,7 +374,19 @@ def test_sweep_end_to_end_on_a_tiny_v41(tmp_path):
         assert set(r["roofline"]["bench"]["per_kind"]) == set(data["layer_kinds"])
         assert r["roofline"]["bench"]["bytes"]["engram_gather"] > 0
         ex = r["extrapolated"]
-        assert ex["full_layers"] == 8 and set(ex["estimated_kinds"]) == {"C2 source", "C2 shared+Engram",
-                                                                         "C1 shared", "C1 index"}
+        assert ex["full_layers"] == 8
+        assert set(ex["estimated_kinds"]) == {"C2 source", "C2 shared+Engram", "C1 shared",
+                                              "C1 index"}
     with pytest.raises(SystemExit, match="--layers: 3 layers; allowed .*4..8"):
         sweep.main(V41_SMOKE[:2] + ["--layers", "3", "--config", str(path)])
+
+
+def test_sweep_on_a_tiny_v41_in_bfloat16_with_the_qat_simulation(tmp_path):
+    import sweep
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_v41_config_dict()))
+    argv = [a if a != "float32" else "bfloat16" for a in V41_SMOKE]
+    result = sweep.main(argv + ["--config", str(path), "--batches", "1",
+                                "--out-dir", str(tmp_path)])
+    rows = result["decode"] + result["prefill"]
+    assert [r["status"] for r in rows] == ["ok"] * len(rows)

@@ -175,18 +175,19 @@ def test_sweep_batches_and_compare_async(tmp_path, request):
         assert cfg["num_hidden_layers"] == 3 and cfg["num_nextn_predict_layers"] == 0
 
 
-# ---- DeepSeek-V4.1 -----------------------------------------------------------------------------------
+# ---- DeepSeek-V4.1 -------------------------------------------------------------------------
 
 def test_dummy_config_cuts_a_v41_config_with_the_shared_cut():
-    """The V4.1-width config cut by v41_cut (no weights built): a valid V4.1 config, FP4 experts, Engram
-    tables capped, the drafter gone; --mtp and too few layers refused, naming the option."""
+    """The V4.1-width config cut by v41_cut (no weights built): a valid V4.1 config, FP4 experts,
+    Engram tables capped, the drafter gone; --mtp and too few layers refused, naming the option."""
     from deepinfer_core.config import ModelConfig
     width = str(REPO / "tests" / "data" / "deepseek-v4.1-flash" / "config.json")
     base = dict(config=width, tiny=False, layers=4, expert_dtype=None, mtp=False, engram_rows=1009)
     cfg, source, label = TR.dummy_config(SimpleNamespace(**base))
     m = ModelConfig.from_dict(cfg)
     assert m.family == "v41" and m.num_hidden_layers == 4 and m.n_prefill_layer == 3
-    assert m.expert_dtype == "fp4" and m.engram.vocab_sizes == (1009,) * 3 and m.num_nextn_predict_layers == 0
+    assert m.expert_dtype == "fp4" and m.engram.vocab_sizes == (1009,) * 3
+    assert m.num_nextn_predict_layers == 0
     assert label == "deepseek-v4.1-flash_4L" and source == width
     with pytest.raises(SystemExit, match="--mtp"):
         TR.dummy_config(SimpleNamespace(**{**base, "mtp": True}))
@@ -195,12 +196,13 @@ def test_dummy_config_cuts_a_v41_config_with_the_shared_cut():
 
 
 def test_main_on_a_tiny_v41_cut(tmp_path):
-    """The tiny V4.1 (C2 and C1 halves, candidate blocks, Engram) cut to 4 layers, random weights through
-    LLM(load_format="dummy"): every figure, the family and the cut in the JSON."""
+    """The tiny V4.1 (C2 and C1 halves, candidate blocks, Engram) cut to 4 layers, random weights
+    through LLM(load_format="dummy"): every figure, the family and the cut in the JSON."""
     from deepinfer_core.tools.tiny_config_v41 import tiny_v41_config_dict
     cfg_path, path = tmp_path / "config.json", tmp_path / "tp.json"
     cfg_path.write_text(json.dumps(tiny_v41_config_dict()))
-    r = TP.main(["--config", str(cfg_path), "--layers", "4", "--num-prompts", "2", "--json", str(path), *SMALL])
+    r = TP.main(["--config", str(cfg_path), "--layers", "4", "--num-prompts", "2",
+                 "--json", str(path), *SMALL])
     out = check_result(r, path)
     assert len(out["rows"]) == 1
     check_row(out["rows"][0])

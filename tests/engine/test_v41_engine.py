@@ -120,6 +120,16 @@ def test_the_prompts_make_both_top_k_levels_bind(base, tiny_v41_dir, tmp_path):
     assert differ(runs[1][2:], runs[2][2:]) == [True] * 3, "the index top-k cuts nothing"
 
 
+def test_the_default_numerics_run_with_binding_candidate_blocks(tiny_v41_dir):
+    """bfloat16 with the QAT simulation, the engine's defaults: the candidate level scores its
+    blocks in bfloat16 there (it once failed on a float32 fill)."""
+    llm = LLM(model=str(tiny_v41_dir), dtype="bfloat16", max_model_len=1024)
+    assert llm.config.model.simulate_qat
+    outs = generate(llm, prompts(2, [137, 200], seed=6),
+                    SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+
+
 # ---- continuous batching (tests/engine/test_continuous_batching.py) ------------------------------
 def test_batched_equals_one_at_a_time(base):
     ps = prompts(5, LONG, seed=1)
