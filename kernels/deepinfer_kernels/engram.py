@@ -19,11 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, pdl_gate
+
 SCALE_BLOCK = 32      # values of a row per UE8M0 scale
 
 
 @triton.jit
-def _gather_kernel(w_ptr, s_ptr, rows_ptr, out_ptr, DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_kernel(w_ptr, s_ptr, rows_ptr, out_ptr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_gate(PDL)
     pid = tl.program_id(0).to(tl.int64)                  # one (token, hashed row) pair
     row = tl.load(rows_ptr + pid).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -54,5 +58,6 @@ def engram_gather(weight: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor)
     out = torch.empty((T, K * dim), dtype=torch.float32, device=rows.device)
     if rows.numel():
         _gather_kernel[(T * K,)](weight.view(torch.uint8), scale.view(torch.uint8),
-                                 rows.contiguous(), out, DIM=dim, BLOCK=triton.next_power_of_2(dim))
+                                 rows.contiguous(), out, DIM=dim, BLOCK=triton.next_power_of_2(dim),
+                                 **launch_args(rows))
     return out
