@@ -134,6 +134,16 @@ class SequenceState:
                 if cs is not None:
                     cs.n_rows = min(cs.n_rows, num_tokens // cs.ratio)
 
+    def resume(self, num_tokens: int) -> None:
+        """Take over a state whose slot and blocks hold the first `num_tokens` positions of another
+        sequence (a prefix checkpoint copied into this slot, `StateCache.copy_slots`): every
+        compressor has emitted num_tokens // ratio rows, as a cold run would have."""
+        self.num_tokens = num_tokens
+        for layer in self.layers + self.mtp_layers:
+            for cs in (layer.compressor, layer.indexer):
+                if cs is not None:
+                    cs.n_rows = num_tokens // cs.ratio
+
     def reserve(self, num_new_tokens: int) -> None:
         """Make sure blocks exist for the next `num_new_tokens` positions (engine-managed states
         get them from the scheduler; a self-managed state allocates them itself)."""

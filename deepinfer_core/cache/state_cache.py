@@ -197,11 +197,7 @@ class StateCache:
                 "rows": torch.empty(self.num_blocks, L.block_size // ratio, width, dtype=dtype, device=self.device)}
 
     def tensors(self) -> list[torch.Tensor]:
-        out = list(self.rings) + [self.engram_ids]
-        for pools in self.comp + self.index:
-            if pools is not None:
-                out.extend(pools.values())
-        return out
+        return self.slot_tensors() + [p["rows"] for p in self.comp + self.index if p is not None]
 
     def nbytes(self) -> int:
         """Bytes actually allocated by the pools (equals layout.cache_bytes; tested)."""
@@ -214,6 +210,22 @@ class StateCache:
             if pools is not None:
                 pools["tail_kv"].index_fill_(0, idx, 0.0)
                 pools["tail_z"].index_fill_(0, idx, float("-inf"))
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """The pools indexed by state slot (window rings, compressor tails, Engram ids)."""
+        out = list(self.rings) + [self.engram_ids]
+        for pools in self.comp + self.index:
+            if pools is not None:
+                out += [pools["tail_kv"], pools["tail_z"]]
+        return out
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy what slots `src` hold into slots `dst`, one op per pool: with the blocks before an
+        aligned position, a slot is a sequence's whole state there (a prefix checkpoint taken, or
+        restored into a new sequence's slot, `SequenceState.resume`)."""
+        s, d = (to_device(x, torch.long, self.device) for x in (src, dst))
+        for t in self.slot_tensors():
+            t.index_copy_(0, d, t.index_select(0, s))
 
     def bind(self, slot: int, block_ids: list[int], fresh: bool = True) -> SequenceState:
         """A sequence's state over slot `slot` and the given blocks; `fresh` resets the tails (z = -inf)
