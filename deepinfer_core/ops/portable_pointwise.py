@@ -17,7 +17,8 @@ same chain -- an optional RMS norm, RoPE on the trailing channels, an optional Q
 "fp8_nope": FP8 e4m3 per 64 on the nope channels, RoPE channels untouched; "hadamard_fp4": Hadamard,
 then FP4 e2m1 with a power-of-two scale per 32; "fp4_kv": FP4 e2m1 with an E4M3 scale per 16 over
 all channels (`quant.fake_quant_fp4_e4m3`); "mxfp8_kv": FP8 e4m3 with a UE8M0 scale per 32 over all
-channels (`quant.fake_quant_mxfp8`).
+channels (DeepSeek's act_quant scale recipe, `quant.fake_quant_fp8` with blocks of 32; the sources
+name the format only).
 
 A backend's `PointwiseMethod` (hook `deepinfer_pointwise_method`) computes the same values in fused
 kernels; `inverse_rope` may then rotate its input in place. A method need not know the V4.1 modes
@@ -34,7 +35,6 @@ from .quant import (
     fake_quant_fp4,
     fake_quant_fp4_e4m3,
     fake_quant_fp8,
-    fake_quant_mxfp8,
     hadamard_transform,
 )
 
@@ -53,7 +53,7 @@ def fake_quant_kv_row(x: torch.Tensor, quant: str) -> torch.Tensor:
     if quant == "fp4_kv":
         return fake_quant_fp4_e4m3(x, FP4_KV_BLOCK)
     if quant == "mxfp8_kv":
-        return fake_quant_mxfp8(x, MXFP8_KV_BLOCK)
+        return fake_quant_fp8(x, MXFP8_KV_BLOCK)
     raise ValueError(f"quant={quant!r} is not a V4.1 compressed-KV mode; "
                      f"allowed: {list(V41_KV_QUANTS)}")
 

@@ -137,18 +137,6 @@ def fake_quant_fp4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     return _unblock(q * s, n).to(x.dtype)
 
 
-def fake_quant_mxfp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """MXFP8: FP8 E4M3 values with one UE8M0 (power-of-two) scale per `block` channels, all channels
-    of the row (V4.1's compressed KV with `use_fp4_sparse_kv` off).
-
-    The scale is DeepSeek's UE8M0 act_quant recipe, s = pow2_ceil(max(amax, 1e-4) / 448) (our
-    choice: the source names the format only), so x/s never exceeds 448; the OCP MX rule
-    2^(floor(log2 amax) - 8) would instead saturate up to half a binade. That is `fake_quant_fp8`
-    with blocks of 32, and like it exact in x.dtype for float32 and bfloat16.
-    """
-    return fake_quant_fp8(x, block)
-
-
 # ---- Hadamard ----------------------------------------------------------------------------------
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:

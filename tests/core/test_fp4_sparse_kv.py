@@ -17,7 +17,7 @@ from deepinfer_core.ops.portable_pointwise import (
     fake_quant_kv_row,
     rms_norm,
 )
-from deepinfer_core.ops.quant import fake_quant_fp4_e4m3, fake_quant_mxfp8
+from deepinfer_core.ops.quant import fake_quant_fp4_e4m3, fake_quant_fp8
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 from deepinfer_core.tools.tiny_config_v41 import tiny_v41_config_dict
 
@@ -158,7 +158,7 @@ def test_fp4_e4m3_pads_a_partial_last_block():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp8_matches_the_recipe_written_out(dtype):
     x = mixed_blocks(200, 32, seed=4).to(dtype)
-    got = fake_quant_mxfp8(x)
+    got = fake_quant_fp8(x, 32)
     assert got.dtype == dtype and torch.equal(got, ref_mxfp8(x))
     assert e4m3_pow2_ok(got[blocks(x, 32).abs().amax(-1).repeat_interleave(32) >= 1e-4], 32).all()
 
@@ -170,7 +170,7 @@ def test_kv_row_modes_cover_every_channel_after_rope():
     x, w = torch.randn(6, 128, generator=g), torch.rand(128, generator=g).to(torch.bfloat16) + 0.5
     pos = torch.arange(6) * 7
     plain = rope.apply(rms_norm(x, w, 1e-6), pos)
-    wants = {"fp4_kv": fake_quant_fp4_e4m3(plain, 16), "mxfp8_kv": fake_quant_mxfp8(plain, 32)}
+    wants = {"fp4_kv": fake_quant_fp4_e4m3(plain, 16), "mxfp8_kv": fake_quant_fp8(plain, 32)}
     for quant, want in wants.items():
         got = PORTABLE.norm_rope_quant(x, pos, rope, norm="weighted", weight=w, eps=1e-6,
                                        quant=quant)
@@ -216,7 +216,7 @@ def test_v41_compressor_rounds_its_rows_and_keeps_prerope_rows_clean(fp4):
     pooled = torch.randn(5, cfg.head_dim, generator=torch.Generator().manual_seed(7))
     starts = torch.arange(5) * 2
     plain = c.rope.apply(rms_norm(pooled, c.norm.weight, c.norm.eps), starts)
-    want = fake_quant_fp4_e4m3(plain, 16) if fp4 else fake_quant_mxfp8(plain, 32)
+    want = fake_quant_fp4_e4m3(plain, 16) if fp4 else fake_quant_fp8(plain, 32)
     assert c.quant == ("fp4_kv" if fp4 else "mxfp8_kv")
     assert torch.equal(c.finalize(pooled, starts), want)
     rows, pre = c.finalize_with_prerope(pooled, starts)
