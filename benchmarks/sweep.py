@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--engram-rows", type=int, default=DEFAULT_ENGRAM_ROWS,
                    help="V4.1: Engram table rows per head and n-gram order at most "
                         "(engram_vocab_size; real tables need ~100 GB a layer; 0: the config's)")
+    m.add_argument("--experts", type=int, default=None,
+                   help="routed experts per layer (default: the config's); the figures then extrapolate to "
+                        "a model with as many (fewer experts: fewer distinct ones hit at batch > 1)")
     m.add_argument("--fp4-experts", action="store_true",
                    help="with --expert-dtype fp4: keep the experts FP4 in the fused MoE (LLM(fp4_experts=True)) "
                         "instead of re-encoding them to FP8 at load")
@@ -261,14 +264,23 @@ def main(argv: list[str] | None = None) -> dict:
     own_depth = int(text_keys(base)["num_hidden_layers"])
     a.full_layers = a.full_layers or (own_depth if fam == "v41" else 43)
     try:
-        cfg_dict = bench_config(base, a.layers, a.expert_dtype, a.engram_rows or None)
+        cfg_dict = bench_config(base, a.layers, a.expert_dtype, a.engram_rows or None, a.experts)
         full_dict = full_config(base, cfg_dict, a.full_layers)
-    except ValueError as e:               # a V4.1 cut's --layers / --expert-dtype / --engram-rows
+    except ValueError as e:               # a V4.1 cut's --layers / --expert-dtype / --engram-rows / --experts
         raise SystemExit(f"sweep: {e}") from None
     if a.cuda_core_moe is not None:
         use_cuda_core_moe(a.cuda_core_moe)
-    built = build_random_model(cfg_dict, a.device, a.dtype, not a.no_qat, a.seed, batch_invariant=a.batch_invariant,
-                               options=dict(fp4_experts=a.fp4_experts))
+    try:                                  # refused before any weight is made when they cannot fit
+        built = build_random_model(cfg_dict, a.device, a.dtype, not a.no_qat, a.seed,
+                                   batch_invariant=a.batch_invariant, options=dict(fp4_experts=a.fp4_experts))
+    except ValueError as e:
+        raise SystemExit(f"sweep: {e}") from None
+    plan = built.weight_plan or {}
+    if plan.get("status") == "ok":
+        print(f"[sweep] weights: {plan['checkpoint_bytes'] / 1e9:.2f} GB checkpoint, "
+              f"{plan['runtime_bytes'] / 1e9:.2f} GB runtime ({plan['device_bytes'] / 1e9:.2f} GB on the device); "
+              f"MoE layers fused: "
+              f"{plan['moe_layers_fused']} of {plan['moe_layers']}", flush=True)
     dev, cfg = built.ctx.device, built.cfg
     full_cfg = ModelConfig.from_dict(full_dict)
     ratios = [cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers)]
@@ -342,14 +354,15 @@ def main(argv: list[str] | None = None) -> dict:
         "ratios": ratios,
         "full_layers": a.full_layers, "full_ratios": full_ratios, "ops": built.ops_summary(),
         "weights": {"checkpoint_format_bytes": ckpt_bytes, "runtime_bytes": weight_bytes(built.model),
-                    "note": "MTP block not built (never run)"},
+                    "plan": built.weight_plan, "note": "MTP block not built (never run)"},
+        "routed_experts": {"bench": cfg.n_routed_experts, "config": int(text_keys(base)["n_routed_experts"])},
         "cache": {"dtype": str(layout.dtype), "kv_fp8": layout.kv_fp8, "backtrack": layout.backtrack, "slot_bytes": layout.slot_bytes,
                   "block_bytes": layout.block_bytes},
         "peaks": {"bw": peaks.bw, "bf16": peaks.bf16, "fp8": peaks.fp8},
         "assumptions": sweep_assumptions(fam),
         "settings": {k: getattr(a, k) for k in ("warmup", "reps", "max_shape_seconds", "time_budget", "prefill_chunk",
                                                 "cuda_graph", "seed", "dtype", "no_qat", "kv_cache_dtype", "batch_invariant", "expert_dtype",
-                                                "fp4_experts", "cuda_core_moe", "hf_max_prefill",
+                                                "experts", "fp4_experts", "cuda_core_moe", "hf_max_prefill",
                                                 "hf_max_batch", "hf_max_context", "hf_max_tokens", "hf_reps")},
         "hf": hf_info, "prefill": prefill_rows, "decode": decode_rows, "verdicts": vs,
     }

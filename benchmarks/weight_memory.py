@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -46,23 +47,30 @@ def tensor_bytes(module: torch.nn.Module) -> dict[str, int]:
     return out
 
 
+def nvidia_ops(cfg, dtype: torch.dtype, simulate_qat: bool, fp4_experts: bool) -> SimpleNamespace:
+    """The nvidia backend's linear methods (by weight format) and MoE method, made as its plugin
+    makes them (`deepinfer_nvidia.plugin`: the FP8 blocks are the config's `weight_block_size`, 32x32
+    for V4.1), without a GPU."""
+    from deepinfer_nvidia.linear import Bf16LinearMethod, Fp8LinearMethod
+    from deepinfer_nvidia.moe import NvidiaMoEMethod
+    block = cfg.weight_block_size or (128, 128)
+    fp8 = Fp8LinearMethod(dtype, simulate_qat, block)
+    return SimpleNamespace(linear={"fp8": fp8, "fp4": fp8, "bf16": Bf16LinearMethod(dtype, simulate_qat, block)},
+                           moe=NvidiaMoEMethod(fp4_experts=fp4_experts))
+
+
 def process_nvidia(model: torch.nn.Module, dtype: torch.dtype, simulate_qat: bool, fp4_experts: bool) -> None:
     """Bind the nvidia backend's linear and MoE methods as its plugin does and process the weights
     (on the meta device: shapes only)."""
-    from deepinfer_nvidia.linear import Bf16LinearMethod, Fp8LinearMethod
-    from deepinfer_nvidia.moe import NvidiaMoEMethod
-
     from deepinfer_core.model import process_weights
     from deepinfer_core.model.layers import Linear
     from deepinfer_core.model.moe import MoE
-    fp8 = Fp8LinearMethod(dtype, simulate_qat)
-    methods = {"fp8": fp8, "fp4": fp8, "bf16": Bf16LinearMethod(dtype, simulate_qat)}
-    moe_method = NvidiaMoEMethod(fp4_experts=fp4_experts)
+    ops = nvidia_ops(model.cfg, dtype, simulate_qat, fp4_experts)
     for mod in model.modules():
         if isinstance(mod, Linear):
-            mod.method = methods[mod.fmt]
+            mod.method = ops.linear[mod.fmt]
         elif isinstance(mod, MoE):
-            mod.method = moe_method
+            mod.method = ops.moe
     process_weights(model)
 
 

@@ -121,6 +121,16 @@ class CacheOptions(Section):
         Rule("an int >= 0, or None (= max(DEEPINFER_MAX_BACKTRACKING_TOKENS, DEEPINFER_USE_NEXTN_DECODE + 1))",
              lambda v: is_int(v) and v >= 0),
         setting="effective_max_backtracking_tokens")
+    enable_prefix_caching: bool = option(
+        False, "reuse the cached state of a prompt's longest cached prefix (blocks shared by content, the "
+        "window state restored from a checkpoint): exact, the outputs are those of a run without it", BOOL)
+    prefix_checkpoint_interval: int = option(
+        0, "prefix caching: also keep a checkpoint every this many positions of a long prompt (0: only at "
+        "prompt ends, output ends and shared-prefix junctions)",
+        Rule("0 or a multiple of 128", lambda v: is_int(v) and v >= 0 and v % 128 == 0))
+    prefix_checkpoint_slots: int | None = option(
+        None, "prefix caching: state slots kept for checkpoints (each holds one sequence's window rings "
+        "and compressor tails; counted in the cache budget)", positive("2 x max_num_seqs"))
 
 
 @dataclass(frozen=True)
@@ -258,7 +268,6 @@ SECTIONS: dict[str, type] = {"model": ModelOptions, "cache": CacheOptions, "sche
 COMPAT_OPTIONS: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_chunked_prefill": ((True, None), "prefill is always chunked under max_num_batched_tokens"),
     "chunked_prefill": ((True, None), "prefill is always chunked under max_num_batched_tokens"),
-    "enable_prefix_caching": ((False, None), "prefix caching is not implemented yet"),
     "trust_remote_code": ((True, False, None), "the model code is built in; no checkpoint code ever runs"),
     "revision": ((None, "main"), "a repo id resolves to the local cache snapshot refs/main points at"),
     "tokenizer_revision": ((None, "main"), "the tokenizer is read from a local directory"),

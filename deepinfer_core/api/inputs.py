@@ -10,8 +10,9 @@ from .sampling_params import SamplingParams
 
 
 def parse_prompts(prompts: Any, prompt_token_ids: Any) -> list[Any]:
-    """Normalise the `generate` inputs to [(prompt text or None, token ids or None)]; an entry that is
-    malformed on its own becomes a ValueError in its place (the call itself raises)."""
+    """Normalise the `generate` inputs to [(prompt text or None, token ids or None, cache_salt or
+    None)]; an entry that is malformed on its own becomes a ValueError in its place (the call itself
+    raises)."""
     if prompts is None and prompt_token_ids is None:
         raise ValueError("generate: pass prompts or prompt_token_ids")
     texts: list[Any] = []
@@ -41,10 +42,14 @@ def parse_prompts(prompts: Any, prompt_token_ids: Any) -> list[Any]:
     return out
 
 
-def _parse_one(i: int, text: Any, toks: Any) -> tuple[str | None, list[int] | None]:
+def _parse_one(i: int, text: Any, toks: Any) -> tuple[str | None, list[int] | None, str | None]:
+    salt = None
     if isinstance(text, dict):
         if "prompt_token_ids" not in text and "prompt" not in text:
             raise ValueError(f"generate: prompts[{i}] is a dict without 'prompt_token_ids' or 'prompt'")
+        salt = text.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"generate: prompts[{i}]['cache_salt'] must be a str, got {type(salt).__name__}")
         text, toks = text.get("prompt"), (toks if toks is not None else text.get("prompt_token_ids"))
     if text is not None and not isinstance(text, str):
         raise ValueError(f"generate: prompts[{i}] must be a str or a dict with 'prompt_token_ids', "
@@ -52,7 +57,7 @@ def _parse_one(i: int, text: Any, toks: Any) -> tuple[str | None, list[int] | No
     if toks is not None and not isinstance(toks, (list, tuple)):
         raise ValueError(f"generate: prompt_token_ids[{i}] must be a list of int, "
                          f"got {type(toks).__name__}")
-    return text, None if toks is None else list(toks)
+    return text, None if toks is None else list(toks), salt
 
 
 def resolve_model_dir(model: str) -> Path:

@@ -28,6 +28,7 @@ from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine_config import EngineConfig
 from ..ops.sampler import mix_seed
+from ..cache.prefix_cache import PrefixCache
 from .inputs import parse_prompts, per_request_params
 from .inputs import resolve_model_dir as _resolve_model
 from .outputs import InvalidRequestError, RequestOutput
@@ -175,7 +176,7 @@ class LLM:
                 try:
                     if isinstance(entry, ValueError):
                         raise entry
-                    rid = self._submit(i, entry[0], entry[1], p)
+                    rid = self._submit(i, *entry, p)
                     index[rid] = i
                 except (ValueError, TypeError) as e:
                     errors[i] = e
@@ -205,7 +206,8 @@ class LLM:
         ids = [encode_chat_prompt(self.tokenizer, p) for p in prompts]
         return self.generate(prompts, sampling_params, prompt_token_ids=ids, use_tqdm=use_tqdm)
 
-    def _submit(self, index: int, text: str | None, ids: list[int] | None, params: SamplingParams) -> str:
+    def _submit(self, index: int, text: str | None, ids: list[int] | None, salt: str | None,
+                params: SamplingParams) -> str:
         """Add one prompt to the engine; returns its request id (ValueError: refused, nothing added)."""
         if ids is None:
             if self.tokenizer is None:
@@ -219,7 +221,7 @@ class LLM:
             seed = mix_seed(self.seed, counter)
         rid = str(counter)
         try:
-            self.engine.add_request(rid, ids, params, prompt=text, seed=seed, stream=False)
+            self.engine.add_request(rid, ids, params, prompt=text, seed=seed, stream=False, cache_salt=salt)
         except ValueError as e:
             raise ValueError(f"generate: prompt {index} is invalid: {e}") from None
         return rid
@@ -253,11 +255,39 @@ class LLM:
 
     def _cache_request(self) -> CacheRequest:
         cache = self.config.cache
-        return CacheRequest(num_slots=self.config.scheduler.max_num_seqs, num_blocks=cache.num_cache_blocks,
+        return CacheRequest(num_slots=self.config.scheduler.max_num_seqs, checkpoint_slots=self._checkpoint_slots(),
+                            num_blocks=cache.num_cache_blocks,
                             memory_bytes=cache.kv_cache_memory_bytes,
                             gpu_memory_utilization=cache.gpu_memory_utilization,
                             max_model_len=self.config.model.max_model_len,
                             cpu_memory_bytes=cache.cpu_kv_cache_bytes)
+
+    def _checkpoint_slots(self) -> int:
+        cache = self.config.cache
+        if not cache.enable_prefix_caching:
+            return 0
+        n = cache.prefix_checkpoint_slots
+        return 2 * self.config.scheduler.max_num_seqs if n is None else n
+
+    def _prefix_cache(self, allocator: BlockAllocator) -> PrefixCache | None:
+        """The scheduler's prefix cache, keyed by what besides the tokens decides the cached state."""
+        cache, model = self.config.cache, self.config.model
+        if not cache.enable_prefix_caching:
+            return None
+        truncation = getattr(self.runner, "truncation", None)
+        if truncation is not None and truncation.mode != "off":
+            raise ValueError(f"enable_prefix_caching=True with yoco_prefill_truncation_mode="
+                             f"{truncation.mode!r}: a prefill truncated to its last tokens leaves no exact "
+                             f"window state to cache; allowed together: yoco_prefill_truncation_mode='off'")
+        salt = (model.model, str(self.runner.dtype), model.simulate_qat, cache.kv_cache_dtype,
+                model.batch_invariant)
+        return PrefixCache(allocator, self.runner.cache.layout.block_size, self._checkpoint_slots(),
+                           cache.prefix_checkpoint_interval, salt)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix no running request holds; True when the cache is then empty (False
+        also when prefix caching is off)."""
+        return self.engine.reset_prefix_cache()
 
     def _allocator(self) -> BlockAllocator:
         """The runner's cache allocator (sized on first use, re-sized when the options change)."""
@@ -280,7 +310,8 @@ class LLM:
             cfg = SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
                                   max_model_len=self.config.model.max_model_len)
             engine = self._engine = Engine(
-                self.runner, self.sampler, Scheduler(cfg, allocator, self.runner.scheduler_policy),
+                self.runner, self.sampler,
+                Scheduler(cfg, allocator, self.runner.scheduler_policy, self._prefix_cache(allocator)),
                 self.tokenizer,
                 max_model_len=self.config.model.max_model_len, async_scheduling=sched.async_scheduling,
                 seed=self.config.model.seed, logits_processors=self.logits_processors,

@@ -17,10 +17,11 @@ class CacheRequest:
     """What the user asked for; the first field that is set wins (in this order)."""
 
     num_slots: int                              # = max_num_seqs
+    checkpoint_slots: int = 0                   # prefix caching's checkpoints (more slots of the same size)
     num_blocks: int | None = None               # exact block count (tests, tools)
     memory_bytes: int | None = None             # LLM(kv_cache_memory_bytes=...)
     gpu_memory_utilization: float = 0.9         # fraction of the whole device the engine may use
-    max_model_len: int | None = None            # caps the blocks at what max_num_seqs full sequences need
+    max_model_len: int | None = None            # caps the blocks at what that many full sequences need
     # the budget on the CPU when memory_bytes is unset: config.cache.cpu_kv_cache_bytes (this default is
     # the env table's, for tools that size a cache without a config)
     cpu_memory_bytes: int = ENV_VARS["DEEPINFER_CPU_KV_CACHE_BYTES"].default
@@ -31,7 +32,7 @@ def resolve_num_blocks(layout: CacheLayout, req: CacheRequest, device: str,
     """(number of blocks, one line saying where the figure came from)."""
     cap = None
     if req.max_model_len is not None:
-        cap = req.num_slots * -(-req.max_model_len // layout.block_size)
+        cap = (req.num_slots + req.checkpoint_slots) * -(-req.max_model_len // layout.block_size)
     if req.num_blocks is not None:
         return req.num_blocks, f"num_cache_blocks={req.num_blocks}"
     detail = ""                                  # the CUDA figures behind the budget, for the log line
@@ -52,7 +53,7 @@ def resolve_num_blocks(layout: CacheLayout, req: CacheRequest, device: str,
     else:
         budget, name = req.cpu_memory_bytes, "cpu_kv_cache_bytes"
         detail = " (DEEPINFER_CPU_KV_CACHE_BYTES)"
-    n = layout.num_blocks_for_budget(budget, req.num_slots, name)
+    n = layout.num_blocks_for_budget(budget, req.num_slots + req.checkpoint_slots, name)
     note = f"{name}{detail}: {budget} bytes"
     if cap is not None and n > cap:
         n, note = cap, note + f", capped at max_num_seqs x max_model_len = {cap} blocks"

@@ -53,6 +53,7 @@ class Node:
 class Match:
     nodes: list[Node]                   # the cached prefix, root side first, up to the checkpoint
     checkpoint: int | None              # the slot to restore (None: no hit)
+    cached: int = 0                     # blocks cached in all (past the checkpoint too)
 
     @property
     def num_blocks(self) -> int:
@@ -63,6 +64,11 @@ class PrefixIndex:
     def __init__(self) -> None:
         self.nodes: dict[bytes, Node] = {}
         self._clock = itertools.count(1)
+        self.num_unreferenced = 0       # nodes no sequence holds: the blocks eviction can free
+
+    @property
+    def num_checkpoints(self) -> int:
+        return sum(n.checkpoint is not None for n in self.nodes.values())
 
     def match(self, keys: Sequence[bytes]) -> Match:
         """The longest cached prefix of `keys` that ends on a checkpoint (no references taken)."""
@@ -74,11 +80,12 @@ class PrefixIndex:
             path.append(node)
             if node.checkpoint is not None:
                 best = len(path)
-        return Match(path[:best], path[best - 1].checkpoint if best else None)
+        return Match(path[:best], path[best - 1].checkpoint if best else None, len(path))
 
     def acquire(self, nodes: Sequence[Node]) -> None:
         now = next(self._clock)
         for node in nodes:
+            self.num_unreferenced -= node.refs == 0
             node.refs += 1
             node.last_use = now
 
@@ -87,6 +94,7 @@ class PrefixIndex:
             if node.refs <= 0:
                 raise RuntimeError(f"prefix index: block {node.block} released more than acquired")
             node.refs -= 1
+            self.num_unreferenced += node.refs == 0
 
     def insert(self, parent: Node | None, key: bytes, block: int) -> Node:
         """Register a full block after `parent` (None: the first block); returns the cached node,
@@ -96,6 +104,7 @@ class PrefixIndex:
             depth = 1 if parent is None else parent.depth + 1
             node = Node(key, block, parent, depth, last_use=next(self._clock))
             self.nodes[key] = node
+            self.num_unreferenced += 1
             if parent is not None:
                 parent.children[key] = node
         return node
@@ -108,6 +117,16 @@ class PrefixIndex:
         node.checkpoint = slot
         return None
 
+    def evict_checkpoint(self) -> int | None:
+        """Drop the least recently used checkpoint no sequence holds (its blocks stay cached);
+        returns its slot, or None when every checkpoint is held."""
+        free = [n for n in self.nodes.values() if n.checkpoint is not None and n.refs == 0]
+        if not free:
+            return None
+        node = min(free, key=lambda n: n.last_use)
+        slot, node.checkpoint = node.checkpoint, None
+        return slot
+
     def evict(self, num_blocks: int) -> tuple[list[int], list[int]]:
         """Drop up to `num_blocks` unreferenced leaves, least recently used first (a parent becomes
         a leaf once its children are gone); returns (blocks, checkpoint slots) to free."""
@@ -119,6 +138,7 @@ class PrefixIndex:
                 break
             for node in sorted(leaves, key=lambda n: n.last_use)[: num_blocks - len(blocks)]:
                 del self.nodes[node.key]
+                self.num_unreferenced -= 1
                 if node.parent is not None:
                     del node.parent.children[node.key]
                 blocks.append(node.block)

@@ -98,16 +98,19 @@ class Engine(SpeculativeSteps):
     # ---- the online interface ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, seed: int | None = None, stream: bool = True,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Validate and queue a request (a ValueError naming the problem leaves the engine as it
         was). `stream`: step() reports its new tokens (and text) every step; else only when done.
         `seed` overrides the default per-request seed (params.seed, else derived from the engine's
-        seed and a request counter). `arrival_time`: a `timestamp()` reading (its clock)."""
+        seed and a request counter). `arrival_time`: a `timestamp()` reading (its clock).
+        `cache_salt`: prefix caching shares cached prompts only between requests with the same salt."""
         arrival = timestamp() if arrival_time is None else arrival_time
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"add_request: request_id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"add_request: request_id {request_id!r} is already in the engine")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"add_request: params must be a SamplingParams, got {type(params).__name__}")
         params.validate()      # again: a SamplingParams may have been changed after construction
@@ -120,7 +123,7 @@ class Engine(SpeculativeSteps):
         if seed is None:
             seed = params.seed if params.seed is not None else mix_seed(self.seed, counter)
         req = Request(request_id, prompt, ids, params, seed, RequestMetrics(arrival_time=arrival),
-                      constraint, stream)
+                      constraint, stream, cache_salt)
         seqs = self._sequences(req)
         for s in seqs:
             self.scheduler.check_fits(s)         # refuse before anything runs
@@ -139,6 +142,12 @@ class Engine(SpeculativeSteps):
             if not s.finished:
                 self.scheduler.finish(s)
                 s.finish_reason = "abort"
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix no running request holds; True when the cache is then empty
+        (False also when prefix caching is off)."""
+        prefix = self.scheduler.prefix
+        return prefix is not None and prefix.reset()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self._in_flight is not None
@@ -328,7 +337,8 @@ class Engine(SpeculativeSteps):
             if not (req.stream or done):
                 continue
             outs.append(RequestOutput(rid, req.prompt, req.prompt_token_ids, seqs[0].prompt_logprobs,
-                                      [s.to_output(delta=req.stream) for s in seqs], done, req.metrics))
+                                      [s.to_output(delta=req.stream) for s in seqs], done, req.metrics,
+                                      max(0, seqs[0].num_cached_tokens)))
             if done:
                 del self._requests[rid]
         self._touched = {}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ..cache.block_allocator import BlockAllocator
+from ..cache.prefix_cache import PrefixCache
 from .sequence import Request, SeqStatus, Sequence
 
 
@@ -51,10 +52,13 @@ class CacheUpdates:
 
     bound_slots: list[int] = field(default_factory=list)        # fresh owners: reset their state
     table_writes: list[tuple[int, int, int]] = field(default_factory=list)   # (slot, column, block)
+    # prefix caching, (source slot, destination slot) pairs, applied in this order around the resets:
+    saves: list[tuple[int, int]] = field(default_factory=list)      # a sequence's slot -> a checkpoint
+    restores: list[tuple[int, int]] = field(default_factory=list)   # a checkpoint -> a new owner's slot
 
     def take(self) -> CacheUpdates:
-        out = CacheUpdates(self.bound_slots, self.table_writes)
-        self.bound_slots, self.table_writes = [], []
+        out = CacheUpdates(self.bound_slots, self.table_writes, self.saves, self.restores)
+        self.bound_slots, self.table_writes, self.saves, self.restores = [], [], [], []
         return out
 
 
@@ -67,10 +71,11 @@ class SchedulerOutput:
 
 class BlockManager:
     """Gives sequences a state slot and enough blocks; exact: a resident sequence holds
-    ceil(scheduled positions / block_size) blocks and one slot."""
+    ceil(scheduled positions / block_size) blocks and one slot. With a prefix cache, its first
+    blocks may be cached ones it shares, and cached blocks no sequence holds are evicted on demand."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int):
-        self.allocator, self.block_size = allocator, block_size
+    def __init__(self, allocator: BlockAllocator, block_size: int, prefix: PrefixCache | None = None):
+        self.allocator, self.block_size, self.prefix = allocator, block_size, prefix
         self.updates = CacheUpdates()
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -80,26 +85,37 @@ class BlockManager:
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 
-    def can_hold(self, seq: Sequence, num_tokens: int) -> bool:
+    def num_available_blocks(self) -> int:
+        free = self.allocator.num_free_blocks
+        return free if self.prefix is None else free + self.prefix.num_evictable_blocks
+
+    def can_hold(self, seq: Sequence, num_tokens: int, shared: int = 0) -> bool:
+        """Whether `seq` can hold `num_tokens` positions (`shared`: cached blocks it will take)."""
         if seq.slot < 0 and self.allocator.num_free_slots == 0:
             return False
-        return self.blocks_for(num_tokens) - len(seq.block_ids) <= self.allocator.num_free_blocks
+        return self.blocks_for(num_tokens) - len(seq.block_ids) - shared <= self.num_available_blocks()
+
+    def bind_slot(self, seq: Sequence) -> None:
+        seq.slot = self.allocator.allocate_slot()
+        self.updates.bound_slots.append(seq.slot)
+        if self.updates.table_writes:      # the slot's previous owner's writes of this interval
+            self.updates.table_writes = [w for w in self.updates.table_writes if w[0] != seq.slot]
 
     def hold(self, seq: Sequence, num_tokens: int) -> None:
         if seq.slot < 0:
-            seq.slot = self.allocator.allocate_slot()
-            self.updates.bound_slots.append(seq.slot)
-            if self.updates.table_writes:      # the slot's previous owner's writes of this interval
-                self.updates.table_writes = [w for w in self.updates.table_writes if w[0] != seq.slot]
+            self.bind_slot(seq)
         extra = self.blocks_for(num_tokens) - len(seq.block_ids)
         if extra > 0:
+            short = extra - self.allocator.num_free_blocks
+            if short > 0 and self.prefix is not None:
+                self.prefix.evict(short)
             first = len(seq.block_ids)
             new = self.allocator.allocate_blocks(extra)
             seq.block_ids.extend(new)
             self.updates.table_writes.extend((seq.slot, first + i, b) for i, b in enumerate(new))
 
     def free(self, seq: Sequence) -> None:
-        self.allocator.free_blocks(seq.block_ids)
+        self.allocator.free_blocks(seq.block_ids if self.prefix is None else self.prefix.release(seq))
         seq.block_ids = []
         if seq.slot >= 0:
             self.allocator.free_slot(seq.slot)
@@ -134,13 +150,14 @@ class FirstComeFirstServed:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator,
-                 policy: SchedulingPolicy | None = None):
+                 policy: SchedulingPolicy | None = None, prefix: PrefixCache | None = None):
         self.config = config
         self.policy = policy if policy is not None else FirstComeFirstServed()
         # seq_id -> its place in the waiting queue: (0,) resumes first (a preempted sequence), then
         # (1, the policy's key) in key order, equal keys in arrival order
         self._keys: dict[int, tuple] = {}
-        self.blocks = BlockManager(allocator, config.block_size)
+        self.blocks = BlockManager(allocator, config.block_size, prefix)
+        self.prefix = prefix
         # confidence-scheduled verification (speculative/varlen.py): the step's common draft length
         # from the cumulative confidences of the sequences that verify; None verifies every draft
         self.draft_length: Callable[[list[list[float]]], int] | None = None
@@ -215,10 +232,14 @@ class Scheduler:
             n = min(seq.num_tokens + pending - start, budget)
             if n <= 0:
                 continue
+            if seq.cuts or self.prefix is not None and start % block_size == 0:
+                n = self._keep_boundaries(seq, start, n)
             samples = start + n == seq.num_tokens + pending
             drafts = accept = 0
             if seq.draft_ids and n == 1 and len(seq.token_ids) >= seq.min_tokens:
                 drafts, accept = self._num_drafts(seq, start, pending, budget, limit)
+                if self.prefix is not None and start % block_size + accept >= block_size:
+                    accept = block_size - 1 - start % block_size   # a later chunk starts on the boundary
                 n += drafts
             if start + n > len(seq.block_ids) * block_size:
                 if drafts > accept and not self.blocks.can_hold(seq, start + n):
@@ -237,6 +258,20 @@ class Scheduler:
                 seq.num_pending = pending + 1
             budget -= n
         return budget
+
+    def _keep_boundaries(self, seq: Sequence, start: int, n: int) -> int:
+        """Prefix caching: a chunk that starts on one of the sequence's kept boundaries (or, past its
+        prompt, on any block boundary) checkpoints it; a prefill chunk ends on the next one."""
+        cuts = seq.cuts
+        if cuts:
+            if cuts[-1] == start:
+                cuts.pop()
+                self.prefix.checkpoint(seq, start, self.blocks.updates)
+            if cuts and start + n > cuts[-1]:
+                n = cuts[-1] - start
+        elif start >= len(seq.prompt_ids) and start % self.config.block_size == 0:
+            self.prefix.checkpoint(seq, start, self.blocks.updates, decoding=True)
+        return n
 
     def _draft_length(self) -> int:
         """The common draft length of this step's verify chunks (confidence-scheduled)."""
@@ -287,6 +322,8 @@ class Scheduler:
             left = seq.max_tokens - len(seq.token_ids) - seq.num_pending - c.max_accept - 1
             if min(room, left) < n or len(seq.token_ids) < seq.min_tokens:
                 return None
+            if self.prefix is not None and (start - 1) // block_size != (start + n) // block_size:
+                return None                        # may pass a block boundary: plan it on the host
             ends.append(start + n + 1)
             extra += max(0, self.blocks.blocks_for(ends[-1]) - len(seq.block_ids))
         if extra > self.blocks.allocator.num_free_blocks:
@@ -312,13 +349,25 @@ class Scheduler:
                 continue
             if seq.num_pending:
                 break                              # preempted while a token was in flight: wait for it
+            hit = self.prefix.lookup(seq) if self.prefix is not None else None
+            if hit is not None and hit.checkpoint is not None:
+                self.prefix.index.acquire(hit.nodes)     # not evictable while admission counts blocks
+                seq.num_computed = hit.num_blocks * self.config.block_size
             n = self._next_chunk(seq, budget)
-            if not self.blocks.can_hold(seq, seq.num_computed + n):
+            if not self.blocks.can_hold(seq, seq.num_computed + n, hit.num_blocks if hit is not None else 0):
+                if hit is not None and hit.checkpoint is not None:
+                    self.prefix.index.release(hit.nodes)
+                    seq.num_computed = 0
                 break
             self._keys.pop(self.waiting.popleft().seq_id, None)
             out.admitted.append(seq)
             seq.status = SeqStatus.RUNNING
             self.running[seq.seq_id] = seq
+            if hit is not None:
+                self.blocks.bind_slot(seq)
+                self.prefix.admit(seq, hit, self.blocks.updates)
+                if seq.cuts:
+                    n = min(n, seq.cuts[-1] - seq.num_computed)
             self.blocks.hold(seq, seq.num_computed + n)
             self._plan(out, seq, n)
             budget -= n
@@ -339,7 +388,7 @@ class Scheduler:
         self.blocks.free(seq)
         del self.running[seq.seq_id]
         seq.status, seq.num_computed, seq.draft_ids, seq.draft_conf = SeqStatus.WAITING, 0, [], []
-        seq.draft_source = None
+        seq.draft_source, seq.cuts = None, []
         self._keys[seq.seq_id] = (0,)
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

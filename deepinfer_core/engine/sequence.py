@@ -33,6 +33,7 @@ class Request:
     metrics: RequestMetrics
     constraint: Any = None             # a RequestConstraint (structured outputs) or None
     stream: bool = True                # step() reports deltas (text decoded as it grows); else final only
+    cache_salt: str | None = None      # prefix caching: only requests with the same salt share a prefix
 
 
 @dataclass(eq=False, slots=True)
@@ -55,6 +56,13 @@ class Sequence:
     draft_conf: list[float] = field(default_factory=list)  # their cumulative confidences (VARLEN)
     draft_source: Any = None              # (step, row) whose host copy holds the drafts while draft_ids
                                           # are still the device codes that name them (engine._host_drafts)
+    # ---- prefix caching (cache/prefix_cache.py) ----
+    first_start: int = 0                  # where its prefill starts when (re)admitted: 0 or its hit
+    num_cached_tokens: int = -1           # the first admission's hit (-1: not admitted yet)
+    prefix_nodes: list = field(default_factory=list)    # cached blocks it holds, from the first
+    block_hashes: list = field(default_factory=list)    # chain keys of its whole blocks so far
+    cuts: list[int] = field(default_factory=list)       # kept boundaries its prefill still reaches
+    decode_checkpoint: Any = None         # the newest checkpoint it took while decoding
     # ---- output (the output processor's) ----
     token_ids: list[int] = field(default_factory=list)
     text: str = ""

@@ -142,7 +142,7 @@ class StepExecutor:
     @torch.no_grad()
     def _launch(self, chunks: list[ScheduledChunk], updates: CacheUpdates, previous: InFlight | None) -> InFlight:
         batch, sampled, prompt_lp = self._inputs(chunks, updates)
-        fresh = [c.seq for c in chunks if c.start == 0 and _has_penalties(c.seq.request.params)]
+        fresh = [c.seq for c in chunks if c.start == c.seq.first_start and _has_penalties(c.seq.request.params)]
         if fresh:      # (re)started sequences: their counts from the outputs they already have
             self.penalties.start([s.slot for s in fresh], [s.prompt_ids for s in fresh],
                                  [s.token_ids for s in fresh])

@@ -393,7 +393,7 @@ class DataParallelLLM(OnlineFrontEnd):
         same counter, so the outputs do not depend on which rank runs it."""
         if isinstance(entry, ValueError):
             raise entry
-        text, ids = entry
+        text, ids, salt = entry
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError(f"generate: prompt {i} is text but the checkpoint has no tokenizer files; "
@@ -403,4 +403,4 @@ class DataParallelLLM(OnlineFrontEnd):
             raise ValueError(f"generate: sampling_params[{i}] must be a SamplingParams")
         counter = self._request_counter + i
         seed = params.seed if params.seed is not None else mix_seed(self.config.model.seed, counter)
-        return RankRequest(str(counter), text, list(ids), params, seed, stream=False)
+        return RankRequest(str(counter), text, list(ids), params, seed, stream=False, cache_salt=salt)

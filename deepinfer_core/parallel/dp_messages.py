@@ -44,6 +44,7 @@ class RankRequest:
     params: SamplingParams
     seed: int
     stream: bool = True  # per-step deltas (the server); False: only the finished output (generate)
+    cache_salt: str | None = None   # prefix caching: shared only between requests with the same salt
 
 
 @dataclass

@@ -41,8 +41,12 @@ class RequestInvalid(ValueError):
         self.request_id = request_id
 
 
-# Gauges that are not sums over the ranks: recomputed from the summed ones.
-_RATIO = ("deepinfer_cache_usage_ratio", "deepinfer_cache_used_blocks", "deepinfer_cache_total_blocks")
+# Gauges that are not sums over the ranks: (ratio, numerator, denominator), recomputed from the sums.
+_RATIOS = (
+    ("deepinfer_cache_usage_ratio", "deepinfer_cache_used_blocks", "deepinfer_cache_total_blocks"),
+    ("deepinfer_prefix_cache_hit_rate", "deepinfer_prefix_cache_hit_tokens_total",
+     "deepinfer_prefix_cache_query_tokens_total"),
+)
 
 
 class OnlineFrontEnd:
@@ -76,9 +80,12 @@ class OnlineFrontEnd:
         prompt: str | None = None,
         seed: int | None = None,
         stream: bool = True,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request on the least-loaded rank. Checked here: the id and the params' type; the
-        rank's engine checks the rest and a refusal comes back from `step` as a RequestInvalid."""
+        rank's engine checks the rest (`cache_salt` too: prefix caching shares prompts only between
+        requests with the same salt, on one rank) and a refusal comes back from `step` as a
+        RequestInvalid."""
         self._check_running()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"add_request: request_id must be a non-empty str, got {request_id!r}")
@@ -86,7 +93,8 @@ class OnlineFrontEnd:
             raise ValueError(f"add_request: request_id {request_id!r} is already in the engine")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"add_request: params must be a SamplingParams, got {type(params).__name__}")
-        request = self.resolve_request(request_id, prompt, list(prompt_token_ids), params, seed, stream)
+        request = self.resolve_request(request_id, prompt, list(prompt_token_ids), params, seed, stream,
+                                       cache_salt)
         rank = self.choose_ranks([len(request.prompt_token_ids) * params.n])[0]
         self._dispatch({rank: [request]})
 
@@ -98,13 +106,14 @@ class OnlineFrontEnd:
         params: SamplingParams,
         seed: int | None,
         stream: bool,
+        cache_salt: str | None,
     ) -> RankRequest:
         """The seed as the in-process engine derives it (params.seed, else the engine seed mixed with a
         request counter), so a request's tokens do not depend on its rank."""
         counter, self._seed_counter = self._seed_counter, self._seed_counter + 1
         if seed is None:
             seed = params.seed if params.seed is not None else mix_seed(self.config.model.seed, counter)
-        return RankRequest(request_id, prompt, ids, params, seed, stream)
+        return RankRequest(request_id, prompt, ids, params, seed, stream, cache_salt)
 
     def abort_request(self, request_id: str) -> None:
         """Forwarded to the request's rank, which frees its slot and blocks; no output follows."""
@@ -226,13 +235,14 @@ class OnlineFrontEnd:
 
     # ---- health --------------------------------------------------------------------------------
     def gauges(self) -> dict[str, float]:
-        """The server's gauges summed over the ranks (the cache usage ratio recomputed from the sums)."""
+        """The server's gauges summed over the ranks (the ratios recomputed from the sums)."""
         total: dict[str, float] = {}
         for g in self._rank_gauges:
             for k, v in g.items():
                 total[k] = total.get(k, 0) + v
-        if "deepinfer_cache_total_blocks" in total:
-            total[_RATIO[0]] = total[_RATIO[1]] / max(1, total[_RATIO[2]])
+        for ratio, num, den in _RATIOS:
+            if den in total:
+                total[ratio] = total[num] / max(1, total[den])
         return total
 
     def rank_gauges(self) -> list[dict[str, float]]:

@@ -139,7 +139,7 @@ class RankLoop:
             for r in cmd[1]:
                 try:
                     self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, prompt=r.prompt,
-                                            seed=r.seed, stream=r.stream)
+                                            seed=r.seed, stream=r.stream, cache_salt=r.cache_salt)
                     self.stats.num_requests += 1
                 except ValueError as exc:      # refused: reported; the others still run (as LLM.generate)
                     self._invalid[r.request_id] = str(exc)

@@ -157,7 +157,8 @@ class ModelRunner:
         num_blocks, note = resolve_num_blocks(layout, request, self.device,
                                               lambda: self._profile_activation_bytes() + graph_bytes)
         # decode graphs pad batches into one extra slot and block of their own
-        self.cache = StateCache(layout, request.num_slots, num_blocks, self.device, spare=use_graphs)
+        slots = request.num_slots + request.checkpoint_slots
+        self.cache = StateCache(layout, slots, num_blocks, self.device, spare=use_graphs)
         max_blocks = -(-(request.max_model_len or self.model_config.max_position_embeddings) // layout.block_size)
         # draft rows for any drafter the rollback room allows (k <= backtrack - 1), also one installed
         # later (Engine.use_speculator): the graphs read these tensors, so they are never re-allocated
@@ -174,7 +175,10 @@ class ModelRunner:
                                        max_blocks, tables=self.slot_tables)
             note += "; +1 slot and block for CUDA-graph padding"
         self._cache_request, self.cache_note = request, note
-        log.info("state cache: %d slots x %d B + %d blocks x %d B = %.1f MiB (%s)", request.num_slots,
+        if request.checkpoint_slots:
+            note += (f"; {request.checkpoint_slots} of the slots hold prefix-cache checkpoints "
+                     f"({request.checkpoint_slots * layout.slot_bytes / 2**20:.1f} MiB)")
+        log.info("state cache: %d slots x %d B + %d blocks x %d B = %.1f MiB (%s)", slots,
                  layout.slot_bytes, num_blocks, layout.block_bytes, self.cache.nbytes() / 2**20, note)
         self.warmup_seconds = warm_up(self, self.profile_tokens)
         return self.cache
@@ -395,12 +399,17 @@ class ModelRunner:
         return out
 
     def _apply_updates(self, updates) -> None:
-        """Newly bound slots get fresh states (tails reset in one op per pool); new blocks go into
-        the device table in one op and into the host tables the portable attention reads."""
+        """Prefix checkpoints are copied out of the slots that reached them; newly bound slots get
+        fresh states (tails reset in one op per pool), then a prefix hit's checkpoint; new blocks go
+        into the device table in one op and into the host tables the portable attention reads."""
+        if updates.saves:
+            self.cache.copy_slots(*zip(*updates.saves))
         if updates.bound_slots:
             self.cache.reset_slots(updates.bound_slots)
             for slot in updates.bound_slots:
                 self.slot_states[slot] = self.cache.bind(slot, [], fresh=False)
+        if updates.restores:
+            self.cache.copy_slots(*zip(*updates.restores))
         if updates.table_writes:
             self.slot_tables.write(updates.table_writes)
             grown: dict[int, list[int]] = {}

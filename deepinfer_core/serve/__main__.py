@@ -1,7 +1,7 @@
 """python -m deepinfer_core.serve [--model PATH] [engine flags] [--host 127.0.0.1 --port 8000 --api-key KEY]
 
-Serves `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`, `/detokenize`, `/health`
-and `/metrics` over the engine,
+Serves `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`, `/detokenize`, `/health`,
+`/metrics` and `/reset_prefix_cache` over the engine,
 which steps in a thread of its own (engine_loop.py). Without --model: DEEPINFER_HF_MODEL_DIR, else the
 bundled tiny model, as `LLM()`. `--data-parallel-size N [--enable-expert-parallel]`: N engine processes
 (CPU ranks over gloo, parallel/dp_engine.py), requests placed on the least-loaded rank; with

@@ -1,7 +1,8 @@
 """The HTTP routes (FastAPI): `/v1/models`, `/v1/completions`, `/v1/chat/completions` (streamed as
-SSE or not), `/tokenize`, `/detokenize`, `/health`, `/metrics`. Every bad request is a 400 with an OpenAI-shaped
-error naming the field; a full server answers 503 with Retry-After; with an API key, every route but
-`/health` needs `Authorization: Bearer KEY` (401 otherwise).
+SSE or not), `/tokenize`, `/detokenize`, `/health`, `/metrics`, `/reset_prefix_cache`. Every bad
+request is a 400 with an OpenAI-shaped error naming the field; a full server answers 503 with
+Retry-After; with an API key, every route but `/health` needs `Authorization: Bearer KEY` (401
+otherwise).
 """
 from __future__ import annotations
 
@@ -56,6 +57,16 @@ def build_app(llm, engine_loop: EngineLoop, model_name: str, api_key: str | None
     async def metrics():
         return PlainTextResponse(engine_loop.metrics.render(engine_loop.num_admitted),
                                  media_type="text/plain; version=0.0.4")
+
+    @app.post("/reset_prefix_cache", dependencies=[Depends(authorized)])
+    async def reset_prefix_cache():
+        """vLLM's route: drops every cached prefix no running request holds. {"reset": true} when
+        the cache is empty afterwards; false when prefix caching is off or running requests hold
+        some."""
+        try:
+            return {"reset": await engine_loop.reset_prefix_cache()}
+        except NotImplementedError as exc:              # the data-parallel front end
+            raise ApiError(501, str(exc), None, "not_implemented_error") from None
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():

@@ -48,7 +48,8 @@ async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer, refu
     except ValueError as exc:
         raise ApiError(400, str(exc), field_named(str(exc))) from None
     cid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = [engine_loop.generate(cid, encode_chat_prompt(tokenizer, prompt), params, prompt)]
+    streams = [engine_loop.generate(cid, encode_chat_prompt(tokenizer, prompt), params, prompt,
+                                    body.cache_salt)]
     firsts = await first_outputs(streams)
     head = dict(id=cid, object="chat.completion", created=int(time.time()), model=body.model)
     thinking = mode == "thinking"
@@ -61,7 +62,8 @@ async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer, refu
                 "logprobs": _logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None}
                for c in outs]
     return {**head, "choices": choices,
-            "usage": usage(len(request.prompt_token_ids), sum(len(c.token_ids) for c in outs))}
+            "usage": usage(len(request.prompt_token_ids), sum(len(c.token_ids) for c in outs),
+                           request.num_cached_tokens)}
 
 
 def chat_choice(c: CompletionOutput, thinking: bool, parse_tools: bool) -> dict:
@@ -140,6 +142,6 @@ async def _sse(head: dict, firsts, streams, thinking: bool, parse_tools: bool, i
                           logprobs=_logprobs(c, tokenizer, top) if top is not None else None)
             yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
     if include_usage:
-        prompt = len(firsts[0].prompt_token_ids)
-        yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt, completion_tokens)})}\n\n"
+        tokens = usage(len(firsts[0].prompt_token_ids), completion_tokens, firsts[0].num_cached_tokens)
+        yield f"data: {json.dumps({**head, 'choices': [], 'usage': tokens})}\n\n"
     yield "data: [DONE]\n\n"

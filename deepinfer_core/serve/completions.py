@@ -31,7 +31,7 @@ async def create_completion(body: CompletionRequest, engine_loop, tokenizer):
         raise ApiError(400, str(exc), field_named(str(exc))) from None
     cid = f"cmpl-{uuid.uuid4().hex}"
     streams = [engine_loop.generate(f"{cid}-{i}", tokenizer.encode(p) if isinstance(p, str) else p,
-                                    params, p if isinstance(p, str) else None)
+                                    params, p if isinstance(p, str) else None, body.cache_salt)
                for i, p in enumerate(prompts)]
     firsts = await first_outputs(streams)
     head = {"id": cid, "object": "text_completion", "created": int(time.time()),
@@ -44,7 +44,8 @@ async def create_completion(body: CompletionRequest, engine_loop, tokenizer):
                for p, (whole, outs) in enumerate(done) for c in outs]
     generated = 0 if body.prompt_only else sum(len(c.token_ids) for _, o in done for c in o)
     return {**head, "choices": choices,
-            "usage": usage(sum(len(r.prompt_token_ids) for r, _ in done), generated)}
+            "usage": usage(sum(len(r.prompt_token_ids) for r, _ in done), generated,
+                           sum(r.num_cached_tokens for r, _ in done))}
 
 
 def _choice(index: int, c: CompletionOutput, echo: RequestOutput | None, body: CompletionRequest,
@@ -96,7 +97,7 @@ def logprobs_object(pieces: list[tuple[list[int], Entries | None]], tokenizer,
 
 
 async def _sse(head: dict, firsts, streams, body: CompletionRequest, n: int, tokenizer):
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     sent: dict[int, int] = {}          # choice index -> length of the text sent so far
     async for p, item in merged(firsts, streams):
         for c in item.outputs:
@@ -106,8 +107,10 @@ async def _sse(head: dict, firsts, streams, body: CompletionRequest, n: int, tok
             choice = _choice(index, c, echo, body, tokenizer, sent.get(index, 0))
             sent[index] = sent.get(index, 0) + len(choice["text"])
             yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
-        prompt_tokens += len(item.prompt_token_ids) if item.finished else 0
+        if item.finished:
+            prompt_tokens += len(item.prompt_token_ids)
+            cached_tokens += item.num_cached_tokens
     if body.include_usage:
-        last = {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        last = {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
         yield f"data: {json.dumps(last)}\n\n"
     yield "data: [DONE]\n\n"

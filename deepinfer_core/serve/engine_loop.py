@@ -14,11 +14,13 @@ tokens per step for streamed requests); JSON and SSE framing stay in the handler
 (parallel/dp_online.py, `LLM.serving_engine()`): the same add / abort / step calls. Its `step` may also
 return a ValueError carrying a `request_id` (a rank refused the request at submission), delivered to
 that request's handler as the in-process engine's ValueError would have been; its `health_error()`
-reports a dead rank while the system is idle.
+reports a dead rank while the system is idle. It has no `reset_prefix_cache` yet (the in-process
+engine's runs on the engine thread, between steps).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -110,6 +112,7 @@ class _Submit:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    cache_salt: str | None
     outputs: Outputs
     loop: asyncio.AbstractEventLoop
 
@@ -117,6 +120,11 @@ class _Submit:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _ResetPrefixCache:
+    done: concurrent.futures.Future          # the engine's answer, or EngineStopped
 
 
 class QueueFull(RuntimeError):
@@ -161,10 +169,12 @@ class EngineLoop:
         return check() if check is not None else None
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a streamed request and yield its outputs (deltas) until it finishes. A ValueError
         the engine raises at submission is raised here, before anything was yielded. Leaving the
-        iteration early (a client that went away) aborts the request."""
+        iteration early (a client that went away) aborts the request. `cache_salt`: the engine's
+        (prefix caching shares prompts only between requests with the same salt)."""
         with self._lock:
             if self.error is not None:
                 raise EngineStopped(f"the engine stopped: {self.error}")
@@ -172,7 +182,8 @@ class EngineLoop:
                 raise QueueFull(f"{self._admitted} requests in the server; the limit is {self.max_requests}")
             self._admitted += 1
         outputs = Outputs()
-        self._commands.put(_Submit(request_id, prompt_token_ids, params, prompt, outputs, asyncio.get_running_loop()))
+        self._commands.put(_Submit(request_id, prompt_token_ids, params, prompt, cache_salt,
+                                   outputs, asyncio.get_running_loop()))
         finished = False
         try:
             while True:
@@ -189,6 +200,21 @@ class EngineLoop:
                 self._admitted -= 1
             if not finished:
                 self._commands.put(_Abort(request_id))
+
+    async def reset_prefix_cache(self) -> bool:
+        """The engine's `reset_prefix_cache()` between two steps: True when no cached prefix is left
+        (False: prefix caching is off, or running requests still hold some). NotImplementedError
+        under the data-parallel front end."""
+        if not hasattr(self.engine, "reset_prefix_cache"):
+            raise NotImplementedError("reset_prefix_cache: not supported yet when the engine runs "
+                                      "in processes of its own (--data-parallel-size > 1, "
+                                      "--engine-process)")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:                     # queued before a failure's drain, or refused here
+            if self.error is not None:
+                raise EngineStopped(f"the engine stopped: {self.error}")
+            self._commands.put(_ResetPrefixCache(done))
+        return await asyncio.wrap_future(done)
 
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -217,6 +243,9 @@ class EngineLoop:
                     break
                 if isinstance(command, _Submit):
                     waiting.append(command)
+                elif isinstance(command, _ResetPrefixCache) \
+                        and command.done.set_running_or_notify_cancel():
+                    command.done.set_exception(EngineStopped(f"the engine stopped: {exc}"))
             for sub in waiting:
                 sub.loop.call_soon_threadsafe(sub.outputs.put, EngineStopped(f"the engine stopped: {exc}"))
 
@@ -224,7 +253,8 @@ class EngineLoop:
         if isinstance(command, _Submit):
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                        prompt=command.prompt, stream=True)
+                                        prompt=command.prompt, stream=True,
+                                        cache_salt=command.cache_salt)
             except ValueError as exc:
                 command.loop.call_soon_threadsafe(command.outputs.put, exc)
                 return
@@ -235,6 +265,12 @@ class EngineLoop:
         elif isinstance(command, _Abort) and self._live.pop(command.request_id, None) is not None:
             self.engine.abort_request(command.request_id)
             self.metrics.observe_abort()
+        elif isinstance(command, _ResetPrefixCache) and command.done.set_running_or_notify_cancel():
+            try:
+                command.done.set_result(self.engine.reset_prefix_cache())
+            except BaseException as exc:     # the engine failed: the thread stops, the caller hears
+                command.done.set_exception(EngineStopped(f"the engine stopped: {exc}"))
+                raise
 
     def _deliver(self, step_outputs: list[RequestOutput | ValueError]) -> None:
         """Hand a step's outputs to their handlers: one `call_soon_threadsafe` per event loop."""

@@ -1,6 +1,7 @@
 """`GET /metrics` in the Prometheus text format: requests running and waiting, tokens in and out,
-TTFT / TPOT / end-to-end histograms, state-cache use, preemptions, speculative acceptance, and the
-engine's resident memory (weight and state-cache bytes, the device it runs on).
+TTFT / TPOT / end-to-end histograms, state-cache use, preemptions, speculative acceptance,
+prefix-cache hits (with prefix caching on), and the engine's resident memory (weight and
+state-cache bytes, the device it runs on).
 
 The engine thread updates everything (`observe_step` after each step, `observe_finished` per finished
 request); the HTTP thread only renders a snapshot under the same lock. Under data parallelism every
@@ -16,6 +17,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from ..api.outputs import RequestOutput
+from ..cache.prefix_cache import CUT_SHORT_REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -91,9 +93,30 @@ def memory_gauges(runner) -> dict[str, float]:
     return {"deepinfer_weight_bytes": static[0], "deepinfer_cache_bytes": cache_bytes, static[1]: 1}
 
 
+def prefix_cache_gauges(prefix) -> dict[str, float]:
+    """A scheduler's PrefixCache stats: lookups and hits (sequences, prompt tokens), the hit rate
+    over tokens, evictions, checkpoints stored, and the hits cut short by reason (each reason, 0
+    or not)."""
+    st = prefix.stats
+    gauges = {
+        "deepinfer_prefix_cache_queries_total": st.queries,
+        "deepinfer_prefix_cache_hits_total": st.hits,
+        "deepinfer_prefix_cache_query_tokens_total": st.query_tokens,
+        "deepinfer_prefix_cache_hit_tokens_total": st.hit_tokens,
+        "deepinfer_prefix_cache_hit_rate": st.hit_rate,
+        "deepinfer_prefix_cache_evicted_blocks_total": st.evicted_blocks,
+        "deepinfer_prefix_cache_evicted_checkpoints_total": st.evicted_checkpoints,
+        "deepinfer_prefix_cache_checkpoints_stored_total": st.checkpoints_stored,
+    }
+    for reason in CUT_SHORT_REASONS:
+        series = f'deepinfer_prefix_cache_cut_short_total{{reason="{reason}"}}'
+        gauges[series] = st.cut_short.get(reason, 0)
+    return gauges
+
+
 def scheduler_gauges(engine) -> dict[str, float]:
-    """The gauges of one in-process engine: its scheduler's queues, its state cache, speculation, the
-    memory its runner holds."""
+    """The gauges of one in-process engine: its scheduler's queues, its state cache, its prefix
+    cache (when on), speculation, the memory its runner holds."""
     sched = engine.scheduler
     alloc = sched.blocks.allocator
     spec = engine.spec_metrics
@@ -110,6 +133,8 @@ def scheduler_gauges(engine) -> dict[str, float]:
         gauges["deepinfer_spec_decode_drafted_tokens_total"] = spec.num_drafted_tokens
         gauges["deepinfer_spec_decode_accepted_tokens_total"] = spec.num_accepted_tokens
         gauges["deepinfer_spec_decode_acceptance_rate"] = spec.num_accepted_tokens / max(1, spec.num_verified_tokens)
+    if sched.prefix is not None:
+        gauges.update(prefix_cache_gauges(sched.prefix))
     gauges.update(memory_gauges(engine.executor.runner))
     return gauges
 

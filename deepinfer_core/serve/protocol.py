@@ -53,6 +53,8 @@ class _Sampling(BaseModel):
     # free-form arguments for plugins (SamplingParams.extra_args); vLLM's clients send vllm_xargs
     extra_args: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
+    # prefix caching (vLLM's field): only requests with the same salt share cached prompt prefixes
+    cache_salt: str | None = Field(None, min_length=1)
 
     def _structured(self) -> tuple[str, dict[str, Any]] | None:
         """(field given, so_args) of `structured_outputs` or one guided_* field; None when none is given."""

@@ -110,6 +110,9 @@ def token_text(token_id: int, logprob: Logprob, tokenizer) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage object; `cached_tokens`: the prompt tokens the prefix cache served (always
+    there, 0 without prefix caching, as OpenAI always sends it)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

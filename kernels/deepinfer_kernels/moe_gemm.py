@@ -346,7 +346,9 @@ def _check_experts(w: Experts, s: torch.Tensor, shape: tuple, name: str) -> dict
     if isinstance(w, Fp4Experts):
         if w.shape != shape:
             raise ValueError(f"{name}: expected {shape}, got FP4 experts of {w.shape}")
-        fp8 = w.fp8 if w.fp8.numel() else w.packed        # every expert FP4: the FP8 pointer is never read
+        # every expert FP4 (V4.1's stacks, without the shared expert): the FP8 pointer is never
+        # read, but the FP8 branch is compiled all the same and its dot wants e4m3 weights
+        fp8 = w.fp8 if w.fp8.numel() else w.packed.view(torch.float8_e4m3fn)
         args = dict(w_ptr=fp8, p_ptr=w.packed, g_ptr=w.groups, E4=w.num_fp4, W4=True)
     elif w.dtype != torch.float8_e4m3fn or tuple(w.shape) != shape or not w.is_contiguous():
         raise ValueError(f"{name}: expected contiguous float8_e4m3fn {shape}, got {w.dtype} {tuple(w.shape)}")

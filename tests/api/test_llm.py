@@ -342,7 +342,7 @@ def test_ds_and_vllm_kwargs_the_engine_implements_are_accepted(patched):
     assert llm.config is not config and llm.config.model.max_model_len == 4096    # resolved by the LLM
     assert config.scheduler.max_num_batched_tokens == 128 and config.cache.gpu_memory_utilization == 0.5
     assert config.model.load_format == "dummy" and config.model.enforce_eager is True
-    for refused in ({"tensor_parallel_size": 8}, {"enable_prefix_caching": True},
+    for refused in ({"tensor_parallel_size": 8}, {"enable_prefix_caching": "yes"},
                     {"enable_chunked_prefill": False}, {"expert_parallel_size": 8}):
         with pytest.raises(ValueError, match=next(iter(refused))):
             LLM("m", **refused)

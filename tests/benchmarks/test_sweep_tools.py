@@ -285,9 +285,48 @@ def test_v41_cut_of_the_width_config():
             v41_cut.cut_v41(base, bad)
     with pytest.raises(ValueError, match="--expert-dtype fp8.*allowed: fp4"):
         SM.bench_config(base, 4, "fp8")
-    # 8 layers at full width (all 384 FP4 experts) with the capped Engram tables fit one 80 GB GPU
+    # 8 layers at full width (all 384 FP4 experts) with the capped Engram tables: 55-70 GB in
+    # checkpoint format (what a backend keeps of it: test_v41_width_cut_on_the_nvidia_backend)
     model = build_model(ModelConfig.from_dict(SM.bench_config(base, 8, "fp4")), device="meta")
     assert 55e9 < sum(t.numel() * t.element_size() for t in model.state_dict().values()) < 70e9
+    # --experts: the bench model and the model the figures extrapolate to have as many
+    bench = SM.bench_config(base, 4, "fp4", experts=128)
+    assert bench["text_config"]["n_routed_experts"] == 128
+    assert SM.full_config(base, bench, 40)["text_config"]["n_routed_experts"] == 128
+    assert SM.full_config(base, SM.bench_config(base, 4, "fp4"), 40)["text_config"] == base["text_config"] | {
+        "engram_vocab_size": [100003] * 3}
+    with pytest.raises(ValueError, match="--experts 5: allowed: >= num_experts_per_tok"):
+        SM.bench_config(base, 4, "fp4", experts=5)
+
+
+@pytest.fixture(scope="module")
+def v41_width_plan():
+    """weight_plan of the 4-layer V4.1-width cut (384 FP4 experts) on the nvidia backend's methods,
+    made as its plugin makes them (32x32 FP8 blocks), fp4_experts=True: meta device, no GPU."""
+    import weight_memory as WM
+    cfg = ModelConfig.from_dict(SM.bench_config(json.loads(V41_WIDTH.read_text()), 4, "fp4"))
+    return SM.weight_plan(cfg, WM.nvidia_ops(cfg, torch.bfloat16, True, fp4_experts=True))
+
+
+def test_v41_width_cut_on_the_nvidia_backend(v41_width_plan):
+    """The 4-layer cut is 4 layers and ~34 GB of checkpoint (routed experts 4 x 384 x 3 x 2304 x 5120 x
+    (1/2 + 1/32) bytes, Engram tables capped); the nvidia backend fuses every MoE layer (the routed
+    FP4 experts stacked and kept FP4, the 32x32-block shared expert outside the stack), so the
+    experts stay FP4-sized; check_weights_fit refuses a GPU they do not fit before any weight is made."""
+    p = v41_width_plan
+    assert p["status"] == "ok" and p["layers"] == 4 and p["moe_layers"] == 4
+    ck, rt = p["checkpoint_by_part"], p["runtime_by_part"]
+    assert ck["routed experts"] == 4 * 384 * 3 * 2304 * 5120 * 17 // 32
+    assert 30e9 < p["checkpoint_bytes"] < 36e9 and ck["engram"] < 2e9 and ck["embed and head"] < 3e9
+    assert p["moe_layers_fused"] == 4 and rt["routed experts"] < 1.01 * ck["routed experts"]
+    with pytest.raises(ValueError, match=r"do not fit a 30 GB GPU"):
+        SM.check_weights_fit(p, int(30e9), "a 30 GB GPU")
+
+
+def test_v41_width_cut_fits_60_gb_with_fp4_experts(v41_width_plan):
+    p = v41_width_plan
+    assert p["moe_layers_fused"] == 4
+    assert p["peak_bytes"] + p["transient_bytes"] < 60e9
 
 
 def test_v41_weight_inventory_matches_the_models_buffers():
@@ -364,6 +403,10 @@ def test_sweep_end_to_end_on_a_tiny_v41(tmp_path):
     assert data["layer_kinds"] == ["SWA", "SWA+Engram", "C2 source+Engram", "C1 source"]
     assert data["v41_cut"]["drafter"].startswith("dropped")
     assert data["v41_cut"]["engram_layer_ids"] == [1, 2]
+    plan = data["weights"]["plan"]                  # accounted on the meta device before the build
+    assert plan["status"] == "ok" and plan["layers"] == 4 and plan["runtime_bytes"] == data["weights"]["runtime_bytes"]
+    assert plan["checkpoint_bytes"] == data["weights"]["checkpoint_format_bytes"]
+    assert data["routed_experts"]["bench"] == data["routed_experts"]["config"]
     assert data["hf"]["status"].startswith("not run: transformers has no DeepSeek-V4.1 model")
     assert any("DeepSeek-V4.1 layers" in x for x in data["assumptions"])
     assert [(r["batch"], r["context"]) for r in data["decode"]] == [(1, 40), (2, 40)]

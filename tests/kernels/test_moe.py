@@ -74,10 +74,11 @@ def make_moe(cfg: ModelConfig, hash_routed: bool, seed: int) -> MoE:
 
 
 def prepare(moe: MoE, nvidia: bool, qat: bool, dtype=torch.float32, linears_first: bool = False,
-            tiles: dict | None = SMALL, fp4_experts: bool = False) -> MoE:
+            tiles: dict | None = SMALL, fp4_experts: bool = False, block=(128, 128)) -> MoE:
     """Bind methods as the nvidia plugin / the core would and process weights in model order
-    (`deepinfer_core.model.process_weights` visits the MoE before its linears)."""
-    fp8_method = Fp8LinearMethod(dtype, qat) if nvidia else PortableLinearMethod(dtype, qat)
+    (`deepinfer_core.model.process_weights` visits the MoE before its linears); `block`: the
+    config's FP8 `weight_block_size`."""
+    fp8_method = (Fp8LinearMethod if nvidia else PortableLinearMethod)(dtype, qat, block)
     methods = {"fp8": fp8_method, "fp4": fp8_method, "bf16": PortableLinearMethod(dtype, qat)}
     moe.method = NvidiaMoEMethod(tiles, fp4_experts=fp4_experts) if nvidia else PortableMoE()
     mods = list(moe.modules())

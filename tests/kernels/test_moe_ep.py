@@ -45,12 +45,12 @@ SPAWN_DEADLINE_S = 90.0
 
 
 def prepare_ep(moe: MoE, placement: ExpertPlacement, qat: bool, fp4: bool = False, dtype=torch.float32,
-               ep_rank: int = 0, ep_size: int = 1, group=None) -> MoE:
+               ep_rank: int = 0, ep_size: int = 1, group=None, block=(128, 128)) -> MoE:
     """As `load_model` binds an EP rank: the EP method before process_weights (so the nvidia method
     stacks this rank's slots only), then weights processed in model order (the MoE before its linears)."""
     moe.method = EPMoEMethod(NvidiaMoEMethod(SMALL, fp4_experts=fp4), placement, ep_rank, ep_size, group)
     moe.method.shard(moe)
-    fp8 = Fp8LinearMethod(dtype, qat)
+    fp8 = Fp8LinearMethod(dtype, qat, block)
     methods = {"fp8": fp8, "fp4": fp8, "bf16": PortableLinearMethod(dtype, qat)}
     mods = list(moe.modules())
     for m in mods:

@@ -109,7 +109,7 @@ def test_text_prompt_echo_without_generation(url, offline):
         max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0].prompt_logprobs
     assert choice["text"] == prompt and choice["finish_reason"] == "length"
     assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
-                            "total_tokens": len(ids)}
+                            "total_tokens": len(ids), "prompt_tokens_details": {"cached_tokens": 0}}
     assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
         [e[t].logprob for e, t in zip(want[1:], ids[1:])], abs=TOL)
     assert all(len(top) >= 2 for top in choice["logprobs"]["top_logprobs"][1:])

@@ -106,6 +106,16 @@ def test_bad_request_refused_by_a_rank_is_a_400(server):
     assert "prompt" in r.json()["error"]["message"]
 
 
+def test_cache_salt_reaches_the_ranks_and_reset_prefix_cache_is_501(server):
+    """Prefix caching is off here: a salted request runs (0 cached tokens); the front end cannot reset
+    the ranks' prefix caches yet, and says so."""
+    url, _, _ = server
+    got = client(url).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, extra_body={"cache_salt": "s"})
+    assert got.usage.prompt_tokens_details.cached_tokens == 0
+    r = httpx.post(f"{url}/reset_prefix_cache", headers=AUTH, timeout=60)
+    assert r.status_code == 501 and "not supported yet" in r.json()["error"]["message"], r.text
+
+
 def _wait_idle(url: str, loop) -> None:
     deadline = time.time() + 120  # hang guard
     while loop.num_admitted or metric(url, "deepinfer_requests_running") or metric(url, "deepinfer_cache_used_slots"):

@@ -2,12 +2,14 @@
 shared expert and received pairs on the grouped FP8/FP4 GEMMs of `deepinfer_kernels.moe`.
 
 On an EP rank the wrapped method's `process_weights` saw only this rank's S slots (in slot order), so
-a fused layer's stacks hold the slots at 0..S-1 and the shared expert at S (`nv_fused.n_routed` = S).
+a fused layer's stacks hold the slots at 0..S-1 and the shared expert at S (`nv_fused.n_routed`
+= S), unless it runs beside them (`nv_fused.shared_stacked`: V4.1's 32x32 FP8 blocks).
 Per layer call:
 * `route` = the fused method's routing (`route_topk`) minus its shared column, in route order
   (`sort_by_expert` False): the single-process combine adds slots 0..k-1 in that order, and so does
   ep_comm's combine;
-* `shared` = `expert_outputs` of the shared expert alone (ids S, weight 1.0, as the fused call gives it);
+* `shared` = `expert_outputs` of the shared expert alone (ids S, weight 1.0, as the fused call gives
+  it), or, not stacked, its own linear layers (as `NvidiaMoEMethod.apply` runs it then);
 * `pairs` = `expert_outputs` of the received (row, local slot) pairs, one slot per row (K1 = 1), already
   expert-major (dispatch orders them by slot), with the routing weight in w13's epilogue as always;
   `pairs_padded` (the fixed-size exchange of decode graphs) = one call over all gathered rows with their
@@ -60,7 +62,7 @@ class NvidiaEPExperts:
 
     def shared(self, moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
         spec = getattr(moe, "nv_fused", None)
-        if spec is None:
+        if spec is None or not spec.shared_stacked:
             return self.portable.shared(moe, x)
         num_tokens = x.shape[0]
         ids = torch.full((num_tokens, 1), spec.n_routed, dtype=torch.int32, device=x.device)

@@ -12,7 +12,8 @@ from torch import nn
 @dataclass(frozen=True)
 class FusedSpec:
     """Per-layer numerics of the fused path (tensors live as buffers on the MoE module); the
-    stacks hold the routed experts 0..n_routed-1 and the shared expert at n_routed."""
+    stacks hold the routed experts 0..n_routed-1 and, when `shared_stacked`, the shared expert at
+    n_routed (else it runs beside them through its own linear layers, which clamp it themselves)."""
     n_routed: int
     compute_dtype: torch.dtype
     quant_in: bool          # act_quant of the w1/w3 input
@@ -20,11 +21,12 @@ class FusedSpec:
     swiglu_limit: float
     n_fp4: int              # experts 0..n_fp4-1 kept FP4 (nv_*_codes / nv_*_groups), rest FP8
     clamp_shared: bool = False      # the shared expert is SwiGLU-clamped too (V4.1)
+    shared_stacked: bool = True     # False: the shared expert is not in the stacks (V4.1)
 
     @property
     def n_clamped(self) -> int:
-        """Experts 0..n_clamped-1 get the SwiGLU clamp."""
-        return self.n_routed + int(self.clamp_shared)
+        """Stacked experts 0..n_clamped-1 get the SwiGLU clamp."""
+        return self.n_routed + int(self.clamp_shared and self.shared_stacked)
 
 
 class FusedAway:

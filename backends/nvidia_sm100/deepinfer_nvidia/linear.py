@@ -47,7 +47,8 @@ class Fp8LinearMethod:
                 and layer.out_features % (layer.groups * self.block[0]) == 0)
 
     def process_weights(self, layer) -> None:
-        if layer.fmt not in ("fp8", "fp4") or self.block != (128, 128) or \
+        # FP4 scales are per 32 inputs whatever the model's FP8 block size (V4.1's is 32x32)
+        if layer.fmt not in ("fp8", "fp4") or (layer.fmt == "fp8" and self.block != (128, 128)) or \
                 (layer.grouped and not self.keeps_grouped_fp8(layer)):
             self.fallback.process_weights(layer)
             return

@@ -5,15 +5,19 @@ and the fixed-order combine from `deepinfer_kernels.moe`, with no host synchroni
 `process_weights` stacks every routed expert, plus the shared expert as expert E, into
 w13 [E+1, 2, I, D] / w2 [E+1, D, I] e4m3 with float32 128x128 block scales, registered on the MoE
 module (so `model.to(device)` moves them once) and frees the per-expert buffers, so memory is not
-doubled. FP4 experts are re-encoded to FP8 exactly as `Fp8LinearMethod` does; with `fp4_experts`
-(the engine option of that name) the routed ones stay FP4 instead: their packed codes and UE8M0
-group bytes as the checkpoint stores them, with the block scales of their exact FP8 re-encoding,
-which the grouped GEMMs rebuild tile by tile in registers (`deepinfer_kernels.fp4_experts`: the same
-bits as the re-encoded weights, about half the bytes). The numerics follow
-the experts' own linear method (`Fp8LinearMethod`): its compute dtype, and activation quantisation
-exactly where it would apply it (simulate_qat and the layer's act_quant). A layer whose experts are
-not FP8 (bf16 model, FP4 that cannot be re-encoded, another linear method) keeps the core's
-portable method, which runs each expert through its own linear layers.
+doubled. A shared expert whose FP8 blocks are not 128x128 (V4.1's 32x32: their power-of-two
+scales do not re-encode into 128x128 blocks exactly in general) stays out of the stacks
+(w13 [E, 2, I, D]) and runs beside the grouped GEMMs through its own linear layers, its output
+taking the shared expert's slot of the combine. FP4 experts are re-encoded to FP8 exactly as
+`Fp8LinearMethod` does (whatever the model's FP8 block size: their scales are per 32 inputs); with
+`fp4_experts` (the engine option of that name) the routed ones stay FP4 instead: their packed codes
+and UE8M0 group bytes as the checkpoint stores them, with the block scales of their exact FP8
+re-encoding, which the grouped GEMMs rebuild tile by tile in registers
+(`deepinfer_kernels.fp4_experts`: the same bits as the re-encoded weights, about half the bytes).
+The numerics follow the experts' own linear method (`Fp8LinearMethod`): its compute dtype, and
+activation quantisation exactly where it would apply it (simulate_qat and the layer's act_quant).
+A layer whose routed experts are not FP8 (bf16 model, FP4 that cannot be re-encoded, another linear
+method) keeps the core's portable method, which runs each expert through its own linear layers.
 
 Note the call order of `deepinfer_core.model.process_weights` (pre-order): the MoE method runs before
 its experts' linear layers were processed, so the raw checkpoint tensors are read here and the
@@ -38,20 +42,25 @@ log = logging.getLogger("deepinfer.nvidia")
 BLOCK = 128
 
 
+def _fp8_servable(lin) -> bool:
+    """Whether an expert linear is served as FP8 in 128x128 blocks, as far as its form tells:
+    processed by Fp8LinearMethod already, FP8 weights in 128x128 blocks, or FP4 weights (re-encoded
+    into 128x128 blocks whatever the model's FP8 block size; exactly or not, encoding tells)."""
+    if getattr(lin, "fp8_scale", None) is not None:
+        return True
+    if not isinstance(lin.method, Fp8LinearMethod) or lin.grouped or lin.scale is None:
+        return False
+    return lin.fmt == "fp4" or (lin.fmt == "fp8" and lin.method.block == (BLOCK, BLOCK))
+
+
 def _expert_fp8(lin) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(e4m3 weight [N, K], float32 block scales [N/128, K/128]) of an expert linear, or None when it
-    is not served as FP8 by Fp8LinearMethod (bf16, non-128 blocks, FP4 not re-encodable)."""
+    """(e4m3 weight [N, K], float32 block scales [N/128, K/128]) of a `_fp8_servable` expert
+    linear, or None when its FP4 weights cannot be re-encoded to FP8 exactly."""
     if getattr(lin, "fp8_scale", None) is not None:        # already processed by Fp8LinearMethod
         return lin.weight, lin.fp8_scale
-    method = lin.method
-    if (not isinstance(method, Fp8LinearMethod) or method.block != (BLOCK, BLOCK) or lin.grouped
-            or lin.fmt not in ("fp8", "fp4") or getattr(lin, "scale", None) is None):
-        return None
     if lin.fmt == "fp4":
         enc = fp4_to_fp8_block(lin.weight, lin.scale)
-        if enc is None:
-            return None
-        return enc[0], e8m0_to_float(enc[1])
+        return None if enc is None else (enc[0], e8m0_to_float(enc[1]))
     return lin.weight, e8m0_to_float(lin.scale)
 
 
@@ -61,7 +70,10 @@ def _stack_experts(linears: list[tuple], I: int, D: int, n_fp4: int) -> dict[str
     `n_fp4`, experts below it stay FP4 (`nv_w13_codes` [n_fp4, 2, I, D/2] / `nv_w13_groups`
     [n_fp4, 2, I, D/32] uint8 in `to_resident` order, likewise `nv_w2_*`), their block scales those of the exact FP8
     re-encoding, and `nv_w13` / `nv_w2` hold the experts from n_fp4 on. None: an expert is not
-    servable as FP8."""
+    servable as FP8 (checked before anything is allocated, except the exactness of an FP4
+    re-encoding, which only the encoding tells)."""
+    if not all(_fp8_servable(lin) for trio in linears for lin in trio):
+        return None
     E1, nbi, nbd = len(linears), triton.cdiv(I, BLOCK), triton.cdiv(D, BLOCK)
     dev = linears[0][0].weight.device
     out = dict(nv_w13=torch.empty((E1 - n_fp4, 2, I, D), dtype=torch.float8_e4m3fn, device=dev),
@@ -133,9 +145,12 @@ class NvidiaMoEMethod:
         if gate_bf16.dtype == torch.bfloat16:       # for bf16 activations: see `route`
             moe.gate.register_buffer("weight_bf16", gate_bf16.contiguous(), persistent=False)
         moe.nv_fused = None
-        experts = list(moe.experts) + [moe.shared_experts]
-        linears = [(ex.w1, ex.w3, ex.w2) for ex in experts]
-        w1 = experts[0].w1
+        routed = [(ex.w1, ex.w3, ex.w2) for ex in moe.experts]
+        shared = (moe.shared_experts.w1, moe.shared_experts.w3, moe.shared_experts.w2)
+        # a shared expert the stacks cannot hold (V4.1's 32x32 FP8 blocks) runs beside them
+        shared_stacked = all(_fp8_servable(lin) for lin in shared)
+        linears = routed + [shared] if shared_stacked else routed
+        w1 = routed[0][0]
         I, D = w1.out_features, w1.in_features
         if not isinstance(w1.method, Fp8LinearMethod) and getattr(w1, "fp8_scale", None) is None:
             log.info("MoE layer %s: experts are not FP8 (%s); portable MoE", moe.layer_id, w1.fmt)
@@ -150,7 +165,7 @@ class NvidiaMoEMethod:
         if q1 != q3 or len({dt1, dt3, dt2}) != 1:
             log.warning("MoE layer %s: w1/w3/w2 numerics differ; portable MoE", moe.layer_id)
             return
-        keep_fp4 = self.fp4_experts and all(lin.fmt == "fp4" for trio in linears[:-1] for lin in trio)
+        keep_fp4 = self.fp4_experts and all(lin.fmt == "fp4" for trio in routed for lin in trio)
         if keep_fp4 and not (fp4_fits(I, D) and fp4_fits(D, I)):
             log.warning("MoE layer %s: FP4 experts of [I, D] = [%d, %d] cannot stay FP4 (multiples of 128 wanted); "
                         "re-encoded to FP8", moe.layer_id, I, D)
@@ -170,8 +185,9 @@ class NvidiaMoEMethod:
         for name, t in buffers.items():
             moe.register_buffer(name, t, persistent=False)
         moe.nv_fused = FusedSpec(n_routed=len(moe.experts), compute_dtype=dt1, quant_in=q1, quant_mid=q2,
-                              swiglu_limit=float(moe.experts[0].swiglu_limit), n_fp4=n_fp4,
-                                clamp_shared=moe.shared_experts.swiglu_limit > 0)
+                                 swiglu_limit=float(moe.experts[0].swiglu_limit), n_fp4=n_fp4,
+                                 clamp_shared=moe.shared_experts.swiglu_limit > 0,
+                                 shared_stacked=shared_stacked)
 
     def route(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k+1] int32, weights [T, k+1] fp32); the last column is the shared expert."""
@@ -203,7 +219,8 @@ class NvidiaMoEMethod:
         spec = moe.nv_fused if self.fused(moe) else None
         if spec is None:
             return self.portable.apply(moe, x, input_ids)
-        from deepinfer_kernels.moe import fused_moe
+        from deepinfer_kernels.moe import expert_outputs, fused_moe
+        from deepinfer_kernels.moe_combine import moe_combine
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         ids, w = self.route(moe, x2, input_ids)
@@ -211,8 +228,16 @@ class NvidiaMoEMethod:
         if spec.n_fp4:
             w13 = Fp4Experts(moe.nv_w13_codes, moe.nv_w13_groups, w13)
             w2 = Fp4Experts(moe.nv_w2_codes, moe.nv_w2_groups, w2)
-        out = fused_moe(x2, ids, w, w13, moe.nv_s13, w2, moe.nv_s2, n_clamped=spec.n_clamped,
-                        swiglu_limit=spec.swiglu_limit, quant_in=spec.quant_in, quant_mid=spec.quant_mid,
-                        compute_dtype=spec.compute_dtype, shared_last=True,
-                        config=self._config(spec, x2.shape[0], ids.shape[1], moe.nv_s13.shape[0], x.device))
+        args = (x2, ids, w, w13, moe.nv_s13, w2, moe.nv_s2)
+        config = self._config(spec, x2.shape[0], ids.shape[1], moe.nv_s13.shape[0], x.device)
+        kw = dict(n_clamped=spec.n_clamped, swiglu_limit=spec.swiglu_limit, quant_in=spec.quant_in,
+                  quant_mid=spec.quant_mid, compute_dtype=spec.compute_dtype, config=config)
+        if spec.shared_stacked:
+            out = fused_moe(*args, shared_last=True, **kw)
+        else:
+            # the shared column's id (n_routed) lies past the stacks: no tile writes it, the shared
+            # expert's own linears do (its clamp included), and the combine adds it first as ever
+            y = expert_outputs(*args, **kw)
+            y[:, -1] = moe.shared_experts(x2, silu=self.portable.silu)
+            out = moe_combine(y, x.dtype, shared_last=True)
         return out.view(*lead, out.shape[-1])

@@ -17,7 +17,8 @@ DEEPINFER_PLUGIN_INFO = {
     "note": "Triton kernels for FP8 linear layers (FP4 experts re-encoded to FP8, or kept FP4 with fp4_experts), the fused FP8 MoE, "
             "sparse attention with the indexer and compressors, mHC, fused RMSNorm/RoPE/KV quant; decode "
             "CUDA graphs; Engram tables gathered from pinned host memory. V4.1 attention (ratio-1/2 "
-            "compressors, shared caches) and FP8 linears in 32x32 blocks run on the core's portable ops. "
+            "compressors, shared caches) and FP8 linears in 32x32 blocks (V4.1's shared experts "
+            "included) run on the core's portable ops. "
             "Not yet: SM100-specific paths",
 }
 # Either path means a loaded NVIDIA kernel driver (tests may replace this tuple).
