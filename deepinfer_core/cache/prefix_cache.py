@@ -128,10 +128,33 @@ class PrefixCache:
     def checkpoint(self, seq, at: int, updates, decoding: bool = False) -> None:
         """A chunk of `seq` starts at block boundary `at`: cache its blocks before `at` and keep its
         slot as the checkpoint there (unless one exists). `decoding`: replace the sequence's
-        previous decode checkpoint, unless another sequence holds it."""
-        if seq.num_tokens < at:                   # its last tokens are still on the device (async)
-            self.stats.count(TOKENS_IN_FLIGHT)
+        previous decode checkpoint, unless another sequence holds it. When its last tokens are
+        still on the device (async), the slot is copied now and named once they arrive (`settle`)."""
+        if seq.num_tokens >= at:
+            self._register(seq, at, decoding, None, updates)
             return
+        slot = None if seq.unnamed_checkpoint is not None else self._checkpoint_slot()
+        if slot is None:
+            self.stats.count(TOKENS_IN_FLIGHT if seq.unnamed_checkpoint else CHECKPOINTS_FULL)
+            return
+        updates.saves.append((seq.slot, slot))
+        seq.unnamed_checkpoint = (at, slot, decoding)
+
+    def settle(self, seq, leaving: bool = False) -> None:
+        """Name `seq`'s checkpoint copied before its tokens reached the host, once they have (or,
+        when it is `leaving` first, drop it)."""
+        at, slot, decoding = seq.unnamed_checkpoint
+        if seq.num_tokens >= at:
+            seq.unnamed_checkpoint = None
+            self._register(seq, at, decoding, slot, None)
+        elif leaving:
+            seq.unnamed_checkpoint = None
+            self._free_checkpoint(slot)
+            self.stats.count(TOKENS_IN_FLIGHT)
+
+    def _register(self, seq, at: int, decoding: bool, slot: int | None, updates) -> None:
+        """Insert `seq`'s blocks before `at` and give the last one a checkpoint: `slot` (already
+        copied) or a new one copied now."""
         keys, bs = self.keys(seq, at), self.block_size
         nodes, index = seq.prefix_nodes, self.index
         parent = nodes[-1] if nodes else None
@@ -140,20 +163,27 @@ class PrefixCache:
             index.acquire((parent,))
             nodes.append(parent)
         node = nodes[at // bs - 1]
-        if node.checkpoint is None:
-            slot = self._checkpoint_slot()
+        if node.checkpoint is not None:
+            if slot is not None:
+                self._free_checkpoint(slot)            # another sequence kept this one first
+        else:
             if slot is None:
-                self.stats.count(CHECKPOINTS_FULL)
-                return
+                slot = self._checkpoint_slot()
+                if slot is None:
+                    self.stats.count(CHECKPOINTS_FULL)
+                    return
+                updates.saves.append((seq.slot, slot))
             node.checkpoint = slot
-            updates.saves.append((seq.slot, slot))
             self.stats.checkpoints_stored += 1
         if decoding:
             old, seq.decode_checkpoint = seq.decode_checkpoint, node
             if old is not None and old is not node and old.refs == 1 and old.checkpoint is not None:
-                self.allocator.free_slot(old.checkpoint)
+                self._free_checkpoint(old.checkpoint)
                 old.checkpoint = None
-                self.num_checkpoints -= 1
+
+    def _free_checkpoint(self, slot: int) -> None:
+        self.allocator.free_slot(slot)
+        self.num_checkpoints -= 1
 
     def _checkpoint_slot(self) -> int | None:
         if self.num_checkpoints < self.capacity:
@@ -167,6 +197,8 @@ class PrefixCache:
     def release(self, seq) -> list[int]:
         """Drop `seq`'s references; returns its blocks the index does not own (the caller frees
         them)."""
+        if seq.unnamed_checkpoint is not None:
+            self.settle(seq, leaving=True)
         nodes = seq.prefix_nodes
         own = [b for i, b in enumerate(seq.block_ids) if i >= len(nodes) or nodes[i].block != b]
         self.index.release(nodes)

@@ -234,6 +234,8 @@ class Scheduler:
                 continue
             if seq.cuts or self.prefix is not None and start % block_size == 0:
                 n = self._keep_boundaries(seq, start, n)
+            if seq.unnamed_checkpoint is not None:
+                self.prefix.settle(seq)
             samples = start + n == seq.num_tokens + pending
             drafts = accept = 0
             if seq.draft_ids and n == 1 and len(seq.token_ids) >= seq.min_tokens:

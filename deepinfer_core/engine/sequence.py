@@ -63,6 +63,7 @@ class Sequence:
     block_hashes: list = field(default_factory=list)    # chain keys of its whole blocks so far
     cuts: list[int] = field(default_factory=list)       # kept boundaries its prefill still reaches
     decode_checkpoint: Any = None         # the newest checkpoint it took while decoding
+    unnamed_checkpoint: Any = None        # (position, slot, decoding): copied, its tokens in flight
     # ---- output (the output processor's) ----
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
