@@ -269,6 +269,8 @@ class Scheduler:
             if cuts[-1] == start:
                 cuts.pop()
                 self.prefix.checkpoint(seq, start, self.blocks.updates)
+                if not cuts and seq.request.prompt_filler is seq:
+                    seq.request.prompt_filler = None
             if cuts and start + n > cuts[-1]:
                 n = cuts[-1] - start
         elif start >= len(seq.prompt_ids) and start % self.config.block_size == 0:
@@ -346,8 +348,8 @@ class Scheduler:
             if seq.finished:
                 self._keys.pop(self.waiting.popleft().seq_id, None)
                 continue
-            if not seq.ready:
-                skipped.append(self.waiting.popleft())
+            if not seq.ready or seq.request.prompt_filler not in (None, seq):
+                skipped.append(self.waiting.popleft())   # its grammar compiling, or its prompt
                 continue
             if seq.num_pending:
                 break                              # preempted while a token was in flight: wait for it
@@ -370,6 +372,8 @@ class Scheduler:
                 self.prefix.admit(seq, hit, self.blocks.updates)
                 if seq.cuts:
                     n = min(n, seq.cuts[-1] - seq.num_computed)
+                    if seq.request.params.n > 1 and not seq.token_ids:
+                        seq.request.prompt_filler = seq    # its siblings share its prompt
             self.blocks.hold(seq, seq.num_computed + n)
             self._plan(out, seq, n)
             budget -= n
@@ -381,6 +385,8 @@ class Scheduler:
         waiting (a waiting entry is dropped from the queue lazily)."""
         if seq.status is SeqStatus.RUNNING:
             del self.running[seq.seq_id]
+        if seq.request.prompt_filler is seq:
+            seq.request.prompt_filler = None
         seq.status = SeqStatus.FINISHED
         self.blocks.free(seq)
 
@@ -391,6 +397,8 @@ class Scheduler:
         del self.running[seq.seq_id]
         seq.status, seq.num_computed, seq.draft_ids, seq.draft_conf = SeqStatus.WAITING, 0, [], []
         seq.draft_source, seq.cuts = None, []
+        if seq.request.prompt_filler is seq:
+            seq.request.prompt_filler = None
         self._keys[seq.seq_id] = (0,)
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

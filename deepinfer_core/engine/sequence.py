@@ -34,6 +34,8 @@ class Request:
     constraint: Any = None             # a RequestConstraint (structured outputs) or None
     stream: bool = True                # step() reports deltas (text decoded as it grows); else final only
     cache_salt: str | None = None      # prefix caching: only requests with the same salt share a prefix
+    prompt_filler: Any = None          # prefix caching, n > 1: the completion computing the prompt
+                                       # its siblings wait for, to share it
 
 
 @dataclass(eq=False, slots=True)

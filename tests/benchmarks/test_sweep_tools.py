@@ -308,6 +308,7 @@ def v41_width_plan():
     return SM.weight_plan(cfg, WM.nvidia_ops(cfg, torch.bfloat16, True, fp4_experts=True))
 
 
+@pytest.mark.slow
 def test_v41_width_cut_on_the_nvidia_backend(v41_width_plan):
     """The 4-layer cut is 4 layers and ~34 GB of checkpoint (routed experts 4 x 384 x 3 x 2304 x 5120 x
     (1/2 + 1/32) bytes, Engram tables capped); the nvidia backend fuses every MoE layer (the routed
@@ -323,6 +324,7 @@ def test_v41_width_cut_on_the_nvidia_backend(v41_width_plan):
         SM.check_weights_fit(p, int(30e9), "a 30 GB GPU")
 
 
+@pytest.mark.slow
 def test_v41_width_cut_fits_60_gb_with_fp4_experts(v41_width_plan):
     p = v41_width_plan
     assert p["moe_layers_fused"] == 4

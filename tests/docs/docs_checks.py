@@ -197,6 +197,11 @@ def check_bounded_replay_snippet(r: Result) -> None:
     assert len(ids) == 4 and all(isinstance(t, int) for t in ids), r.stdout
 
 
+def check_prefix_caching_snippet(r: Result) -> None:
+    # docs/prefix_caching.md: a 300-token prompt sent twice: no hit, then a hit at 256; the reset
+    assert r.stdout.split() == ["0", "256", "True"], r.stdout
+
+
 def check_checkpoint_snippet(r: Result) -> None:
     # docs/models.md: the tiny checkpoint matches the model built from its config, tensor for tensor
     assert r.stdout.strip() == "[]", r.stdout

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from docs_checks import (
     check_banned_words_snippet,
-    check_bounded_replay_snippet,
     check_batch_invariant_cli,
+    check_bounded_replay_snippet,
     check_chat_snippet,
     check_checkpoint_snippet,
     check_cli_data_parallel,
@@ -27,12 +27,13 @@ from docs_checks import (
     check_plugin_reference,
     check_plugins,
     check_plugins_disabled,
+    check_prefix_caching_snippet,
     check_serve_data_parallel_refused,
     check_small_tiny_checkpoint,
-    check_v41_checkpoint,
     check_so_args_cli,
     check_speculative_snippet,
     check_structured_outputs,
+    check_v41_checkpoint,
     exits_0,
 )
 from docs_snippets import Check, Run, Skip
@@ -204,12 +205,14 @@ TABLE: dict[str, Run | Skip] = {
     "python -m deepinfer_core.envs --update docs/configuration.md": Skip(
         "rewrites a tracked page; tests/core/test_envs.py runs --update on a copy"),
     # Tests
-    'DEEPINFER_ACCELERATOR=cpu ./build.sh --test && python -m pytest -q tests -m "not gpu" -n 2 --dist loadfile': Skip(
+    'DEEPINFER_ACCELERATOR=cpu ./build.sh --test && python -m pytest -q tests -m "not gpu and not slow" -n 2 --dist loadfile': Skip(
         "the CI command itself: installs packages, then runs this test among the others"
     ),
     AVX2_SUITE: Skip("the whole CI suite a second time (held to AVX2 kernels), run by hand: CI's"
                      " 30 minutes hold one run"),
     "python -m pytest -q -s -m gpu tests/gpu": Skip(GPU),
+    "python -m pytest -m slow tests/engine/test_prefix_cache_fuzz.py": Skip(
+        "1,000 requests of up to 3,000 tokens: hours on a CPU (CI runs its 16-request version)"),
     "python benchmarks/tune_kernels.py": Skip(GPU),
     "python benchmarks/tune_kernels.py --only fp8_gemm_mid": Skip(GPU),
     "python benchmarks/pdl_chain.py": Skip(GPU),
@@ -347,6 +350,7 @@ PYTHON: dict[str, Check] = {
     "data_parallel_size=2, enable_expert_parallel=True) as llm": check_data_parallel_snippet,
     "EngineConfig.from_options(max_num_seqs=64": check_engine_config_snippet,
     'yoco_prefill_truncation_mode="compact"': check_bounded_replay_snippet,
+    "LLM(\"/tmp/tiny-v4\", enable_prefix_caching=True)": check_prefix_caching_snippet,
 }
 
 

@@ -3,7 +3,8 @@ on, every output is bitwise the output with caching off, and every case asserts 
 (`num_cached_tokens > 0`), so none can pass without one. Cases: a repeated prompt, a shared system
 prompt (the junction kept on the second request, hit by the third), a multi-turn conversation
 (the previous turn's output end), prompts ending on, just before and just after a block boundary,
-a preempted request resumed as a hit; the cache reset frees every block and checkpoint."""
+a preempted request resumed as a hit, the completions of an n > 1 request; the cache reset frees
+every block and checkpoint."""
 from __future__ import annotations
 
 import pytest
@@ -128,6 +129,19 @@ def test_requests_of_one_call_share_what_the_earlier_ones_cached(base):
     assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
     # max_num_seqs=4: the first four start cold; the later ones hit the first one's 384
     assert [o.num_cached_tokens for o in warm][4:] == [384] * 6
+    assert_empty_after_reset(llm)
+
+
+def test_the_completions_of_one_request_share_its_prompt(base):
+    """n > 1: the other completions wait for the first one's prompt checkpoint and hit it."""
+    p = ids(300, 14)
+    params = SamplingParams(n=3, max_tokens=6, temperature=0.8, seed=5)
+    cold = over(base, False).generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
+    llm = over(base, True)
+    warm = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
+    assert [c.token_ids for c in warm.outputs] == [c.token_ids for c in cold.outputs]
+    st = llm.engine.scheduler.prefix.stats
+    assert (st.hits, st.hit_tokens) == (2, 512)
     assert_empty_after_reset(llm)
 
 

@@ -23,7 +23,7 @@ def turns(llm: LLM, history: list[int], extra: list[int]):
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs], accepted
 
 
-@pytest.mark.parametrize("drafter", ["mtp", "dspark"])
+@pytest.mark.parametrize("drafter", ["mtp", pytest.param("dspark", marks=pytest.mark.slow)])
 def test_a_hit_then_drafting_gives_the_greedy_tokens(drafter, trained_dir, dspark_trained_dir):
     path = trained_dir if drafter == "mtp" else dspark_trained_dir
     opts = {**OPTIONS, "max_model_len": 512}
