@@ -216,6 +216,10 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/tune_kernels.py": Skip(GPU),
     "python benchmarks/tune_kernels.py --only fp8_gemm_mid": Skip(GPU),
     "python benchmarks/pdl_chain.py": Skip(GPU),
+    "python benchmarks/prefix_cache.py --layers 4 --checkpoint-slots 128 --no-shared --time-budget 420 --label v4flash_4L": Skip(GPU),
+    "python benchmarks/prefix_cache.py --ci --no-shared": Skip(
+        "about a minute of CPU; tests/benchmarks/test_prefix_cache_bench.py runs its smallest form"),
+    "python benchmarks/bounded_replay.py prefill --width --tokens 16384 --device cuda --repeats 1": Skip(GPU),
     "python benchmarks/bench_fp8_gemm.py": Skip(GPU),
     "DEEPINFER_ACCELERATOR=nvidia ./build.sh --test": Skip("installs the nvidia backend; " + GPU),
     # Batch invariance
