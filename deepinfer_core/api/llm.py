@@ -23,12 +23,12 @@ from typing import Any
 
 from ..cache.block_allocator import BlockAllocator
 from ..cache.budget import CacheRequest
+from ..cache.prefix_cache import PrefixCache
 from ..contracts import EngineRunner, missing_members
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine_config import EngineConfig
 from ..ops.sampler import mix_seed
-from ..cache.prefix_cache import PrefixCache
 from .inputs import parse_prompts, per_request_params
 from .inputs import resolve_model_dir as _resolve_model
 from .outputs import InvalidRequestError, RequestOutput

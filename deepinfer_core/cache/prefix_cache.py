@@ -64,10 +64,8 @@ class PrefixCacheStats:
 class PrefixCache:
     def __init__(self, allocator: BlockAllocator, block_size: int, num_checkpoint_slots: int,
                  interval: int = 0, salt: tuple = ()):
-        if interval % block_size:
-            raise ValueError(f"prefix_checkpoint_interval={interval} is not a multiple of the "
-                             f"cache block ({block_size} positions); allowed: 0 or a multiple of "
-                             f"{block_size}")
+        """`interval`: 0 or a multiple of `block_size` (EngineConfig checks
+        prefix_checkpoint_interval)."""
         self.allocator, self.block_size, self.interval = allocator, block_size, interval
         self.capacity = num_checkpoint_slots
         self.salt = salt                  # what else decides the state (model, dtype, ...)

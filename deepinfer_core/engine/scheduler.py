@@ -157,13 +157,17 @@ class Scheduler:
         # (1, the policy's key) in key order, equal keys in arrival order
         self._keys: dict[int, tuple] = {}
         self.blocks = BlockManager(allocator, config.block_size, prefix)
-        self.prefix = prefix
         # confidence-scheduled verification (speculative/varlen.py): the step's common draft length
         # from the cumulative confidences of the sequences that verify; None verifies every draft
         self.draft_length: Callable[[list[list[float]]], int] | None = None
         self.waiting: deque[Sequence] = deque()     # finished entries are skipped and dropped lazily
         self.running: dict[int, Sequence] = {}      # seq_id -> sequence, in admission order
         self.num_preemptions = 0
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        """The prefix cache (None: prefix caching off); the block manager's."""
+        return self.blocks.prefix
 
     def check_fits(self, seq: Sequence) -> None:
         """A sequence that could never fit alone would wait forever: refuse it at submission."""
@@ -218,7 +222,7 @@ class Scheduler:
         (a victim is always newer than the sequence being planned, so never planned already).
         The common case, a decode inside the blocks it holds, is inline: this loop runs for every
         sequence at every step."""
-        block_size, chunks = self.config.block_size, out.chunks
+        block_size, chunks, prefix = self.config.block_size, out.chunks, self.prefix
         limit = self._draft_length() if self.draft_length is not None else None
         for seq in list(self.running.values()):
             if budget == 0:
@@ -232,15 +236,15 @@ class Scheduler:
             n = min(seq.num_tokens + pending - start, budget)
             if n <= 0:
                 continue
-            if seq.cuts or self.prefix is not None and start % block_size == 0:
+            if seq.cuts or prefix is not None and start % block_size == 0:
                 n = self._keep_boundaries(seq, start, n)
             if seq.unnamed_checkpoint is not None:
-                self.prefix.settle(seq)
+                prefix.settle(seq)
             samples = start + n == seq.num_tokens + pending
             drafts = accept = 0
             if seq.draft_ids and n == 1 and len(seq.token_ids) >= seq.min_tokens:
                 drafts, accept = self._num_drafts(seq, start, pending, budget, limit)
-                if self.prefix is not None and start % block_size + accept >= block_size:
+                if prefix is not None and start % block_size + accept >= block_size:
                     accept = block_size - 1 - start % block_size   # a later chunk starts on the boundary
                 n += drafts
             if start + n > len(seq.block_ids) * block_size:
