@@ -20,8 +20,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep import sizes  # noqa: E402
-from sweep_model import (bench_config, build_random_model, cache_layout, decode_states, finish_model,  # noqa: E402
-                         load_base_config, prefill_cache, random_ids, use_cuda_core_moe)
+from sweep_model import (  # noqa: E402
+    bench_config,
+    build_random_model,
+    cache_layout,
+    decode_states,
+    default_expert_dtype,
+    finish_model,
+    load_base_config,
+    prefill_cache,
+    random_ids,
+    use_cuda_core_moe,
+)
 from sweep_timing import Clock, cuda_graph_timing  # noqa: E402
 
 from deepinfer_core.model import ForwardBatch  # noqa: E402
@@ -50,7 +60,8 @@ def family(name: str) -> str:
 
 def profile(fn, reps: int = 3) -> tuple[dict[str, float], dict[str, float]]:
     """Per-step GPU microseconds by family and by kernel name (top entries), averaged over reps."""
-    from torch.profiler import ProfilerActivity, profile as tprof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
     fn()
     torch.cuda.synchronize()
     with tprof(activities=[ProfilerActivity.CUDA]) as prof:
@@ -86,6 +97,8 @@ def swap_decode_moe(which: str) -> None:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=None,
+                    help="config.json to take the width from (default: the real V4-Flash config in tests/data)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--decode", default="1x4k,64x4k,256x4k", help="BATCHxCONTEXT list")
     ap.add_argument("--prefill", default="4k")
@@ -105,8 +118,8 @@ def main(argv=None) -> dict:
         swap_decode_moe(a.swap_ab)
     if a.cuda_core_moe is not None:
         use_cuda_core_moe(a.cuda_core_moe)
-    base, source = load_base_config()
-    cfg = bench_config(base, a.layers, "fp4" if a.fp4_experts else "fp8")
+    base, source = load_base_config(a.config)
+    cfg = bench_config(base, a.layers, "fp4" if a.fp4_experts else default_expert_dtype(base))
     built = build_random_model(cfg, "cuda", options=dict(fp4_experts=a.fp4_experts))
     finish_model(built)
     model, layout, clock = built.model, cache_layout(built.cfg, built.ctx.torch_dtype, built.ctx.simulate_qat,
@@ -121,8 +134,13 @@ def main(argv=None) -> dict:
             toks = [[t] for t in random_ids(b, built.cfg.vocab_size, b + c)]
             batch = ForwardBatch.build(toks, states, "cuda")
             fams, top = profile(lambda: model(batch))
-            wall = cuda_graph_timing(model, batch, clock, reps=10).median_ms
-            result["shapes"].append({"shape": f"decode b{b} c{c}", "graph_step_ms": wall,
+            eager = clock.time(lambda: model(batch), warmup=1, reps=5, max_seconds=10).median_ms
+            try:
+                wall = cuda_graph_timing(model, batch, clock, reps=10).median_ms
+            except Exception as e:          # a forward that cannot be captured (reported, not fatal)
+                print(f"[profile] decode b{b} c{c}: no CUDA graph ({type(e).__name__}: {str(e)[:200]})")
+                wall = None
+            result["shapes"].append({"shape": f"decode b{b} c{c}", "graph_step_ms": wall, "eager_step_ms": eager,
                                      "kernel_us_by_family": fams, "top_kernels_us": top})
             cache = states = batch = None      # freed before the next shape's cache
             torch.cuda.empty_cache()
@@ -139,7 +157,8 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
     for s in result["shapes"]:
         total = sum(s["kernel_us_by_family"].values())
-        wall = f", graph replay {s['graph_step_ms']:.3f} ms" if "graph_step_ms" in s else ""
+        wall = "".join(f", {what} {s[key]:.3f} ms" for key, what in (("eager_step_ms", "eager step"),
+                       ("graph_step_ms", "graph replay")) if s.get(key) is not None)
         print(f"\n{s['shape']}: GPU kernel time {total / 1e3:.3f} ms{wall}")
         for fam, t in s["kernel_us_by_family"].items():
             print(f"  {t / 1e3:9.3f} ms  {100 * t / total:5.1f}%  {fam}")

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..cache.sequence_state import SequenceState
-from ..ops.transfer import to_device
+from ..ops.transfer import to_device_parts
 
 
 @dataclass
@@ -67,9 +67,8 @@ class ForwardBatch:
                 rows.append(off + len(toks) - 1)
             starts.append(s)
             lens.append(len(toks))
-        ids_pos_rows = to_device(ids + pos + rows, torch.int64, device)      # one host->device copy
-        n = len(ids)
-        return cls(ids_pos_rows[:n], ids_pos_rows[n:2 * n], starts, lens, list(states), ids_pos_rows[2 * n:])
+        ids_t, pos_t, rows_t = to_device_parts([ids, pos, rows], device)     # one host->device copy
+        return cls(ids_t, pos_t, starts, lens, list(states), rows_t)
 
     def commit(self) -> None:
         """Advance every sequence past its new tokens (after the forward succeeded)."""

@@ -23,6 +23,19 @@ def to_device(values: Sequence, dtype: torch.dtype, device) -> torch.Tensor:
     return host if torch.device(device).type == "cpu" else host.to(device, non_blocking=True)
 
 
+def to_device_parts(parts: Sequence[Sequence[int]], device) -> list[torch.Tensor]:
+    """int64 `parts` in one host->device copy, each part's view starting 16-byte aligned: Triton
+    compiles a kernel variant per pointer alignment, so a part packed right after an odd-length one
+    would compile new variants mid-serving whenever a batch's token count turns odd."""
+    offsets, flat = [], []
+    for part in parts:
+        flat.extend([0] * (len(flat) & 1))        # 2 x 8 bytes
+        offsets.append(len(flat))
+        flat.extend(part)
+    staged = to_device(flat, torch.int64, device)
+    return [staged[o:o + len(part)] for o, part in zip(offsets, parts)]
+
+
 def copy_into(dst: torch.Tensor, values: Sequence) -> None:
     """`dst.copy_(values)` from a host list, asynchronously on an accelerator."""
     dst.copy_(_staged(values, dst.dtype, dst.device).view(dst.shape), non_blocking=True)

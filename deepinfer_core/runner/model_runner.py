@@ -18,7 +18,7 @@ from ..contracts import DraftProposer, check_contract
 from ..engine_config import DEFAULT_NUM_DRAFTS, KV_CACHE_DTYPES, EngineConfig
 from ..model import ForwardBatch
 from ..model.deepseek_v4 import ModelOutput
-from ..ops.transfer import to_device
+from ..ops.transfer import to_device, to_device_parts
 from .cuda_graphs import DecodeGraphs
 from .model_loader import engine_config, load_model
 from .slot_tables import SlotTables
@@ -389,11 +389,10 @@ class ModelRunner:
         return graphs is not None and graphs.takes_device_starts and graphs.fits_uniform([q] * num_seqs, num_seqs * q)
 
     def _forward_batch(self, batch: StepBatch) -> ForwardBatch:
-        t = len(batch.ids)
-        staged = to_device(batch.ids + _positions(batch) + batch.logit_rows, torch.int64, self.device)  # one copy
-        ids = self.slot_tables.resolve_ids(staged[:t]) if batch.pending else staged[:t]
-        out = ForwardBatch(ids, staged[t:2 * t], batch.starts, batch.lens, [self.slot_states[s] for s in batch.slots],
-                           staged[2 * t:], slot_ids=batch.slots, slot_tables=self.slot_tables)
+        ids, positions, rows = to_device_parts([batch.ids, _positions(batch), batch.logit_rows], self.device)
+        ids = self.slot_tables.resolve_ids(ids) if batch.pending else ids
+        out = ForwardBatch(ids, positions, batch.starts, batch.lens, [self.slot_states[s] for s in batch.slots],
+                           rows, slot_ids=batch.slots, slot_tables=self.slot_tables)
         if batch.rect_lo is not None:
             out.truncation = (self.truncation.mode, batch.rect_lo)
         return out

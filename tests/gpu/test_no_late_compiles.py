@@ -16,14 +16,18 @@ from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
 pytestmark = pytest.mark.gpu
 
 
-def serve_mixed(llm: LLM, steps: int, seed: int) -> int:
+def serve_mixed(llm: LLM, steps: int, seed: int, shared: bool = False) -> int:
     """Staggered arrivals: 0-4 new requests before each step (prompts 1-700 tokens, 1-48 new tokens,
-    greedy or sampled), stepped until all finish; returns the requests served."""
+    greedy or sampled), stepped until all finish; returns the requests served. `shared`: half the
+    prompts continue one of three 300-token prefixes (prefix-cache hits)."""
     rng, engine, n = random.Random(seed), llm.engine, 0
     vocab = llm.runner.model_config.vocab_size
+    prefixes = [[rng.randrange(2, vocab) for _ in range(300)] for _ in range(3)]
     for step in range(steps):
         for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
             ids = [rng.randrange(2, vocab) for _ in range(rng.choice([1, 5, 17, 64, 130, rng.randrange(1, 700)]))]
+            if shared and rng.random() < 0.5:
+                ids = rng.choice(prefixes) + ids[:400]
             params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randrange(1, 48),
                                     ignore_eos=True, seed=n)
             engine.add_request(f"r{seed}-{n}", ids, params)
@@ -35,8 +39,8 @@ def serve_mixed(llm: LLM, steps: int, seed: int) -> int:
     return n
 
 
-@pytest.mark.parametrize("simulate_qat", [True, False])
-def test_no_compiles_after_warmup(simulate_qat, tmp_path):
+@pytest.mark.parametrize("simulate_qat,prefix_caching", [(True, False), (False, False), (True, True)])
+def test_no_compiles_after_warmup(simulate_qat, prefix_caching, tmp_path):
     """Run in this order, the QAT-off engine is the second of the process: its start-up (memory profile,
     warm-up) compiles its own variants after the first engine armed the watch, as in
     benchmarks/backend_agreement.py --greedy; those compiles are start-up, not serving."""
@@ -48,12 +52,15 @@ def test_no_compiles_after_warmup(simulate_qat, tmp_path):
     model = make_trained_checkpoint(tmp_path / "trained", ARTIFACT)    # the model LLM() runs
     before = watch.mark()
     llm = LLM(model=str(model), dtype="bfloat16", simulate_qat=simulate_qat, device="cuda", max_num_seqs=64,
-              max_model_len=1024)
+              max_model_len=1024, enable_prefix_caching=prefix_caching)
     unexpected = [e for e in watch.since(before) if not e.expected]
     start = watch.mark()
-    served = serve_mixed(llm, steps=300, seed=0)
+    served = serve_mixed(llm, steps=300, seed=0, shared=prefix_caching)
     late = watch.since(start)
-    print(f"[gpu] QAT {simulate_qat}: {start - before} compiles at start-up ({len(unexpected)} outside it), "
+    if prefix_caching:
+        assert llm.engine.scheduler.prefix.stats.hit_tokens > 0
+    print(f"[gpu] QAT {simulate_qat}, prefix caching {prefix_caching}: {start - before} compiles at start-up "
+          f"({len(unexpected)} outside it), "
           f"{served} requests after the warm-up; {len(late)} compiles")
     assert not unexpected, "Triton compiled outside the start-up:\n" + "\n".join(map(str, unexpected))
     assert not late, "Triton compiled after the warm-up:\n" + "\n".join(map(str, late))
