@@ -126,12 +126,13 @@ def mma2(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
     return _compile(MM._mma_w2_kernel, sig, const, warps, 1)
 
 
-def fp8_gemm(w4: bool, prmt: bool, warps: int, stages: int, block_m: int):
-    """The dense FP8 linear's GEMM (`fp8_gemm._fp8_gemm_kernel`) at a prefill tile, V4-Flash's K = 4096."""
+def fp8_gemm(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, block: int = 128):
+    """The dense FP8 linear's GEMM (`fp8_gemm._fp8_gemm_kernel`) at a prefill tile, V4-Flash's K = 4096,
+    weights in `block` x `block` scale blocks (128: V4; 32: V4.1, fp8_gemm32)."""
     sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", c_ptr="*bf16", M="i32", N="i32",
                K="i32", stride_am="i32", stride_wn="i32", stride_cm="i32", stride_cs="i32")
-    const = dict(N_KG=32, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, WB=128, PRECISE_ACC=32,
-                 KG_PER_SPLIT=32, PREFETCH=PDL["on"])
+    const = dict(N_KG=4096 // block, N_AG=32, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block, GROUP_M=8, WB=block,
+                 PRECISE_ACC=32, KG_PER_SPLIT=4096 // block, PREFETCH=PDL["on"])
     return _compile(F._fp8_gemm_kernel, sig, const, warps, stages)
 
 
@@ -216,7 +217,8 @@ def main() -> None:
     ap.add_argument("--kernels", default="w13,w2", help="w13, w2, gemv13, gemv2 (the CUDA-core kernels), mma13, mma2 (the mma.sync ones; "
                     "--configs WARPSxPREFETCH), swap_ab (a probe of the grouped GEMMs with the "
                     "operands swapped; FP4 variants only; see _swap_ab_probe), fp8_gemm (the dense FP8 GEMM; the "
-                    "fp8 variant only; --block-m 128 is its prefill tile) and/or attention (see --kv)")
+                    "fp8 variant only; --block-m 128 is its prefill tile), fp8_gemm32 (the same over 32x32 weight "
+                    "blocks, V4.1) and/or attention (see --kv)")
     ap.add_argument("--kv", default="bf16,fp8", help="--kernels attention: the pools' forms (bf16, fp8 packed)")
     ap.add_argument("--unspecialise", default="", help="i32 arguments to compile without the divisibility "
                     "specialisation, as do_not_specialize would (e.g. stride_cs)")
@@ -242,12 +244,12 @@ def main() -> None:
                     print("    " + ", ".join(f"{k} {n}" for k, n in d["traffic"].items()))
             continue
         build = {"w13": partial(w13, swap=a.swap), "w2": partial(w2, swap=a.swap), "swap_ab": swap_ab,
-                 "fp8_gemm": fp8_gemm,
+                 "fp8_gemm": fp8_gemm, "fp8_gemm32": partial(fp8_gemm, block=32),
                  "gemv13": partial(gemv13, block_n=a.block_n), "gemv2": partial(gemv2, block_n=a.block_n),
                  "mma13": mma13, "mma2": mma2}[name]
         for variant in a.variants.split(","):
             w4, prmt = VARIANTS[variant]
-            if (name == "swap_ab" and not w4) or (name == "fp8_gemm" and w4):
+            if (name == "swap_ab" and not w4) or (name.startswith("fp8_gemm") and w4):
                 continue
             for cfg in a.configs.split(","):
                 warps, stages = (int(x) for x in cfg.split("x"))

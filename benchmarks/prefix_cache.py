@@ -1,5 +1,6 @@
-"""Prefix caching on a multi-turn chat workload through `LLM.generate`: time to first token,
-throughput and hit rate per turn with `enable_prefix_caching` off and on, over one loaded model.
+"""Prefix caching on a multi-turn chat workload through `LLM.generate` or the OpenAI server: time
+to first token, throughput and hit rate per turn with `enable_prefix_caching` off and on, over one
+loaded model.
 
 Workload `shared`: C conversations x T turns (`--conversations`, `--turns`). Conversation c starts
 with a random history of H_c ids (uniform in `--history MIN,MAX`, seeded); turn 1's prompt is it +
@@ -33,26 +34,35 @@ table and the agreement check: `prefix_cache_report`.
 
 Greedy outputs with caching on must be those with it off: with `--batch-invariant` (or
 DEEPINFER_BATCH_INVARIANT=1) a difference raises AssertionError after the JSON is written;
-otherwise the agreement is reported. Not measured: the OpenAI server (its completions return text,
-not output ids, and random ids do not survive detokenize + tokenize, so a client could not resend
-the exact history). JSON: benchmarks/results/prefix_cache_<device>_<label>.json, rewritten after
-every call, so a run cut short by `--time-budget` keeps what it measured.
+otherwise the agreement is reported.
+
+`--server`: the same turns through the OpenAI server instead (prefix_cache_server.py): each mode's
+LLM is served in this process (after its warm-up) while its workload runs, and a turn is one
+streamed `/v1/completions` request per conversation, all sent at once, with token-id prompts and
+`return_token_ids` (the next turn resends the exact history); TTFT is the client's, from the send to
+the first streamed chunk; the hits are the usage's `cached_tokens`. JSON: `"through"`: "llm" or
+"server" (label suffix `_server`), in benchmarks/results/prefix_cache_<device>_<label>.json,
+rewritten after every call, so a run cut short by `--time-budget` keeps what it measured.
 
     python benchmarks/prefix_cache.py --ci --batch-invariant --no-shared
+    python benchmarks/prefix_cache.py --ci --server
     python benchmarks/prefix_cache.py --layers 4 --checkpoint-slots 128 --no-shared \\
         --time-budget 420
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -137,6 +147,8 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens of each warm-up request")
     w.add_argument("--no-shared", action="store_true", help="also run the no-shared workload")
     w.add_argument("--no-detokenize", action="store_true", help="SamplingParams(detokenize=False)")
+    w.add_argument("--server", action="store_true", help="through the OpenAI server (in this "
+                   "process, streamed /v1/completions requests over HTTP) instead of LLM.generate")
     o = ap.add_argument_group("output")
     o.add_argument("--label", default=None,
                    help="name in the JSON file name (default: the model's)")
@@ -155,6 +167,8 @@ def resolve(argv: list[str] | None) -> argparse.Namespace:
     for k, v in (CI_PRESET if a.ci else GPU_PRESET).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.server and a.no_detokenize:
+        raise SystemExit("prefix_cache: the server always detokenizes; drop --no-detokenize")
     for flag in ("conversations", "turns", "output_len", "user_len", "warmup_output_len"):
         if getattr(a, flag) < 1:
             raise SystemExit(f"prefix_cache: --{flag.replace('_', '-')} must be >= 1")
@@ -210,14 +224,16 @@ class Bench:
             a.model = str(make_tiny_checkpoint(a.ci_dir, over, seed=0))
             self.ci_layers, a.layers = a.layers, None
         self.spec = TR.prepare_model(a)
-        self.label = a.label or (f"ci{'_' + str(self.ci_layers) + 'L' if self.ci_layers else ''}"
-                                 if a.ci else self.spec.label)
+        self.label = a.label or ((f"ci{'_' + str(self.ci_layers) + 'L' if self.ci_layers else ''}"
+                                  if a.ci else self.spec.label) + ("_server" if a.server else ""))
         self.dev_name = TP.device_name(a.device)
         default = TP.RESULTS / f"prefix_cache_{self.dev_name.replace(' ', '_')}_{self.label}.json"
         self.path = Path(a.json) if a.json else default
         self.base: Any = None
         self.llms: dict[bool, Any] = {}
         self.current: bool | None = None
+        # --server, while a workload runs: one turn over HTTP, (prompts, output_len) -> (outputs, s)
+        self.server_turn: Callable[[list[list[int]], int], tuple[list, float]] | None = None
         self.startup_s: float | None = None
         self.info: dict = {}
         self.block = BLOCK
@@ -284,13 +300,32 @@ class Bench:
     def not_run(self) -> str:
         return f"not run: --time-budget {self.a.time_budget:.0f} s spent"
 
+    @contextlib.contextmanager
+    def served(self, llm: Any) -> Iterator[None]:
+        """--server: `llm` behind an OpenAI server in this process while the block runs (the calls
+        then go over HTTP); otherwise nothing."""
+        if not self.a.server:
+            yield
+            return
+        import prefix_cache_server as PS  # aiohttp, its client's, is the test extra's
+        with PS.serving(llm, self.a.conversations) as url:
+            self.server_turn = functools.partial(PS.turn, url)
+            try:
+                yield
+            finally:
+                self.server_turn = None
+
     # ---- one call ------------------------------------------------------------------------------
     def call(self, llm: Any, turn: int, prompts: list[list[int]],
              best: list[int]) -> tuple[dict, list]:
         """One round: its row of figures and each request's output ids."""
         a, before = self.a, stats_of(llm)
         try:
-            outs, elapsed = TR.timed_generate(llm, prompts, TR.sampling(a, a.output_len), a.device)
+            if self.server_turn is None:
+                params = TR.sampling(a, a.output_len)
+                outs, elapsed = TR.timed_generate(llm, prompts, params, a.device)
+            else:
+                outs, elapsed = self.server_turn(prompts, a.output_len)
         except Exception as e:  # noqa: BLE001  (a failed call is a row)
             TR.free(a.device)
             return {"turn": turn, "status": TR.failure_status(e)}, []
@@ -300,7 +335,8 @@ class Bench:
 
     # ---- the workloads -------------------------------------------------------------------------
     def workload(self, name: str, caching: bool) -> None:
-        """Every turn of workload `name` with caching on or off, one generate call per turn."""
+        """Every turn of workload `name` with caching on or off, one generate call (or one round of
+        requests to the server) per turn."""
         a, llm = self.a, self.use(caching)
         vocab, b = llm.vocab_size, self.block
         run = self.runs[name][self.mode(caching)] = {"rows": [], "elapsed_s": None}
@@ -332,8 +368,6 @@ class Bench:
                            for c, (p, t) in enumerate(zip(prompts, toks))]
         run["elapsed_s"] = time.perf_counter() - t0
         run["prefix_stats_total"] = stats_of(llm)
-        if caching:
-            self.reset(llm)
 
     @staticmethod
     def mode(caching: bool) -> str:
@@ -349,7 +383,10 @@ class Bench:
                 self.runs[workload][self.mode(caching)] = {"rows": [], "status": self.not_run}
                 continue
             try:
-                self.workload(workload, caching)
+                with self.served(self.use(caching)):
+                    self.workload(workload, caching)
+                if caching:
+                    self.reset(self.llms[caching])
             except Exception as e:  # noqa: BLE001  (the other phases may still run)
                 run = self.runs[workload].setdefault(self.mode(caching), {"rows": []})
                 run["status"] = TR.failure_status(e)
@@ -370,6 +407,7 @@ class Bench:
             "command": ([sys.executable, *sys.argv] if self.argv is None
                         else ["benchmarks/prefix_cache.py", *self.argv]),
             "settings": dict(vars(a)), "label": self.label,
+            "through": "server" if a.server else "llm",
             "model": {"path": None if spec.tmp_dir or a.ci else spec.path,
                       "load_format": spec.load_format,
                       "config_source": "make_tiny_checkpoint (seed 0)" if a.ci else spec.source,
@@ -381,7 +419,7 @@ class Bench:
             "no_shared": (PR.compare_rows(self.runs["no_shared"], a.turns)
                           if self.runs["no_shared"] else None),
             "summary": PR.summary(self.runs, a.turns), "agreement": self.agreement,
-            "warmups": self.warmups, "runs": self.runs, "definitions": PR.DEFINITIONS,
+            "warmups": self.warmups, "runs": self.runs, "definitions": PR.definitions(a.server),
             "elapsed_s": time.perf_counter() - self.t0,
             "host": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                      "loadavg_start": self.load_start, "loadavg_now": TP.host_load()},

@@ -29,6 +29,21 @@ DEFINITIONS = {
     "agreement": "greedy outputs on vs off; shared: a conversation that differed is not "
                  "compared after that turn",
 }
+# --server: the figures as the client sees them (prefix_cache_server.py)
+SERVER_DEFINITIONS = {
+    "ttft_ms": "the client's time from sending a request to its first streamed chunk (which "
+               "carries a token); p50 / p99 over a turn's requests",
+    "e2e_ms": "the client's time from sending a request to its [DONE]",
+    "output_tok_s": "output tokens of the turn / the time from its first send to its last [DONE]",
+    "total_tok_s": "(prompt tokens, cached or not, + output tokens) / the same time",
+    "hit_rate": "sum of usage.prompt_tokens_details.cached_tokens / sum of prompt tokens "
+                "(caching on)",
+}
+
+
+def definitions(server: bool) -> dict[str, str]:
+    """The JSON's definitions: through `LLM.generate`, or through the server (`--server`)."""
+    return {**DEFINITIONS, **SERVER_DEFINITIONS} if server else DEFINITIONS
 
 
 def stats_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
@@ -173,6 +188,9 @@ def print_table(res: dict[str, Any]) -> None:
                   f"{f(_pct(r['best_hit_rate']), '6.1f')} {f(_pct(r['hit_of_best']), '7.1f')}")
     print("(tok/s: prompt + output tokens per second of the call; hit %: cached / prompt tokens "
           "with caching on)")
+    if res.get("through") == "server":
+        print("(through the OpenAI server: TTFT is the client's, from the send to the first "
+              "streamed chunk; hit % from usage.prompt_tokens_details.cached_tokens)")
     for w, s in res["summary"].items():
         line = (f"{w}: {s['turns']} turns, wall time off {s['off']['elapsed_s']:.2f} s, on "
                 f"{s['on']['elapsed_s']:.2f} s (off / on {s['off_over_on_elapsed']:.2f})")

@@ -154,9 +154,16 @@ def client_session(url: str, headers: dict[str, str], read_timeout: float) -> ai
 CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
-async def send(client: aiohttp.ClientSession, model: str, req: SM.BenchRequest, index: int) -> SM.RequestResult:
+async def send(
+    client: aiohttp.ClientSession,
+    model: str,
+    req: SM.BenchRequest,
+    index: int,
+    extra: dict[str, Any] | None = None,
+) -> SM.RequestResult:
     """One streamed completion; every failure (HTTP status, an error event, a broken stream, a timeout)
-    ends up in the result's `error`."""
+    ends up in the result's `error`. `extra`: more body fields (`return_token_ids: true`: the result
+    keeps the generated ids)."""
     body = {
         "model": model,
         "prompt": req.prompt,
@@ -165,6 +172,7 @@ async def send(client: aiohttp.ClientSession, model: str, req: SM.BenchRequest, 
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     res = SM.RequestResult(index, time.perf_counter(), req.output_len, req.prompt_len)
     try:
@@ -186,12 +194,16 @@ async def send(client: aiohttp.ClientSession, model: str, req: SM.BenchRequest, 
                     break
                 if ev.get("choices"):
                     res.chunk_times.append(now)
-                    lp = ev["choices"][0].get("logprobs")
+                    choice = ev["choices"][0]
+                    res.token_ids += choice.get("token_ids") or []
+                    lp = choice.get("logprobs")
                     if lp and lp.get("tokens") is not None:
                         res.chunk_tokens.append(len(lp["tokens"]))
                 if ev.get("usage"):
                     res.usage_tokens = ev["usage"].get("completion_tokens")
                     res.prompt_len = ev["usage"].get("prompt_tokens", res.prompt_len)
+                    details = ev["usage"].get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens")
     except Exception as e:  # a failed request is a figure, not a crash
         res.error = f"{type(e).__name__}: {e}"[:300]
     if res.error is None and res.end is None:
@@ -207,9 +219,11 @@ async def run_requests(
     reqs: list[SM.BenchRequest],
     offsets: list[float],
     concurrency: int | None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[SM.RequestResult], float]:
     """All requests on their arrival schedule, at most `concurrency` in flight (a request waiting for a
-    slot starts its clock when sent, as vLLM's); (results, seconds from the start to the last end)."""
+    slot starts its clock when sent, as vLLM's); (results, seconds from the start to the last end).
+    `extra`: more body fields of every request (`send`)."""
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     t0 = time.perf_counter()
 
@@ -218,9 +232,9 @@ async def run_requests(
         if delay > 0:
             await asyncio.sleep(delay)
         if sem is None:
-            return await send(client, model, reqs[i], i)
+            return await send(client, model, reqs[i], i, extra)
         async with sem:
-            return await send(client, model, reqs[i], i)
+            return await send(client, model, reqs[i], i, extra)
 
     results = await asyncio.gather(*(one(i) for i in range(len(reqs))))
     return list(results), time.perf_counter() - t0

@@ -104,6 +104,8 @@ class RequestResult:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens per chunk when logprobs say so
     end: float | None = None  # the stream's end ([DONE])
     usage_tokens: int | None = None  # usage.completion_tokens of the last event
+    cached_tokens: int | None = None  # its usage.prompt_tokens_details.cached_tokens
+    token_ids: list[int] = field(default_factory=list)  # the generated ids (return_token_ids)
     error: str | None = None  # set: the request failed
 
     @property

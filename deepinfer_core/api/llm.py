@@ -286,8 +286,10 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix no running request holds; True when the cache is then empty (False
-        also when prefix caching is off)."""
-        return self.engine.reset_prefix_cache()
+        also when prefix caching is off). With engine processes (data_parallel_size > 1,
+        engine_process=True): every rank's cache, True only when every one is empty."""
+        dp = self.__dict__.get("_dp")
+        return dp.reset_prefix_cache() if dp is not None else self.engine.reset_prefix_cache()
 
     def _allocator(self) -> BlockAllocator:
         """The runner's cache allocator (sized on first use, re-sized when the options change)."""

@@ -10,7 +10,9 @@ EP collectives pair up.
 Assignment: each request to the rank with the least load (waiting + running tokens as the ranks report
 them, plus the prompt tokens x n sent since), lowest rank on ties. `generate` on an idle engine therefore
 places its requests exactly as `assign_ranks` does: deterministic, and a rank may get none (it then only
-serves the others' MoE rows).
+serves the others' MoE rows). With prefix caching on (and more than one rank), a request goes
+instead to the rank that was sent the longest prefix of its prompt, when that rank's load is within
+a slack of the least (dp_router.py); `reset_prefix_cache` resets every rank's cache (dp_online.py).
 
 Online use (the server): `add_request` / `abort_request` / `step` / `has_unfinished_requests`, as the
 in-process Engine (dp_online.py); `generate` is a client of the same interface.
@@ -229,8 +231,7 @@ class DataParallelLLM(OnlineFrontEnd):
                 self._commands.append(ConnSender(remote.conn))
                 self._procs.append(remote)
                 self._results.add(remote.conn, remote.lost)
-        for rank, msg in self._wait("ready").items():
-            self._rank_gauges[rank] = msg[2]
+        self._on_ready(self._wait("ready"))
         self._started = True
         log.info("data parallel: %d ranks ready (enable_expert_parallel=%s, enable_eplb=%s)", self.world,
                  self.config.parallel.enable_expert_parallel, self.config.parallel.enable_eplb)
@@ -365,7 +366,7 @@ class DataParallelLLM(OnlineFrontEnd):
             except (ValueError, TypeError) as e:
                 errors[i] = e
         self._request_counter += len(parsed)
-        ranks = self.choose_ranks([len(r.prompt_token_ids) * r.params.n for r in requests])
+        ranks = self.choose_ranks(requests)
         exit_at, self._exit_at = self._exit_at, None
         if exit_at is not None:        # uncounted: armed before the run the adds start
             self._commands[exit_at[0]].put(("exit_at", exit_at[1]))

@@ -1,5 +1,6 @@
 """What the data-parallel front end (dp_engine.py, dp_online.py) and its ranks (dp_worker.py) send each
-other: the rank's start-up spec, the requests, and the reports after an iteration or a run.
+other: the rank's start-up spec and how its prefix cache keys blocks, the requests, the reports
+after an iteration or a run, and the answers to a prefix-cache reset.
 
 All of it is pickled: over the spawned ranks' queues and pipes, or over the socket connections of ranks
 in other torchrun processes (torchrun.py).
@@ -45,6 +46,16 @@ class RankRequest:
     seed: int
     stream: bool = True  # per-step deltas (the server); False: only the finished output (generate)
     cache_salt: str | None = None   # prefix caching: shared only between requests with the same salt
+
+
+@dataclass(frozen=True)
+class PrefixKeying:
+    """How a rank's prefix cache keys its blocks (cache/prefix_cache.py `PrefixCache.salt` and
+    `block_size`), sent with its "ready" (None there: prefix caching off), so that the front end's
+    router (dp_router.py) computes the keys the rank's cache computes."""
+
+    salt: tuple  # what besides the tokens decides the cached state (model, dtype, QAT, ...)
+    block_size: int  # tokens per cached block
 
 
 @dataclass
@@ -119,6 +130,17 @@ class IdleReport:
     stats: RankStats
 
 
+@dataclass
+class ResetReport:
+    """A rank's answer to the ("reset_prefix_cache",) command, which it applies between two engine
+    steps (or at once while idle) without starting a run: its `Engine.reset_prefix_cache()`."""
+
+    rank: int
+    reset: bool  # True: no cached prefix is left on it (False also when prefix caching is off)
+    gauges: dict[str, float]  # scheduler_gauges after the reset (an idle rank sends no others)
+
+
 EXIT_TEST_HOOK = 17
+RESET_PREFIX_CACHE = "reset_prefix_cache"
 # Commands that never start a run (nor count as consumed): the front end's wake bookkeeping ignores them.
-UNCOUNTED = ("stop", "exit_at")
+UNCOUNTED = ("stop", "exit_at", RESET_PREFIX_CACHE)

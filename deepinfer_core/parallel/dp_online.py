@@ -5,7 +5,13 @@ alike. One thread calls these methods (the engine thread, or generate's caller).
 
 Placement: a request goes to the rank with the least load, load = waiting + running tokens as the rank
 last reported it (after each iteration) plus the tokens of requests sent to it since that report (prompt
-tokens x n), lowest rank on ties (each rank has a scheduler of its own).
+tokens x n), lowest rank on ties (each rank has a scheduler of its own). With prefix caching on
+and more than one rank: to the rank that was sent the longest prefix of its prompt, when that
+rank's load allows (dp_router.py).
+
+Prefix-cache reset (`reset_prefix_cache`): an uncounted command to every rank, which each applies
+between two engine steps (an idle rank at once, without starting a run) and answers with a
+ResetReport; outputs that arrive while the front end waits for the answers wait for the next `step`.
 
 Runs and wakes: a rank blocks on its command queue while idle; a counted command starts a run, and the
 run's lockstep vote needs every rank, so the first command sent to an idle system also wakes every other
@@ -28,7 +34,15 @@ from typing import Any
 
 from ..api.sampling_params import SamplingParams
 from ..ops.sampler import mix_seed
-from .dp_messages import IdleReport, RankRequest, RankStats, StepReport
+from .dp_messages import (
+    RESET_PREFIX_CACHE,
+    IdleReport,
+    RankRequest,
+    RankStats,
+    ResetReport,
+    StepReport,
+)
+from .dp_router import PrefixRouter
 
 POLL_S = 0.1  # longest wait of one `step` (then the caller drains its own commands) and liveness poll
 
@@ -51,7 +65,8 @@ _RATIOS = (
 
 class OnlineFrontEnd:
     """Mixed into DataParallelLLM, which provides world, config, _commands, _results, _procs, _failed
-    and _fail (raises one RuntimeError naming the failed rank, after stopping every rank), dead_ranks()."""
+    and _fail (raises one RuntimeError naming the failed rank, after stopping every rank),
+    dead_ranks(), and passes the ranks' "ready" messages to `_on_ready`."""
 
     def _init_online(self) -> None:
         w = self.world
@@ -69,6 +84,8 @@ class OnlineFrontEnd:
         self._seed_counter = 0  # default seeds, as the in-process engine counts its requests
         self.refused: dict[str, str] = {}  # request id -> why its constraint never became ready (as Engine)
         self.last_stats: list[RankStats] = []
+        self._router: PrefixRouter | None = None  # placement by prefix too (`_on_ready`)
+        self._resets: dict[int, bool] = {}  # rank -> its answer to the reset being waited for
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -82,10 +99,10 @@ class OnlineFrontEnd:
         stream: bool = True,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request on the least-loaded rank. Checked here: the id and the params' type; the
-        rank's engine checks the rest (`cache_salt` too: prefix caching shares prompts only between
-        requests with the same salt, on one rank) and a refusal comes back from `step` as a
-        RequestInvalid."""
+        """Queue a request on a rank (`choose_ranks`). Checked here: the id and the params' type;
+        the rank's engine checks the rest (`cache_salt` too: prefix caching shares prompts only
+        between requests with the same salt, on one rank) and a refusal comes back from `step` as
+        a RequestInvalid."""
         self._check_running()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"add_request: request_id must be a non-empty str, got {request_id!r}")
@@ -95,7 +112,7 @@ class OnlineFrontEnd:
             raise ValueError(f"add_request: params must be a SamplingParams, got {type(params).__name__}")
         request = self.resolve_request(request_id, prompt, list(prompt_token_ids), params, seed, stream,
                                        cache_salt)
-        rank = self.choose_ranks([len(request.prompt_token_ids) * params.n])[0]
+        rank = self.choose_ranks([request])[0]
         self._dispatch({rank: [request]})
 
     def resolve_request(
@@ -125,7 +142,24 @@ class OnlineFrontEnd:
         self._dispatch({rank: None}, ("abort", request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._live) or self._running
+        return bool(self._live) or self._running or bool(self._ready)
+
+    def reset_prefix_cache(self) -> bool:
+        """Every rank runs `Engine.reset_prefix_cache()` between two of its steps; True only when
+        every rank's cache is then empty (False also when prefix caching is off). The router
+        forgets what it sent where. Outputs that arrive meanwhile come from the next `step`."""
+        self._check_running()
+        for q in self._commands:
+            q.put((RESET_PREFIX_CACHE,))
+        while len(self._resets) < self.world:
+            try:
+                self._handle(self._results.get(timeout=POLL_S))
+            except queue.Empty:
+                self._check_alive()
+        answers, self._resets = self._resets, {}
+        if self._router is not None:
+            self._router.clear()
+        return all(answers.values())
 
     def step(self) -> list[Any]:
         """The outputs the ranks sent since the last call (RequestOutputs, RequestInvalids): waits for
@@ -153,12 +187,16 @@ class OnlineFrontEnd:
             self._load[r] + sum(t for n, t in self._unreported[r] if n > self._consumed[r]) for r in range(self.world)
         ]
 
-    def choose_ranks(self, costs: list[int]) -> list[int]:
-        """The rank of each request (cost: prompt tokens x n), in order, each counted before the next."""
+    def choose_ranks(self, requests: list[RankRequest]) -> list[int]:
+        """The rank of each request, in order, each counted before the next (prompt tokens x n): the
+        router's choice (prefix caching on), else the least loaded, lowest rank on ties."""
         loads, out = self.loads(), []
-        for cost in costs:
-            r = min(range(self.world), key=lambda k: (loads[k], k))
-            loads[r] += cost
+        for request in requests:
+            if self._router is not None:
+                r = self._router.place(request, loads)
+            else:
+                r = min(range(self.world), key=lambda k: (loads[k], k))
+            loads[r] += len(request.prompt_token_ids) * request.params.n
             out.append(r)
         return out
 
@@ -186,6 +224,15 @@ class OnlineFrontEnd:
             self._unreported[rank].append((self._sent[rank], tokens))
 
     # ---- reports -------------------------------------------------------------------------------
+    def _on_ready(self, ready: dict[int, tuple]) -> None:
+        """Every rank's ("ready", rank, gauges, PrefixKeying or None): its first gauges, and with
+        prefix caching on and more than one rank the router (one keying: one config on all)."""
+        for rank, msg in ready.items():
+            self._rank_gauges[rank] = msg[2]
+        keying = ready[0][3]
+        if self.world > 1 and keying is not None:
+            self._router = PrefixRouter(keying, self.world)
+
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "error":
@@ -194,6 +241,8 @@ class OnlineFrontEnd:
             self._on_step(msg[1])
         elif kind == "idle":
             self._on_idle(msg[1])
+        elif kind == "reset":
+            self._on_reset(msg[1])
         else:
             raise RuntimeError(f"DataParallelLLM: a rank sent {kind!r} while running")
 
@@ -216,6 +265,10 @@ class OnlineFrontEnd:
                 if out.request_id in rep.refused:
                     self.refused[out.request_id] = rep.refused[out.request_id]
             self._ready.append(out)
+
+    def _on_reset(self, rep: ResetReport) -> None:
+        self._rank_gauges[rep.rank] = rep.gauges
+        self._resets[rep.rank] = rep.reset
 
     def _on_idle(self, rep: IdleReport) -> None:
         self._note(rep.rank, rep.load, rep.consumed, rep.gauges)

@@ -4,7 +4,8 @@ requests, stepped in lockstep with the other ranks, so that the expert-parallel 
 Online (`RankLoop`; the front end's side is dp_online.py): idle, a rank blocks on its command queue; a
 counted command (add, abort, wake) starts a run of lockstep iterations, and when the vote finds no work
 anywhere every rank sends an IdleReport and blocks again. After each iteration with news a rank sends a
-StepReport: its step's outputs (deltas of streamed requests), its load and gauges.
+StepReport: its step's outputs (deltas of streamed requests), its load and gauges. A prefix-cache
+reset is uncounted: applied between two steps (or at once while idle), answered with a ResetReport.
 
 Lockstep, one iteration:
     apply the commands that arrived (adds join this step, aborts free their slots now)
@@ -50,7 +51,16 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from .dp_messages import EXIT_TEST_HOOK, IdleReport, RankStats, StepReport, WorkerSpec
+from .dp_messages import (
+    EXIT_TEST_HOOK,
+    RESET_PREFIX_CACHE,
+    IdleReport,
+    PrefixKeying,
+    RankStats,
+    ResetReport,
+    StepReport,
+    WorkerSpec,
+)
 from .ep_comm import EPCommError
 from .rank_start import restore_stderr
 
@@ -105,7 +115,8 @@ class RankLoop:
 
     Commands: ("add", [RankRequest]), ("abort", request_id), ("wake",) (join a run another rank's
     request started), and the uncounted ("exit_at", iteration) (test hook: os._exit at that iteration
-    of the next run, as a crash would) and ("stop",)."""
+    of the next run, as a crash would), ("reset_prefix_cache",) (answered with
+    ("reset", ResetReport)) and ("stop",)."""
 
     def __init__(self, engine, runner, groups, spec: WorkerSpec, commands, results, eplb=None):
         self.engine, self.runner, self.groups, self.spec = engine, runner, groups, spec
@@ -133,6 +144,10 @@ class RankLoop:
             return False
         if kind == "exit_at":
             self.exit_at = cmd[1]
+            return False
+        if kind == RESET_PREFIX_CACHE:        # between two steps, as the in-process engine resets
+            reset = self.engine.reset_prefix_cache()
+            self.results.put(("reset", ResetReport(self.spec.rank, reset, self._gauges())))
             return False
         self.consumed += 1
         if kind == "add":
@@ -308,9 +323,9 @@ def _exit_with_parent(rank: int) -> None:
 def worker_main(spec: WorkerSpec, commands, results, stderr_fd: int | None = None) -> None:
     """Entry point of a rank (a spawned process, or a torchrun process: torchrun.py): build, say ready, then
     serve commands (`RankLoop`) until ("stop",). `commands`: get() / get_nowait(); `results`: put() / close().
-    Messages to the front end: ("ready", rank, gauges), ("step", StepReport), ("idle", IdleReport),
-    ("error", rank, text). `stderr_fd`: a spawned rank's real stderr (its start-up output went
-    through the front end: rank_start.py)."""
+    Messages to the front end: ("ready", rank, gauges, PrefixKeying or None), ("step", StepReport),
+    ("idle", IdleReport), ("reset", ResetReport), ("error", rank, text). `stderr_fd`: a spawned
+    rank's real stderr (its start-up output went through the front end: rank_start.py)."""
     restore_stderr(stderr_fd)
     # Ctrl-C reaches the whole process group: the front end decides when the ranks stop (close()).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -336,7 +351,10 @@ def worker_main(spec: WorkerSpec, commands, results, stderr_fd: int | None = Non
             from .eplb_runtime import runtime_eplb_from_config
             eplb = runtime_eplb_from_config(spec.config, llm.runner.model, groups.ep, groups.cpu)
         rank_loop = RankLoop(engine, llm.runner, groups, spec, commands, results, eplb)
-        results.put(("ready", spec.rank, rank_loop._gauges()))     # the server's /metrics has them at once
+        prefix = engine.scheduler.prefix
+        keying = None if prefix is None else PrefixKeying(prefix.salt, prefix.block_size)
+        # the gauges: the server's /metrics has them at once; the keying: the front end's router's
+        results.put(("ready", spec.rank, rank_loop._gauges(), keying))
         rank_loop.loop()
     except BaseException as exc:
         results.put(("error", spec.rank, f"{type(exc).__name__}: {exc}"))   # written before it returns

@@ -60,13 +60,10 @@ def build_app(llm, engine_loop: EngineLoop, model_name: str, api_key: str | None
 
     @app.post("/reset_prefix_cache", dependencies=[Depends(authorized)])
     async def reset_prefix_cache():
-        """vLLM's route: drops every cached prefix no running request holds. {"reset": true} when
-        the cache is empty afterwards; false when prefix caching is off or running requests hold
-        some."""
-        try:
-            return {"reset": await engine_loop.reset_prefix_cache()}
-        except NotImplementedError as exc:              # the data-parallel front end
-            raise ApiError(501, str(exc), None, "not_implemented_error") from None
+        """vLLM's route: drops every cached prefix no running request holds (on every rank when
+        the engine runs in processes of its own). {"reset": true} when the cache is empty
+        afterwards; false when prefix caching is off or running requests hold some."""
+        return {"reset": await engine_loop.reset_prefix_cache()}
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():

@@ -5,7 +5,11 @@ a `response_format` grammar then starts after `</think>` (a structured-output tr
 
 With tools (tool_choice "auto"), a DSML tool-call block in the content part (after the reasoning) becomes
 `message.tool_calls` / `delta.tool_calls` (api/tool_calls.py), the text before it the content (null when
-empty), and finish_reason "tool_calls"."""
+empty), and finish_reason "tool_calls".
+
+`return_token_ids` (vLLM's field and shape): each choice carries its generated ids (`token_ids`,
+streamed: the delta's) and the reply its prompt's (`prompt_token_ids`, streamed: the first
+event)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 from fastapi.responses import StreamingResponse
 
 from ..api.chat import THINK_END, chat_prompts, encode_chat_prompt
-from ..api.outputs import CompletionOutput
+from ..api.outputs import CompletionOutput, RequestOutput
 from ..api.tool_calls import ToolCallStream, parse_tool_calls
 from .errors import ApiError, field_named
 from .protocol import ChatRequest
@@ -55,15 +59,27 @@ async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer, refu
     thinking = mode == "thinking"
     if body.stream:
         stream = _sse({**head, "object": "chat.completion.chunk"}, firsts, streams, thinking, parse_tools,
-                      body.include_usage, tokenizer, params.logprobs)
+                      body, tokenizer, params.logprobs)
         return StreamingResponse(sse_errors(stream), media_type="text/event-stream")
     request, outs = await collect(firsts[0], streams[0])
+    top = params.logprobs
     choices = [{**chat_choice(c, thinking, parse_tools),
-                "logprobs": _logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None}
+                "logprobs": _logprobs(c, tokenizer, top) if top is not None else None,
+                **_token_ids(c, body)}
                for c in outs]
-    return {**head, "choices": choices,
+    return {**head, "choices": choices, **_prompt_token_ids(request, body),
             "usage": usage(len(request.prompt_token_ids), sum(len(c.token_ids) for c in outs),
                            request.num_cached_tokens)}
+
+
+def _token_ids(c: CompletionOutput, body: ChatRequest) -> dict:
+    """A choice's (or a delta's) generated ids with `return_token_ids`, else nothing."""
+    return {"token_ids": list(c.token_ids)} if body.return_token_ids else {}
+
+
+def _prompt_token_ids(request: RequestOutput, body: ChatRequest) -> dict:
+    """The reply's prompt ids with `return_token_ids`, else nothing."""
+    return {"prompt_token_ids": list(request.prompt_token_ids)} if body.return_token_ids else {}
 
 
 def chat_choice(c: CompletionOutput, thinking: bool, parse_tools: bool) -> dict:
@@ -123,10 +139,11 @@ def _delta(state: _ChoiceStream, c: CompletionOutput, thinking: bool) -> tuple[d
     return delta, ("tool_calls" if called and c.finish_reason is not None else c.finish_reason)
 
 
-async def _sse(head: dict, firsts, streams, thinking: bool, parse_tools: bool, include_usage: bool, tokenizer,
-               top: int | None):
+async def _sse(head: dict, firsts, streams, thinking: bool, parse_tools: bool, body: ChatRequest,
+               tokenizer, top: int | None):
     states: dict[int, _ChoiceStream] = {}
     completion_tokens = 0
+    prompt_ids = _prompt_token_ids(firsts[0], body)      # on the first event only
     async for _, item in merged(firsts, streams):
         for c in item.outputs:
             completion_tokens += len(c.token_ids)
@@ -139,9 +156,11 @@ async def _sse(head: dict, firsts, streams, thinking: bool, parse_tools: bool, i
             if first:
                 delta = {"role": "assistant", **delta}
             choice = dict(index=c.index, delta=delta, finish_reason=finish_reason,
-                          logprobs=_logprobs(c, tokenizer, top) if top is not None else None)
-            yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
-    if include_usage:
+                          logprobs=_logprobs(c, tokenizer, top) if top is not None else None,
+                          **_token_ids(c, body))
+            yield f"data: {json.dumps({**head, 'choices': [choice], **prompt_ids})}\n\n"
+            prompt_ids = {}
+    if body.include_usage:
         tokens = usage(len(firsts[0].prompt_token_ids), completion_tokens, firsts[0].num_cached_tokens)
         yield f"data: {json.dumps({**head, 'choices': [], 'usage': tokens})}\n\n"
     yield "data: [DONE]\n\n"

@@ -5,6 +5,10 @@ logprobs (null for the first token, which nothing predicts) ahead of the generat
 `max_tokens: 0` with `echo` scores the prompt alone: the engine runs one step (it always samples a
 token), and that token is left out of the answer and of the usage, as vLLM does. Streamed, a
 choice's first event carries the echoed prompt.
+
+`return_token_ids` (vLLM's field) adds each choice's generated ids (`token_ids`) and its prompt's
+(`prompt_token_ids`); streamed, every event carries its delta's ids and a choice's first event the
+prompt's, so a client can resend a conversation's exact history as token ids.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ async def create_completion(body: CompletionRequest, engine_loop, tokenizer):
         return StreamingResponse(sse_errors(_sse(head, firsts, streams, body, params.n, tokenizer)),
                                  media_type="text/event-stream")
     done = await asyncio.gather(*(collect(f, s) for f, s in zip(firsts, streams)))
-    choices = [_choice(p * params.n + c.index, c, whole if body.echo else None, body, tokenizer)
+    choices = [_choice(p * params.n + c.index, c, whole, body, tokenizer)
                for p, (whole, outs) in enumerate(done) for c in outs]
     generated = 0 if body.prompt_only else sum(len(c.token_ids) for _, o in done for c in o)
     return {**head, "choices": choices,
@@ -48,23 +52,29 @@ async def create_completion(body: CompletionRequest, engine_loop, tokenizer):
                            sum(r.num_cached_tokens for r, _ in done))}
 
 
-def _choice(index: int, c: CompletionOutput, echo: RequestOutput | None, body: CompletionRequest,
-            tokenizer, offset: int = 0) -> dict:
-    """One choice (or one streamed delta of it). `echo`: the request whose prompt goes in front (the
-    whole answer, or a stream's first event of the choice); `offset`: where its text starts in the
-    choice's text (a stream's later deltas)."""
+def _choice(index: int, c: CompletionOutput, request: RequestOutput | None,
+            body: CompletionRequest, tokenizer, offset: int = 0) -> dict:
+    """One choice (or one streamed delta of it). `request`: given for the whole answer or a stream's
+    first event of the choice: its prompt goes in front with `echo`, its ids are the choice's
+    `prompt_token_ids` with `return_token_ids`; `offset`: where the text starts in the choice's
+    text (a stream's later deltas)."""
     text, pieces = "", []
-    if echo is not None:
-        text = echo.prompt
+    if body.echo and request is not None:
+        text = request.prompt
         if text is None:
-            text = tokenizer.decode(echo.prompt_token_ids, skip_special_tokens=False)
-        pieces.append((echo.prompt_token_ids, echo.prompt_logprobs))
+            text = tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
+        pieces.append((request.prompt_token_ids, request.prompt_logprobs))
     if not body.prompt_only:
         text += c.text
         pieces.append((c.token_ids, c.logprobs))
     finish = "length" if body.prompt_only and c.finish_reason is not None else c.finish_reason
     lps = logprobs_object(pieces, tokenizer, offset) if body.logprobs is not None else None
-    return {"index": index, "text": text, "finish_reason": finish, "logprobs": lps}
+    choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": lps}
+    if body.return_token_ids:
+        choice["token_ids"] = [] if body.prompt_only else list(c.token_ids)
+        if request is not None:
+            choice["prompt_token_ids"] = list(request.prompt_token_ids)
+    return choice
 
 
 def logprobs_object(pieces: list[tuple[list[int], Entries | None]], tokenizer,
@@ -102,9 +112,9 @@ async def _sse(head: dict, firsts, streams, body: CompletionRequest, n: int, tok
     async for p, item in merged(firsts, streams):
         for c in item.outputs:
             index = p * n + c.index
-            echo = item if body.echo and index not in sent else None
+            first = item if index not in sent else None
             completion_tokens += 0 if body.prompt_only else len(c.token_ids)
-            choice = _choice(index, c, echo, body, tokenizer, sent.get(index, 0))
+            choice = _choice(index, c, first, body, tokenizer, sent.get(index, 0))
             sent[index] = sent.get(index, 0) + len(choice["text"])
             yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
         if item.finished:

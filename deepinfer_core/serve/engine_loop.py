@@ -14,8 +14,8 @@ tokens per step for streamed requests); JSON and SSE framing stay in the handler
 (parallel/dp_online.py, `LLM.serving_engine()`): the same add / abort / step calls. Its `step` may also
 return a ValueError carrying a `request_id` (a rank refused the request at submission), delivered to
 that request's handler as the in-process engine's ValueError would have been; its `health_error()`
-reports a dead rank while the system is idle. It has no `reset_prefix_cache` yet (the in-process
-engine's runs on the engine thread, between steps).
+reports a dead rank while the system is idle. `reset_prefix_cache` runs on the engine thread between
+steps, either way (the front end's asks every rank and waits for their answers).
 """
 from __future__ import annotations
 
@@ -203,12 +203,8 @@ class EngineLoop:
 
     async def reset_prefix_cache(self) -> bool:
         """The engine's `reset_prefix_cache()` between two steps: True when no cached prefix is left
-        (False: prefix caching is off, or running requests still hold some). NotImplementedError
-        under the data-parallel front end."""
-        if not hasattr(self.engine, "reset_prefix_cache"):
-            raise NotImplementedError("reset_prefix_cache: not supported yet when the engine runs "
-                                      "in processes of its own (--data-parallel-size > 1, "
-                                      "--engine-process)")
+        (False: prefix caching is off, or running requests still hold some; under data parallelism,
+        on any rank)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:                     # queued before a failure's drain, or refused here
             if self.error is not None:

@@ -55,6 +55,8 @@ class _Sampling(BaseModel):
     vllm_xargs: dict[str, Any] | None = None
     # prefix caching (vLLM's field): only requests with the same salt share cached prompt prefixes
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's field: the answer carries the generated token ids and the prompt's
+    return_token_ids: bool = False
 
     def _structured(self) -> tuple[str, dict[str, Any]] | None:
         """(field given, so_args) of `structured_outputs` or one guided_* field; None when none is given."""

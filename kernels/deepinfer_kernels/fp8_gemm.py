@@ -4,8 +4,9 @@ operands with `deepinfer_core.ops.quant` and multiply in float32).
     C[m, n] = sum over K-groups g of ( sum_{k in g} qa[m, k] * qw[n, k] ) * sa[m, g] * sw[n // 128, g]
 
 qa: activations e4m3 [M, K] with per-token, per-128-channel scales sa [M, K/128] (`fp8_quant`);
-qw: weights e4m3 [N, K] with 128x128 block scales sw [N/128, K/128], as stored in the checkpoint.
-BLOCK_K is 128, so each K step multiplies one fp32 partial product by one scale pair. Decode shapes
+qw: weights e4m3 [N, K] with block scales sw [N/bn, K/bk] as stored in the checkpoint: 128x128
+(V4) or 32x32 (V4.1). BLOCK_K is the weight block's K (128 or 32), so each K step multiplies one
+fp32 partial product by one scale pair (with 32x32 blocks, four K steps share an activation scale). Decode shapes
 with few output tiles split K (a fixed function of N and K) and add the slices in a fixed order, so a
 row's result does not depend on how many other rows share the launch.
 """
@@ -49,7 +50,8 @@ def _weights_to_l2(w_ptr, rows, kg0, N_KG: tl.constexpr, BLOCK_K: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm, stride_cs,
-                     N_KG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     N_KG: tl.constexpr, N_AG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, WB: tl.constexpr, PRECISE_ACC: tl.constexpr,
                      KG_PER_SPLIT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     pid = tl.program_id(0)
@@ -65,8 +67,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, st
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    sa_ptrs = as_ptr + offs_m * N_KG
-    sw_ptrs = ws_ptr + (offs_n // WB) * N_KG
+    sa_ptrs = as_ptr + offs_m * N_AG          # activation scales: one per 128 channels
+    sw_ptrs = ws_ptr + (offs_n // WB) * N_KG   # weight scales: one per BLOCK_K channels
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, KG_PER_SPLIT):     # constexpr trip count: one compile per K and split
         kb = split * KG_PER_SPLIT + i
@@ -80,7 +82,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, st
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (kb * BLOCK_K + offs_k)[:, None],
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         kb_scale = tl.minimum(kb, N_KG - 1)
-        sa = tl.load(sa_ptrs + kb_scale, mask=m_ok, other=0.0)
+        sa = tl.load(sa_ptrs + kb_scale // (128 // BLOCK_K), mask=m_ok, other=0.0)
         sw = tl.load(sw_ptrs + kb_scale, mask=n_ok, other=0.0)
         # fp32 promotion after every 32-deep FP8 MMA; what remains (~1e-4 relative) is the rounding
         # inside one Hopper FP8 MMA, a property of the hardware
@@ -191,25 +193,38 @@ def invariant_plan(N: int, K: int, device: torch.device, M: int = 1) -> tuple[di
     return cfg, split_k(N, K, INVARIANT_CONFIG, 1, _num_sms(device))
 
 
+WEIGHT_BLOCKS = ((128, 128), (32, 32))      # V4's and V4.1's FP8 weight blocks (rows, K)
+
+
+def _weight_block(block, who: str) -> tuple[int, int]:
+    block = tuple(block)
+    if block not in WEIGHT_BLOCKS:
+        raise ValueError(f"{who}: weight_block={block}; allowed: {', '.join(map(str, WEIGHT_BLOCKS))}")
+    return block
+
+
 def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
-             precise_acc: int = 32, splits: int | None = None) -> torch.Tensor:
-    """qa [M, K] e4m3, sa [M, ceil(K/128)] fp32, qw [N, K] e4m3, sw [ceil(N/128), ceil(K/128)] fp32
-    -> C [M, N] in out_dtype."""
+             precise_acc: int = 32, splits: int | None = None,
+             weight_block: tuple[int, int] = (WEIGHT_BLOCK, BLOCK_K)) -> torch.Tensor:
+    """qa [M, K] e4m3, sa [M, ceil(K/128)] fp32, qw [N, K] e4m3, sw [ceil(N/bn), ceil(K/bk)] fp32
+    for `weight_block` (bn, bk) -> C [M, N] in out_dtype."""
+    bn, bk = _weight_block(weight_block, "fp8_gemm")
     M, K = qa.shape
     N, K2 = qw.shape
-    n_kg = triton.cdiv(K, BLOCK_K)
-    if K2 != K or tuple(sa.shape) != (M, n_kg) or tuple(sw.shape) != (triton.cdiv(N, WEIGHT_BLOCK), n_kg):
+    n_kg = triton.cdiv(K, bk)
+    if K2 != K or tuple(sa.shape) != (M, triton.cdiv(K, BLOCK_K)) or tuple(sw.shape) != (triton.cdiv(N, bn), n_kg):
         raise ValueError(f"fp8_gemm: shapes qa {tuple(qa.shape)}, sa {tuple(sa.shape)}, qw {tuple(qw.shape)}, "
-                         f"sw {tuple(sw.shape)} do not fit (K groups of {BLOCK_K}, weight blocks of {WEIGHT_BLOCK})")
+                         f"sw {tuple(sw.shape)} do not fit (activation groups of {BLOCK_K}, weight blocks of "
+                         f"{bn}x{bk})")
     qa, qw = qa.contiguous(), qw.contiguous()
     sa, sw = sa.contiguous().float(), sw.contiguous().float()
     c = torch.empty((M, N), dtype=out_dtype, device=qa.device)
     if M == 0:
         return c
     cfg = dict(config or tile_config(M))
-    if cfg["BLOCK_N"] > WEIGHT_BLOCK or WEIGHT_BLOCK % cfg["BLOCK_N"]:
-        raise ValueError(f"fp8_gemm: BLOCK_N={cfg['BLOCK_N']} must divide the weight block {WEIGHT_BLOCK}")
+    if bn == WEIGHT_BLOCK and (cfg["BLOCK_N"] > bn or bn % cfg["BLOCK_N"]):
+        raise ValueError(f"fp8_gemm: BLOCK_N={cfg['BLOCK_N']} must divide the weight block {bn}")
     if splits is None:
         splits = split_k(N, K, cfg, M, _num_sms(qa.device))
     per = triton.cdiv(n_kg, splits)
@@ -217,7 +232,7 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
     dest, stride_cs = split_partials(c, splits)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), splits)
     _fp8_gemm_kernel[grid](qa, sa, qw, sw, dest, M, N, K, qa.stride(0), qw.stride(0), N, stride_cs, N_KG=n_kg,
-                           BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, PRECISE_ACC=precise_acc,
+                           N_AG=sa.shape[1], BLOCK_K=bk, GROUP_M=8, WB=bn, PRECISE_ACC=precise_acc,
                            KG_PER_SPLIT=per, **cfg, **_launch_args(qa, M))
     if splits > 1:
         sum_splits(dest, stride_cs, c, splits)
@@ -265,21 +280,23 @@ def _w8a16_gemm_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_xm, stride_w
 
 
 def w8a16_gemm(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype | None = None,
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None,
+               weight_block: tuple[int, int] = (WEIGHT_BLOCK, BLOCK_K)) -> torch.Tensor:
     """x [M, K] bf16 or fp32 (not quantised) times FP8 weights qw [N, K] with block scales sw
-    [ceil(N/128), ceil(K/128)]: the weights stay FP8 in memory and are widened tile by tile. fp32
-    inputs multiply in IEEE fp32 (no tf32), matching the core's float32 path. Grouped (V4's wo_a):
-    x [M, G, K] times the block-diagonal qw [G*N, K] (group g: rows g*N..(g+1)*N, N a multiple of
-    128) -> [M, G, N], one launch for all groups."""
+    [ceil(N/bn), ceil(K/bk)] for `weight_block` (bn, bk): the weights stay FP8 in memory and are
+    widened tile by tile. fp32 inputs multiply in IEEE fp32 (no tf32), matching the core's float32
+    path. Grouped (V4's wo_a): x [M, G, K] times the block-diagonal qw [G*N, K] (group g: rows
+    g*N..(g+1)*N, N a multiple of bn) -> [M, G, N], one launch for all groups."""
+    bn, bk = _weight_block(weight_block, "w8a16_gemm")
     grouped = x.dim() == 3
     M, K = x.shape[0], x.shape[-1]
     G = x.shape[1] if grouped else 1
     N = qw.shape[0] // G
-    n_kg = triton.cdiv(K, BLOCK_K)
-    if qw.shape[1] != K or tuple(sw.shape) != (triton.cdiv(qw.shape[0], WEIGHT_BLOCK), n_kg) or \
-            (grouped and (qw.shape[0] % G or N % WEIGHT_BLOCK)):
+    n_kg = triton.cdiv(K, bk)
+    if qw.shape[1] != K or tuple(sw.shape) != (triton.cdiv(qw.shape[0], bn), n_kg) or \
+            (grouped and (qw.shape[0] % G or N % bn)):
         raise ValueError(f"w8a16_gemm: shapes x {tuple(x.shape)}, qw {tuple(qw.shape)}, sw {tuple(sw.shape)} "
-                         f"do not fit (blocks of {WEIGHT_BLOCK}; grouped: G*N rows, N a multiple of it)")
+                         f"do not fit (blocks of {bn}x{bk}; grouped: G*N rows, N a multiple of {bn})")
     x = x if x.stride(-1) == 1 else x.contiguous()
     qw, sw = qw.contiguous(), sw.contiguous().float()
     c = torch.empty((M, G, N) if grouped else (M, N), dtype=out_dtype or x.dtype, device=x.device)
@@ -291,6 +308,6 @@ def w8a16_gemm(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out_dtype: t
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), G)
     _w8a16_gemm_kernel[grid](x, qw, sw, c, M, N, K, x.stride(0), qw.stride(0), c.stride(0),
                              x.stride(1) if grouped else 0, c.stride(1) if grouped else 0, N_KG=n_kg,
-                             BLOCK_K=BLOCK_K, GROUP_M=8, WB=WEIGHT_BLOCK, IEEE=x.dtype == torch.float32,
+                             BLOCK_K=bk, GROUP_M=8, WB=bn, IEEE=x.dtype == torch.float32,
                              UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg, **_launch_args(x, M))
     return c

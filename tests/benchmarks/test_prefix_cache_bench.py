@@ -3,7 +3,8 @@
 the off / on summary on synthetic rows (prefix_cache_report.py), and one end-to-end run of
 main() at the smallest --ci size (a tiny checkpoint, 2 conversations x 2 turns, batch-invariant,
 the no-shared workload too) whose JSON must hold every figure, a hit on turn 2 and identical greedy
-outputs with caching on and off. Nothing here asserts a speed.
+outputs with caching on and off; and the same through the OpenAI server (`--server`, one
+conversation). Nothing here asserts a speed.
 """
 from __future__ import annotations
 
@@ -122,3 +123,24 @@ def test_main_at_the_smallest_ci_size(tmp_path, capsys):
     assert s["turns"] == 2 and _pos(s["off_over_on_elapsed"]) and s["turns_2_on_hit_of_best"] > 0
     printed = capsys.readouterr().out
     assert "TTFT p50 off" in printed and "of best" in printed and "-- no-shared" in printed
+
+
+def test_server_at_the_smallest_ci_size(tmp_path, capsys):
+    """--server: each turn a streamed /v1/completions request to a server in this process; the
+    returned ids (return_token_ids) make the next turn's history, which hits the cache, and every
+    request got its output_len ids (a short one would make the row's status a warning)."""
+    path = tmp_path / "pcs.json"
+    PC.main([*SMALLEST, "--conversations", "1", "--batch-invariant", "--server",
+             "--json", str(path)])
+    out = json.loads(path.read_text())
+    assert out["through"] == "server" and out["label"] == "ci_server" and out["complete"]
+    assert "client" in out["definitions"]["ttft_ms"]
+    turns = out["turns"]
+    assert [(t["status_off"], t["status_on"]) for t in turns] == [("ok", "ok")] * 2
+    assert all(_pos(t["ttft_ms_p50_off"]) and _pos(t["total_tok_s_on"]) for t in turns)
+    assert turns[0]["hit_rate"] == 0 and turns[1]["requests_hit"] == 1
+    assert 0 < turns[1]["hit_rate"] <= turns[1]["best_hit_rate"] and turns[1]["hit_of_best"] == 1
+    on = out["runs"]["shared"]["on"]["rows"][1]
+    assert on["prefix_stats"]["hit_tokens"] == on["cached_tokens"] > 0
+    assert out["agreement"]["shared"]["identical"]
+    assert "through the OpenAI server" in capsys.readouterr().out

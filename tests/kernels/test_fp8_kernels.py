@@ -35,26 +35,35 @@ def fp8_tolerance(device: str) -> float:
     return 1e-6 if device == "cpu" else 5e-4
 
 
-def reference_gemm(qa, sa, qw, sw_e8m0) -> torch.Tensor:
+def reference_gemm(qa, sa, qw, sw_e8m0, block=(128, 128)) -> torch.Tensor:
     K = qa.shape[1]
     a = qa.double() * sa.double().repeat_interleave(128, 1)[:, :K]
-    w = dequant_fp8_block(qw, sw_e8m0, (128, 128), torch.float32).double()
+    w = dequant_fp8_block(qw, sw_e8m0, block, torch.float32).double()
     return a @ w.T
 
 
+def spread_weights(N: int, K: int, g: torch.Generator) -> torch.Tensor:
+    """Weights whose 32x32 blocks span ~12 binades: a 32x32 scale grid differs from a 128x128 one."""
+    return torch.randn(N, K, generator=g) * torch.logspace(-6, -2, 8)[torch.randint(0, 8, (N // 32 + 1, K // 32 + 1),
+                                                                                  generator=g)].repeat_interleave(
+        32, 0).repeat_interleave(32, 1)[:N, :K]
+
+
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
 @pytest.mark.parametrize("M,N,K", [(1, 64, 128), (5, 192, 256), (17, 128, 384), (40, 320, 200), (70, 128, 136)])
-def test_fp8_gemm_matches_dequantised_matmul(kdev, M, N, K):
+def test_fp8_gemm_matches_dequantised_matmul(kdev, M, N, K, block):
+    """128x128 weight blocks (V4) and 32x32 (V4.1: four weight scales per activation group)."""
     g = torch.Generator().manual_seed(M + N + K)
-    w = torch.randn(N, K, generator=g) * 0.05
-    qw, sw = quantize_fp8_block(w)
+    w = torch.randn(N, K, generator=g) * 0.05 if block == (128, 128) else spread_weights(N, K, g)
+    qw, sw = quantize_fp8_block(w, block)
     x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
     qa, sa = act_quant(x.to(kdev))
-    out = fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), out_dtype=torch.float32)
-    ref = reference_gemm(qa.cpu(), sa.cpu(), qw, sw)
+    out = fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), out_dtype=torch.float32, weight_block=block)
+    ref = reference_gemm(qa.cpu(), sa.cpu(), qw, sw, block)
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert err < fp8_tolerance(kdev), f"relative error {err:.2e}"
-    bf = fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), out_dtype=torch.bfloat16)
-    assert bf.dtype == torch.bfloat16 and torch.allclose(bf.cpu().double(), ref, rtol=1e-2, atol=1e-2)
+    bf = fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), out_dtype=torch.bfloat16, weight_block=block)
+    assert bf.dtype == torch.bfloat16 and torch.allclose(bf.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
 
 
 def test_fp8_gemm_row_does_not_depend_on_the_other_rows(kdev, rows_match):
@@ -74,18 +83,24 @@ def test_fp8_gemm_rejects_mismatched_scales(kdev):
     qw, sw = quantize_fp8_block(torch.randn(128, 256))
     with pytest.raises(ValueError, match="do not fit"):
         fp8_gemm(qa, sa[:, :1], qw.to(kdev), e8m0_to_float(sw).to(kdev))
+    with pytest.raises(ValueError, match="do not fit"):        # 128x128 scales read as 32x32 blocks
+        fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), weight_block=(32, 32))
+    with pytest.raises(ValueError, match=r"weight_block=\(64, 64\); allowed: \(128, 128\), \(32, 32\)"):
+        fp8_gemm(qa, sa, qw.to(kdev), e8m0_to_float(sw).to(kdev), weight_block=(64, 64))
 
 
 
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
 @pytest.mark.parametrize("M,N,K,dtype", [(1, 128, 256, torch.float32), (9, 192, 384, torch.bfloat16),
                                          (40, 256, 200, torch.float32), (70, 128, 256, torch.bfloat16)])
-def test_w8a16_gemm_matches_dequantised_matmul(kdev, M, N, K, dtype):
+def test_w8a16_gemm_matches_dequantised_matmul(kdev, M, N, K, dtype, block):
     from deepinfer_kernels.fp8_gemm import w8a16_gemm
     g = torch.Generator().manual_seed(M * N + K)
-    qw, sw = quantize_fp8_block(torch.randn(N, K, generator=g) * 0.05)
+    w = torch.randn(N, K, generator=g) * 0.05 if block == (128, 128) else spread_weights(N, K, g)
+    qw, sw = quantize_fp8_block(w, block)
     x = torch.randn(M, K, generator=g).to(dtype)
-    out = w8a16_gemm(x.to(kdev), qw.to(kdev), e8m0_to_float(sw).to(kdev))
-    ref = x.double() @ dequant_fp8_block(qw, sw, (128, 128), torch.float32).double().T
+    out = w8a16_gemm(x.to(kdev), qw.to(kdev), e8m0_to_float(sw).to(kdev), weight_block=block)
+    ref = x.double() @ dequant_fp8_block(qw, sw, block, torch.float32).double().T
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert out.dtype == dtype and err < (1e-6 if dtype == torch.float32 else 1e-2), f"relative error {err:.2e}"
 

@@ -16,40 +16,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "nvidi
 from deepinfer_nvidia.linear import Fp8LinearMethod  # noqa: E402
 
 
-def make_layer(in_f: int, out_f: int, act_quant: bool, seed: int) -> Linear:
-    layer = Linear(in_f, out_f, "fp8", act_quant=act_quant)
-    q, s = quantize_fp8_block(torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) * 0.05)
+def make_layer(in_f: int, out_f: int, act_quant: bool, seed: int, block=(128, 128)) -> Linear:
+    layer = Linear(in_f, out_f, "fp8", act_quant=act_quant, block=block)
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g) * 0.05
+    if block != (128, 128):      # blocks of different magnitudes, so the scale grid matters
+        w = w * torch.logspace(-4, 0, 5)[torch.randint(0, 5, layer.scale.shape, generator=g)].repeat_interleave(
+            block[0], 0).repeat_interleave(block[1], 1)[:out_f, :in_f]
+    q, s = quantize_fp8_block(w, block)
     layer.weight.copy_(q)
     layer.scale.copy_(s)
     return layer
 
 
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
 @pytest.mark.parametrize("tokens,in_f,out_f", [(1, 256, 128), (6, 384, 256), (35, 256, 512)])
-def test_fp8_method_equals_the_portable_qat_method(kdev, tokens, in_f, out_f):
-    ours, ref = make_layer(in_f, out_f, True, 1), make_layer(in_f, out_f, True, 1)
-    Fp8LinearMethod(torch.float32, True).process_weights(ours)
-    PortableLinearMethod(torch.float32, True).process_weights(ref)
+def test_fp8_method_equals_the_portable_qat_method(kdev, tokens, in_f, out_f, block):
+    """V4's 128x128 weight blocks and V4.1's 32x32 ones both stay FP8 on the GEMM kernel."""
+    ours, ref = make_layer(in_f, out_f, True, 1, block), make_layer(in_f, out_f, True, 1, block)
+    Fp8LinearMethod(torch.float32, True, block).process_weights(ours)
+    PortableLinearMethod(torch.float32, True, block).process_weights(ref)
     assert ours.weight.dtype == torch.float8_e4m3fn          # stays FP8 (1 byte per weight)
     x = torch.randn(2, tokens, in_f, generator=torch.Generator().manual_seed(2)) * 2
-    got = Fp8LinearMethod(torch.float32, True).apply(ours.to(kdev), x.to(kdev)).cpu()
-    want = PortableLinearMethod(torch.float32, True).apply(ref, x)
+    got = Fp8LinearMethod(torch.float32, True, block).apply(ours.to(kdev), x.to(kdev)).cpu()
+    want = PortableLinearMethod(torch.float32, True, block).apply(ref, x)
     assert got.shape == want.shape == (2, tokens, out_f)
     # the FP8 tensor cores' short accumulator on a GPU (see test_fp8_kernels.fp8_tolerance)
     assert ((got - want).norm() / want.norm()) < (1e-5 if kdev == "cpu" else 5e-4)
 
 
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
 @pytest.mark.parametrize("act_quant,simulate_qat", [(False, True), (True, False)])
-def test_unquantised_activations_keep_fp8_weights(kdev, act_quant, simulate_qat):
+def test_unquantised_activations_keep_fp8_weights(kdev, act_quant, simulate_qat, block):
     """No activation quantisation (a bf16 layer of the reference, or QAT off): the weights stay FP8 and
     the product equals the portable method's dequantised matmul."""
-    ours, ref = make_layer(256, 128, act_quant, 3), make_layer(256, 128, act_quant, 3)
-    method = Fp8LinearMethod(torch.float32, simulate_qat)
+    ours, ref = make_layer(256, 128, act_quant, 3, block), make_layer(256, 128, act_quant, 3, block)
+    method = Fp8LinearMethod(torch.float32, simulate_qat, block)
     method.process_weights(ours)
-    PortableLinearMethod(torch.float32, simulate_qat).process_weights(ref)
+    PortableLinearMethod(torch.float32, simulate_qat, block).process_weights(ref)
     assert ours.weight.dtype == torch.float8_e4m3fn and method.uses_fp8(ours)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
     got = method.apply(ours.to(kdev), x.to(kdev)).cpu()
-    want = PortableLinearMethod(torch.float32, simulate_qat).apply(ref, x)
+    want = PortableLinearMethod(torch.float32, simulate_qat, block).apply(ref, x)
     assert ((got - want).norm() / want.norm()) < 1e-5
 
 

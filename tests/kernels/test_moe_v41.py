@@ -5,9 +5,9 @@ MoE, the methods bound as the nvidia plugin binds them (the FP8 block is the con
 
 * the routed experts are stacked (re-encoded to FP8, or all kept FP4 with `fp4_experts`) and run on
   the grouped GEMMs; the shared expert, whose 32x32 power-of-two scales 128x128 blocks cannot hold
-  exactly in general, stays out of the stacks and runs through its own linear layers, clamp
-  included, its output summed first as the stacked one's is; an expert-parallel world of one gives
-  the same bits;
+  exactly in general, stays out of the stacks and runs through its own linear layers (FP8 GEMMs
+  over 32x32 blocks), clamp included, its output summed first as the stacked one's is; an
+  expert-parallel world of one gives the same bits;
 * V4's shared expert (128x128 blocks) is still stacked, and clamped there when the model clamps it;
 * unservable experts are refused before any stack is allocated; FP4 linears are re-encoded to FP8
   whatever the FP8 block size.
@@ -72,8 +72,8 @@ def test_v41_routed_experts_fuse_and_the_shared_expert_runs_beside(kdev, v41, qa
     assert ours.shared_experts.swiglu_limit == cfg.swiglu_limit
     assert all(isinstance(lin.method, FusedAway) and lin.weight.numel() == 0
                for ex in ours.experts for lin in linears(ex))
-    assert all(isinstance(lin.method, Fp8LinearMethod) and lin.weight.dtype == torch.float32
-               for lin in linears(ours.shared_experts))
+    assert all(isinstance(lin.method, Fp8LinearMethod) and lin.method.uses_fp8(lin)     # FP8 GEMMs over
+               and lin.weight.dtype == torch.float8_e4m3fn for lin in linears(ours.shared_experts))  # 32x32
     x, tok = v41_inputs(cfg, 5, 1)
     with torch.no_grad():
         assert (ref.shared_experts.w3(x).abs() > cfg.swiglu_limit).any()      # the clamp binds
@@ -141,7 +141,7 @@ def test_unservable_experts_are_refused_before_anything_is_allocated(v41, monkey
 
 def test_fp4_linears_are_re_encoded_whatever_the_fp8_block_size(v41):
     """With V4.1's 32x32 FP8 blocks, FP4 weights (scales per 32 inputs) still become FP8 in 128x128
-    blocks (where exact); FP8 ones keep the portable method's dequantised form."""
+    blocks (where exact); FP8 ones stay FP8 in their 32x32 blocks."""
     cfg, layer = v41
     moe = copy.deepcopy(layer)
     method = Fp8LinearMethod(torch.bfloat16, True, cfg.weight_block_size)
@@ -150,4 +150,7 @@ def test_fp4_linears_are_re_encoded_whatever_the_fp8_block_size(v41):
         lin.method = method
         method.process_weights(lin)
     assert method.uses_fp8(fp4) and fp4.weight.dtype == torch.float8_e4m3fn
-    assert not method.uses_fp8(fp8) and fp8.weight.dtype == torch.bfloat16
+    assert fp4.fp8_block == (128, 128) and fp4.fp8_scale.shape == (-(-fp4.out_features // 128),
+                                                                     -(-fp4.in_features // 128))
+    assert method.uses_fp8(fp8) and fp8.weight.dtype == torch.float8_e4m3fn and fp8.fp8_block == (32, 32)
+    assert fp8.fp8_scale.shape == (-(-fp8.out_features // 32), -(-fp8.in_features // 32))

@@ -3,10 +3,14 @@ with `usage.prompt_tokens_details.cached_tokens` > 0, streamed or not, on both r
 (vLLM's field) shares cached prompts only between requests with the same salt, and a salt that is
 not a non-empty string is a 400 naming it; `POST /reset_prefix_cache` empties the cache; `/metrics`
 counts the hits. Without prefix caching every usage says 0 cached tokens and a reset answers false.
+With the engine in a process of its own (`--engine-process`, the CUDA default) the reset goes
+through the front end to the engine's process and answers the same.
 
 The cache works in 128-token blocks and a hit leaves the prompt's last token to compute, so the
 prompts here are about 300 tokens (two cached blocks)."""
 from __future__ import annotations
+
+import time
 
 import httpx
 import openai
@@ -119,3 +123,26 @@ def test_without_prefix_caching_usage_says_0_cached_and_a_reset_is_false(model_d
     assert cached(complete(url, long_prompt("plain"))) == 0
     assert httpx.post(f"{url}/reset_prefix_cache", headers=AUTH).json() == {"reset": False}
     assert "deepinfer_prefix_cache_" not in httpx.get(f"{url}/metrics", headers=AUTH).text
+
+
+def test_reset_prefix_cache_reaches_an_engine_in_its_own_process(model_dir, start_server):
+    llm = LLM(model=model_dir, max_model_len=512, num_speculative_tokens=0,
+              enable_prefix_caching=True, engine_process=True)
+    try:
+        url = start_server(llm, 64, MODEL, "sk-test")[0]
+        prompt = long_prompt("process")
+        complete(url, prompt)
+        hit = cached(complete(url, prompt))
+        assert hit >= 128, hit
+        # the finished request's last step may still be in flight on the engine process (async
+        # scheduling): its blocks are held until that step ends, and the reset answers false
+        for _ in range(20):
+            r = httpx.post(f"{url}/reset_prefix_cache", headers=AUTH, timeout=60)
+            assert r.status_code == 200, r.text
+            if r.json() == {"reset": True}:
+                break
+            time.sleep(0.1)
+        assert r.json() == {"reset": True}, r.text
+        assert cached(complete(url, prompt)) == 0
+    finally:
+        llm.close()

@@ -1,6 +1,6 @@
-"""FP8 linear layers on the FP8 tensor cores: weights stay e4m3 with their 128x128 block scales on the
-GPU; activations are quantised per token and per 128 channels (the reference's act_quant) and
-multiplied by the block-scaled FP8 GEMM (`deepinfer_kernels`).
+"""FP8 linear layers on the FP8 tensor cores: weights stay e4m3 with their block scales on the GPU
+(128x128 for V4, 32x32 for V4.1); activations are quantised per token and per 128 channels (the
+reference's act_quant) and multiplied by the block-scaled FP8 GEMM (`deepinfer_kernels`).
 
 This *is* the QAT numerics: the reference quantises those activations to FP8 before the product, so
 with simulate_qat=True the result equals the portable path up to summation order. Without
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from deepinfer_kernels.fp8_gemm import WEIGHT_BLOCKS
 
 from deepinfer_core.ops.portable_linear import PortableLinearMethod
 from deepinfer_core.ops.quant import e8m0_to_float, fp4_to_fp8_block
@@ -48,11 +49,12 @@ class Fp8LinearMethod:
 
     def process_weights(self, layer) -> None:
         # FP4 scales are per 32 inputs whatever the model's FP8 block size (V4.1's is 32x32)
-        if layer.fmt not in ("fp8", "fp4") or (layer.fmt == "fp8" and self.block != (128, 128)) or \
+        if layer.fmt not in ("fp8", "fp4") or (layer.fmt == "fp8" and self.block not in WEIGHT_BLOCKS) or \
                 (layer.grouped and not self.keeps_grouped_fp8(layer)):
             self.fallback.process_weights(layer)
             return
         weight, scale = layer.weight, layer.scale
+        layer.fp8_block = self.block if layer.fmt == "fp8" else (128, 128)
         if layer.fmt == "fp4":
             encoded = fp4_to_fp8_block(weight, scale)
             if encoded is None:
@@ -77,9 +79,11 @@ class Fp8LinearMethod:
             cfg, splits = invariant_plan(layer.weight.shape[0], layer.weight.shape[1], x.device, x2.shape[0])
         if layer.act_quant and self.simulate_qat:
             qa, sa = act_quant(x2)
-            y = fp8_gemm(qa, sa, layer.weight, layer.fp8_scale, out_dtype=out_dtype, config=cfg, splits=splits)
+            y = fp8_gemm(qa, sa, layer.weight, layer.fp8_scale, out_dtype=out_dtype, config=cfg, splits=splits,
+                         weight_block=layer.fp8_block)
         else:
-            y = w8a16_gemm(x2.to(out_dtype), layer.weight, layer.fp8_scale, out_dtype=out_dtype, config=cfg)
+            y = w8a16_gemm(x2.to(out_dtype), layer.weight, layer.fp8_scale, out_dtype=out_dtype, config=cfg,
+                           weight_block=layer.fp8_block)
         return y.view(*lead, y.shape[-1])
 
     def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +94,8 @@ class Fp8LinearMethod:
             return self.fallback.apply_grouped(layer, x)
         from deepinfer_kernels.fp8_gemm import w8a16_gemm
         out_dtype = layer.compute_dtype or self.dtype
-        return w8a16_gemm(x.to(out_dtype), layer.weight, layer.fp8_scale, out_dtype=out_dtype)
+        return w8a16_gemm(x.to(out_dtype), layer.weight, layer.fp8_scale, out_dtype=out_dtype,
+                          weight_block=layer.fp8_block)
 
 
 class Bf16LinearMethod:
