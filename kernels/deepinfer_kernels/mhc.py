@@ -271,7 +271,10 @@ def _check_params(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
 
 
 def _collapse(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-              iters: int, hc_eps: float, norm_eps: float, head: bool, official: bool):
+              iters: int, hc_eps: float, norm_eps: float, head: bool, official: bool,
+              pre_prev: torch.Tensor | None = None):
+    """(y, post, comb), x collapsed with its own pre; with `pre_prev` (shifted mHC) x is collapsed
+    with those weights instead and the result is (y, pre, post, comb)."""
     T, _, D = x.shape
     K, N = hc * D, fn.shape[0]
     dev = x.device
@@ -280,7 +283,7 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     post = torch.empty((T, hc), dtype=torch.float32, device=dev)
     comb = torch.empty((T, hc, hc), dtype=torch.float32, device=dev)
     if T == 0:
-        return y, post, comb
+        return (y, post, comb) if pre_prev is None else (y, pre, post, comb)
     nsplit = triton.cdiv(K, SPLIT_K)
     part = torch.empty((T, nsplit, N), dtype=torch.float32, device=dev)
     sq = torch.empty((T, nsplit), dtype=torch.float32, device=dev)
@@ -293,7 +296,7 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     stage2 = dict(ITERS=max(iters, 1), NSPLIT=nsplit, HC=hc, HC_P=hc_p, HEAD=head)
     fusion = {"enable_fp_fusion": not official}     # official: products and sums round apart
     collapse_grid = (triton.cdiv(T, EW_BLOCK_T), triton.cdiv(D, block_d))
-    if FUSE_COEFF:
+    if FUSE_COEFF and pre_prev is None:
         _mhc_coeff_collapse_kernel[collapse_grid](
             x, part, sq, scale, base, pre, post, comb, y, T, K, N, D, hc_eps, norm_eps, x.stride(0), x.stride(1),
             y.stride(0), **stage2, BLOCK_T=EW_BLOCK_T, BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16,
@@ -303,10 +306,10 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
         part, sq, scale, base, pre, post, comb, T, K, N, hc_eps, norm_eps, **stage2, BLOCK_T=BLOCK_T,
         num_warps=COEFF_WARPS, **fusion, **launch_args(part))
     _mhc_collapse_kernel[collapse_grid](
-        x, pre, y, T, D, x.stride(0), x.stride(1), y.stride(0), HC=hc, HC_P=hc_p, BLOCK_T=EW_BLOCK_T,
-        BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16, num_warps=4, **fusion,
-        **launch_args(x))
-    return y, post, comb
+        x, pre if pre_prev is None else pre_prev, y, T, D, x.stride(0), x.stride(1), y.stride(0), HC=hc,
+        HC_P=hc_p, BLOCK_T=EW_BLOCK_T, BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16, num_warps=4,
+        **fusion, **launch_args(x))
+    return (y, post, comb) if pre_prev is None else (y, pre, post, comb)
 
 
 def mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
@@ -317,6 +320,23 @@ def mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     fn, scale, base = _check_params(x, fn, scale, base, (2 + hc_mult) * hc_mult, 3)
     return _collapse(x, fn, scale, base, hc_mult, int(sinkhorn_iters), float(hc_eps),
                      float(norm_eps), False, official)
+
+
+def mhc_pre_shifted(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                    base: torch.Tensor, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                    official: bool = False):
+    """Shifted mHC (V4.1): x [T, hc, D] collapsed with the previous site's pre_prev [T, hc] fp32, and
+    this site's coefficients -> (y [T, D] in x.dtype, pre [T, hc], post [T, hc], comb [T, hc, hc])."""
+    x = _check_streams("x", x, hc_mult)
+    fn, scale, base = _check_params(x, fn, scale, base, (2 + hc_mult) * hc_mult, 3)
+    if not isinstance(pre_prev, torch.Tensor) or tuple(pre_prev.shape) != (x.shape[0], hc_mult) or \
+            pre_prev.dtype != torch.float32 or pre_prev.device != x.device:
+        got = (f"{tuple(pre_prev.shape)} {pre_prev.dtype} on {pre_prev.device}"
+               if isinstance(pre_prev, torch.Tensor) else type(pre_prev).__name__)
+        raise ValueError(f"pre_prev must be a float32 [T={x.shape[0]}, hc={hc_mult}] tensor on {x.device}, "
+                         f"got {got}")
+    return _collapse(x, fn, scale, base, hc_mult, int(sinkhorn_iters), float(hc_eps), float(norm_eps), False,
+                     official, pre_prev.contiguous())
 
 
 def mhc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,

@@ -78,6 +78,23 @@ def test_pre_matches_portable(kdev, T, hc, D, dtype, iters, official):
         torch.testing.assert_close(y.cpu(), y_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("T,D,dtype", [(1, 64, torch.float32), (5, 200, torch.bfloat16)])
+@pytest.mark.parametrize("official", [False, True])
+def test_pre_shifted_matches_portable(kdev, T, D, dtype, official):
+    """Shifted mHC (V4.1): x collapsed with the previous site's pre, this site's pre / post / comb."""
+    x, fn, scale, base = make_site(T, 4, D, dtype, seed=T + D)
+    pre_prev = torch.rand(T, 4, generator=torch.Generator().manual_seed(3)) + 0.1
+    y_ref, pre_ref, post_ref, comb_ref = PortableMHC(4, 20, EPS, EPS, official).pre_shifted(
+        x, pre_prev, fn, scale, base)
+    y, pre, post, comb = NvidiaMHC(4, 20, EPS, EPS, official).pre_shifted(*to(kdev, x, pre_prev, fn, scale, base))
+    for got, want in ((pre, pre_ref), (post, post_ref), (comb, comb_ref)):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=2e-6)
+    check_collapsed(y, pre_prev, x)
+    with pytest.raises(ValueError, match=r"pre_prev must be a float32 \[T=%d, hc=4\]" % T):
+        NvidiaMHC(4, 20, EPS, EPS).pre_shifted(*to(kdev, x, pre_prev[:, :3], fn, scale, base))
+
+
 def test_pre_reads_strided_streams(kdev):
     """A view whose streams are not back to back (stride(1) != D) gives the same result."""
     x, fn, scale, base = make_site(3, 4, 48, torch.float32, seed=7)

@@ -7,9 +7,9 @@ official order of operations; `official` (the QAT numerics) also rounds every pr
 from __future__ import annotations
 
 import torch
+from deepinfer_kernels.mhc import mhc_head, mhc_post, mhc_pre, mhc_pre_shifted
 
 from deepinfer_core.ops.portable_mhc import PortableMHC
-from deepinfer_kernels.mhc import mhc_head, mhc_post, mhc_pre
 
 
 class NvidiaMHC:
@@ -19,7 +19,6 @@ class NvidiaMHC:
                  official: bool = False):
         self.hc, self.iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
         self.official = official
-        self._shifted = PortableMHC(hc_mult, sinkhorn_iters, hc_eps, norm_eps, official)
 
     def pre(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):
         """x [T, hc, D] -> (collapsed input [T, D] in x.dtype, post [T, hc], comb [T, hc, hc]) fp32."""
@@ -36,9 +35,9 @@ class NvidiaMHC:
         """Final collapse x [T, hc, D] -> [T, D] in x.dtype."""
         return mhc_head(x, fn, scale, base, self.hc, self.hc_eps, self.norm_eps, self.official)
 
-    # Shifted mHC (V4.1) has no fused kernel yet: the plugin does not serve V4.1 models (the core's
-    # portable ops run them); these keep the contract whole with the portable math.
     def pre_shifted(self, x, pre_prev, fn, scale, base):
-        return self._shifted.pre_shifted(x, pre_prev, fn, scale, base)
+        """Shifted mHC (V4.1): (x collapsed with `pre_prev`, this site's pre, post, comb)."""
+        return mhc_pre_shifted(x, pre_prev.float(), fn, scale, base, self.hc, self.iters, self.hc_eps,
+                               self.norm_eps, self.official)
 
     collapse = staticmethod(PortableMHC.collapse)
