@@ -10,10 +10,9 @@ extra), its own client scores the same little task against the server.
 """
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
+import sse
 
 from deepinfer_core import LLM, SamplingParams
 
@@ -131,12 +130,7 @@ def test_echo_prepends_the_prompt_to_the_completion(url, offline):
 
 
 def stream_events(url: str, body: dict) -> list[dict]:
-    body = {"model": MODEL, "stream": True, **body}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(x) for x in lines[:-1]]
+    return sse.events(url, "completions", body, MODEL)
 
 
 @pytest.mark.parametrize("max_tokens", [5, 0])

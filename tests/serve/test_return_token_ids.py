@@ -7,10 +7,9 @@ max_tokens 0 returns no generated ids. Chat: `token_ids` per choice and the repl
 a value that is not a boolean is a 400 naming it, on both routes."""
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
+from sse import events
 
 from deepinfer_core import LLM, SamplingParams
 
@@ -34,15 +33,6 @@ def offline(model_dir):
 
 def post(url: str, route: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/v1/{route}", json={"model": MODEL, **body}, timeout=120)
-
-
-def events(url: str, route: str, body: dict) -> list[dict]:
-    body = {"model": MODEL, "stream": True, **body}
-    with httpx.stream("POST", f"{url}/v1/{route}", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(x) for x in lines[:-1]]
 
 
 def generate(offline: LLM, prompts: list[str] | None = None,
