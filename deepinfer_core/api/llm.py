@@ -21,14 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cache.block_allocator import BlockAllocator
-from ..cache.budget import CacheRequest
-from ..cache.prefix_cache import PrefixCache
 from ..contracts import EngineRunner, missing_members
 from ..engine.engine import Engine
-from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine_config import EngineConfig
 from ..ops.sampler import mix_seed
+from .engine_builder import allocator, build_engine
 from .inputs import parse_prompts, per_request_params
 from .inputs import resolve_model_dir as _resolve_model
 from .outputs import InvalidRequestError, RequestOutput
@@ -74,7 +71,7 @@ class LLM:
         runner = _make_runner(model_dir, config)
         self._setup(runner, tok, config)
         self.model_dir, self.dtype = model_dir, config.model.dtype
-        self._allocator()            # size the state cache now: a budget that is too small fails here
+        allocator(self.runner, self.config)   # size the state cache now: a budget that is too small fails here
 
     def _start_data_parallel(self, config: EngineConfig) -> None:
         """data_parallel_size > 1 (or engine_process=True): `generate` (and `chat`) run on that many engine
@@ -253,37 +250,6 @@ class LLM:
             bar.close()
         return done
 
-    def _cache_request(self) -> CacheRequest:
-        cache = self.config.cache
-        return CacheRequest(num_slots=self.config.scheduler.max_num_seqs, checkpoint_slots=self._checkpoint_slots(),
-                            num_blocks=cache.num_cache_blocks,
-                            memory_bytes=cache.kv_cache_memory_bytes,
-                            gpu_memory_utilization=cache.gpu_memory_utilization,
-                            max_model_len=self.config.model.max_model_len,
-                            cpu_memory_bytes=cache.cpu_kv_cache_bytes)
-
-    def _checkpoint_slots(self) -> int:
-        cache = self.config.cache
-        if not cache.enable_prefix_caching:
-            return 0
-        n = cache.prefix_checkpoint_slots
-        return 2 * self.config.scheduler.max_num_seqs if n is None else n
-
-    def _prefix_cache(self, allocator: BlockAllocator) -> PrefixCache | None:
-        """The scheduler's prefix cache, keyed by what besides the tokens decides the cached state."""
-        cache, model = self.config.cache, self.config.model
-        if not cache.enable_prefix_caching:
-            return None
-        truncation = getattr(self.runner, "truncation", None)
-        if truncation is not None and truncation.mode != "off":
-            raise ValueError(f"enable_prefix_caching=True with yoco_prefill_truncation_mode="
-                             f"{truncation.mode!r}: a prefill truncated to its last tokens leaves no exact "
-                             f"window state to cache; allowed together: yoco_prefill_truncation_mode='off'")
-        salt = (model.model, str(self.runner.dtype), model.simulate_qat, cache.kv_cache_dtype,
-                model.batch_invariant)
-        return PrefixCache(allocator, self.runner.cache.layout.block_size, self._checkpoint_slots(),
-                           cache.prefix_checkpoint_interval, salt)
-
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix no running request holds; True when the cache is then empty (False
         also when prefix caching is off). With engine processes (data_parallel_size > 1,
@@ -291,35 +257,19 @@ class LLM:
         dp = self.__dict__.get("_dp")
         return dp.reset_prefix_cache() if dp is not None else self.engine.reset_prefix_cache()
 
-    def _allocator(self) -> BlockAllocator:
-        """The runner's cache allocator (sized on first use, re-sized when the options change)."""
-        self.runner.profile_tokens = self.config.scheduler.max_num_batched_tokens
-        return self.runner.allocate_cache(self._cache_request()).allocator
-
     @property
     def engine(self) -> Engine:
         """The online engine of this LLM, kept for its lifetime. Rebuilt only when another LLM over
         the same runner (tests, tools: `from_runner`) re-sized the runner's state cache meanwhile."""
         if self.__dict__.get("_dp") is not None:
             raise RuntimeError(_dp_refusal(self.config, "LLM.engine"))
-        allocator = self._allocator()
+        blocks = allocator(self.runner, self.config)
         engine = self.__dict__.get("_engine")
-        if engine is None or engine.scheduler.blocks.allocator is not allocator:
+        if engine is None or engine.scheduler.blocks.allocator is not blocks:
             if engine is not None and engine.has_unfinished_requests():
                 raise RuntimeError("LLM: the runner's state cache was re-sized by another LLM while this "
                                    "one has requests in flight")
-            sched = self.config.scheduler
-            cfg = SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-                                  max_model_len=self.config.model.max_model_len)
-            engine = self._engine = Engine(
-                self.runner, self.sampler,
-                Scheduler(cfg, allocator, self.runner.scheduler_policy, self._prefix_cache(allocator)),
-                self.tokenizer,
-                max_model_len=self.config.model.max_model_len, async_scheduling=sched.async_scheduling,
-                seed=self.config.model.seed, logits_processors=self.logits_processors,
-                speculator=self.runner.make_speculator())
-            if self.config.speculative.enable_mtp_varlen:
-                engine.use_varlen(self.runner.varlen_policy(sched.max_num_seqs))
+            engine = self._engine = build_engine(self.runner, self.tokenizer, self.config, blocks)
         return engine
 
 

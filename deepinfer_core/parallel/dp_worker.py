@@ -267,10 +267,10 @@ def rank_device(spec: WorkerSpec) -> torch.device:
 
 
 def build_rank(spec: WorkerSpec):
-    """(process groups, LLM over this rank's runner): groups first, then the expert shard the loader
-    reads, then the engine (its state cache is this rank's own). On a GPU the EP group is NCCL and the
-    control traffic (votes, tables) a gloo twin."""
-    from ..api.llm import LLM
+    """(process groups, this rank's runner, its engine): groups first, then the expert shard the loader
+    reads, then the engine, which sizes this rank's own state cache now (a bad budget fails at
+    start-up). On a GPU the EP group is NCCL and the control traffic (votes, tables) a gloo twin."""
+    from ..api.engine_builder import build_engine
     from ..api.tokenizer import load_tokenizer
     from ..config import ModelConfig
     from ..runner.model_runner import ModelRunner
@@ -295,11 +295,8 @@ def build_rank(spec: WorkerSpec):
         shard = ExpertShard(placement.to(device), layout.ep_rank, layout.ep_size, groups.ep, groups.ep_graph)
     runner = ModelRunner(spec.model_dir, spec.config, expert_shard=shard)
     tokenizer = load_tokenizer(spec.model_dir, spec.config.model.tokenizer)
-    # as LLM.__init__ does after building its runner (from_runner wants a runner whose cache exists)
-    llm = LLM.__new__(LLM)
-    llm._setup(runner, tokenizer, spec.config)
-    llm.model_dir, llm.dtype = spec.model_dir, spec.config.model.dtype
-    return groups, llm
+    config = spec.config.with_model_limit(runner.model_config.max_position_embeddings)
+    return groups, runner, build_engine(runner, tokenizer, config)
 
 
 def _exit_with_parent(rank: int) -> None:
@@ -339,18 +336,17 @@ def worker_main(spec: WorkerSpec, commands, results, stderr_fd: int | None = Non
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
             torch.cuda.set_device(spec.local_rank)    # "cuda" (the config's device) is now this rank's GPU
-        groups, llm = build_rank(spec)
-        engine = llm.engine                    # sizes the state cache now: a bad budget fails at start-up
-        if engine.varlen is not None:          # (profiled by llm.engine, every rank in step)
+        groups, runner, engine = build_rank(spec)
+        if engine.varlen is not None:          # (profiled when the engine was built, every rank in step)
             engine.use_varlen(shared_varlen_policy(engine.varlen, groups.cpu))
-        if llm.runner.graphs is not None and llm.runner.expert_parallel:   # decode graphs hold EP exchanges
+        if runner.graphs is not None and runner.expert_parallel:   # decode graphs hold EP exchanges
             from .step_vote import StepVote
-            llm.runner.step_vote = StepVote(groups.cpu, spec.rank)
+            runner.step_vote = StepVote(groups.cpu, spec.rank)
         eplb = None
         if spec.expert_parallel:
             from .eplb_runtime import runtime_eplb_from_config
-            eplb = runtime_eplb_from_config(spec.config, llm.runner.model, groups.ep, groups.cpu)
-        rank_loop = RankLoop(engine, llm.runner, groups, spec, commands, results, eplb)
+            eplb = runtime_eplb_from_config(spec.config, runner.model, groups.ep, groups.cpu)
+        rank_loop = RankLoop(engine, runner, groups, spec, commands, results, eplb)
         prefix = engine.scheduler.prefix
         keying = None if prefix is None else PrefixKeying(prefix.salt, prefix.block_size)
         # the gauges: the server's /metrics has them at once; the keying: the front end's router's
