@@ -75,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))     # the sibling modul
 import prefix_cache_report as PR
 import throughput as TP
 import throughput_run as TR
-from v41_cut import DEFAULT_ENGRAM_ROWS, family
+from v41_cut import family
 
 BLOCK = 128                   # the cache block (read from the runner when it says)
 GPU_PRESET = {"conversations": 64, "turns": 8, "history": (2048, 8192), "output_len": 128,
@@ -100,26 +100,11 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     m = ap.add_argument_group("model (as benchmarks/throughput.py)")
-    m.add_argument("--model", default=None, help="checkpoint directory; weights loaded unless "
-                   "--load-format dummy")
-    m.add_argument("--config", default=None, help="config.json of a random-weight model (default: "
-                   "the real V4-Flash config in tests/data/deepseek-v4-flash)")
-    m.add_argument("--tiny", action="store_true", help="random weights of the tiny config")
+    TP.add_model_args(m, seed_help="seeds the prompts and the LLM")
     m.add_argument("--ci", action="store_true", help="CPU preset: a tiny checkpoint "
                    "(make_tiny_checkpoint, seed 0; 4 layers: window, window, CSA, HCA; --layers N: "
                    f"the tiny's own N-layer schedule), and the workload {CI_PRESET} (each "
-                   "overridable)")
-    m.add_argument("--load-format", choices=("auto", "dummy"), default=None,
-                   help="default auto with --model/--ci, dummy with --config/--tiny")
-    m.add_argument("--layers", type=int, default=None, help="main layers of a --config model "
-                   "(default 4, cut as sweep.py does), of --tiny or of --ci's checkpoint")
-    m.add_argument("--expert-dtype", choices=("fp8", "fp4", "bf16"), default=None,
-                   help="routed experts of a dummy model (default as throughput.py)")
-    m.add_argument("--device", default=None, help="torch device (default: the detected platform's)")
-    m.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    m.add_argument("--no-qat", action="store_true", help="simulate_qat=False")
-    m.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "fp8"), default=None)
-    m.add_argument("--seed", type=int, default=0, help="seeds the prompts and the LLM")
+                   "overridable); --load-format auto")
     e = ap.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int, default=None,
                    help="concurrency limit (default: --conversations, a whole round at once)")
@@ -179,7 +164,6 @@ def resolve(argv: list[str] | None) -> argparse.Namespace:
     a.max_num_seqs = a.max_num_seqs or a.conversations
     a.longest = a.history[1] + a.turns * (a.user_len + a.output_len)
     a.max_model_len = a.max_model_len or -(-a.longest // BLOCK) * BLOCK
-    a.mtp, a.engram_rows = False, DEFAULT_ENGRAM_ROWS     # what throughput_run reads besides
     a.ci_dir = None
     return a
 

@@ -75,10 +75,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = ap.add_argument_group("model")
+def add_model_args(m, seed_help: str = "seeds the prompts, the LLM and the forward-only state") -> None:
+    """The model options (benchmarks/prefix_cache.py takes the same)."""
     m.add_argument("--model", default=None, help="checkpoint directory (or HF cache repo id); weights loaded "
                    "unless --load-format dummy")
     m.add_argument("--config", default=None, help="config.json (or a directory holding one) of a random-weight "
@@ -104,7 +102,13 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--no-qat", action="store_true", help="simulate_qat=False (default: the engine's True)")
     m.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "fp8"), default=None,
                    help="LLM(kv_cache_dtype=...) (default: the engine's)")
-    m.add_argument("--seed", type=int, default=0, help="seeds the prompts, the LLM and the forward-only state")
+    m.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap.add_argument_group("model"))
     e = ap.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int, default=None, help="LLM(max_num_seqs=...) (default: the "
                    "largest concurrency asked, so all prompts run at once)")
