@@ -134,8 +134,8 @@ def test_reset_prefix_cache_reaches_an_engine_in_its_own_process(model_dir, star
         complete(url, prompt)
         hit = cached(complete(url, prompt))
         assert hit >= 128, hit
-        # the finished request's last step may still be in flight on the engine process (async
-        # scheduling): its blocks are held until that step ends, and the reset answers false
+        # the engine process may still be ending the finished request's last step when the reset
+        # arrives (its blocks still held: the reset answers false); it is asked again
         for _ in range(20):
             r = httpx.post(f"{url}/reset_prefix_cache", headers=AUTH, timeout=60)
             assert r.status_code == 200, r.text
