@@ -216,7 +216,16 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/tune_kernels.py": Skip(GPU),
     "python benchmarks/tune_kernels.py --only fp8_gemm_mid": Skip(GPU),
     "python benchmarks/pdl_chain.py": Skip(GPU),
-    "python benchmarks/prefix_cache.py --layers 4 --checkpoint-slots 128 --no-shared --time-budget 420 --label v4flash_4L": Skip(GPU),
+    ("python benchmarks/prefix_cache.py --layers 4 --conversations 16 --turns 4 --history 2048,8192 "
+     "--checkpoint-slots 64 --no-shared --time-budget 190 --label v4flash_4L"): Skip(GPU),
+    ("python benchmarks/prefix_cache.py --server --layers 4 --conversations 16 --turns 4 --history "
+     "2048,8192 --checkpoint-slots 64"): Skip(GPU),
+    "python benchmarks/prefix_cache.py --ci --server": Skip(
+        "about a minute of CPU; tests/benchmarks/test_prefix_cache_bench.py runs its smallest form"),
+    ("python benchmarks/spec_replay.py --concurrency 1,64 --acceptance 0.8 --gammas 3,5 --curve-rows 0 "
+     "--repeats 1"): Skip(GPU),
+    ("python benchmarks/profile_step.py --config tests/data/deepseek-v4.1-flash/config.json --decode "
+     "1x4k,64x4k --prefill 2k"): Skip(GPU),
     "python benchmarks/prefix_cache.py --ci --no-shared": Skip(
         "about a minute of CPU; tests/benchmarks/test_prefix_cache_bench.py runs its smallest form"),
     "python benchmarks/bounded_replay.py prefill --width --tokens 16384 --device cuda --repeats 1": Skip(GPU),
@@ -234,10 +243,10 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/tile_equivalence.py": Skip(GPU),
     SWEEP: Skip(GPU + " (its CPU path runs in tests/benchmarks/test_sweep_tools.py)"),
     ("python benchmarks/sweep.py --config tests/data/deepseek-v4.1-flash/config.json --layers 4 "
-     "--batches 1,8 --contexts 1k,4k --prefill 2k"): Skip(
+     "--expert-dtype fp4 --fp4-experts --batches 1,8,64 --contexts 1k,4k --prefill 2k,8k --no-hf"): Skip(
         GPU + " at V4.1-Flash width (a tiny V4.1 cut runs in tests/benchmarks/test_sweep_tools.py)"),
     ("python benchmarks/throughput.py --config tests/data/deepseek-v4.1-flash/config.json "
-     "--layers 4 --input-len 256 --output-len 32 --sweep-batches 1,8 --max-model-len 2048"): Skip(
+     "--layers 4 --input-len 256 --output-len 32 --sweep-batches 1,8,64 --max-model-len 2048"): Skip(
         GPU + " at V4.1-Flash width (a tiny V4.1 cut runs in tests/benchmarks/test_throughput.py)"),
     # docs/performance.md and docs/development.md
     f"{SWEEP} --batch-invariant": Skip(
