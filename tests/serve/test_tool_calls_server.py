@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -88,7 +89,8 @@ def scripted_sse(pieces: list[str], thinking: bool, parse_tools: bool) -> list[d
             yield output(i)
 
     async def run() -> list[str]:
-        sse = _sse({"id": "x"}, [output(0)], [rest()], thinking, parse_tools, False, None, None)
+        body = SimpleNamespace(include_usage=False, return_token_ids=False)     # the request's flags
+        sse = _sse({"id": "x"}, [output(0)], [rest()], thinking, parse_tools, body, None, None)
         return [line async for line in sse]
 
     lines = asyncio.run(run())
