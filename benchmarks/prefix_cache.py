@@ -118,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-invariant", action="store_true", help="LLM(batch_invariant=True): "
                    "outputs on and off are then asserted identical")
     e.add_argument("--checkpoint-slots", type=int, default=None,
-                   help="prefix_checkpoint_slots (default: the engine's, max_num_seqs)")
+                   help="prefix_checkpoint_slots (default: the engine's, 2 x max_num_seqs)")
     e.add_argument("--checkpoint-interval", type=int, default=0,
                    help="prefix_checkpoint_interval (0 or a multiple of 128)")
     w = ap.add_argument_group("workload (defaults: the GPU preset, or --ci's)")

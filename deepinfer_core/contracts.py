@@ -289,10 +289,12 @@ class EngineRunner(StepRunner, Protocol):
     logits_processors: list        # engine/constraints.py LogitsProcessor objects
     scheduler_policy: SchedulingPolicy | None    # None: first come, first served
     profile_tokens: int | None     # the largest step the cache's sizing must leave room for
+    checkpoint_slots: int          # of the allocated cache's slots, those for prefix checkpoints
 
     def allocate_cache(self, request: Any) -> Any:
         """Size the state cache for a CacheRequest (again only when it changed); the result has
-        `.allocator` (cache/block_allocator.py BlockAllocator)."""
+        `.allocator` (cache/block_allocator.py BlockAllocator) and, for prefix caching,
+        `.layout.block_size`; a slot's state is copied by `batch.updates.saves`/`restores`."""
 
     def make_speculator(self) -> Any:
         """A speculative/engine_step.Speculator when the runner drafts (num_speculative_tokens > 0),

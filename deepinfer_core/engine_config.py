@@ -121,9 +121,11 @@ class CacheOptions(Section):
         Rule("an int >= 0, or None (= max(DEEPINFER_MAX_BACKTRACKING_TOKENS, DEEPINFER_USE_NEXTN_DECODE + 1))",
              lambda v: is_int(v) and v >= 0),
         setting="effective_max_backtracking_tokens")
-    enable_prefix_caching: bool = option(
-        False, "reuse the cached state of a prompt's longest cached prefix (blocks shared by content, the "
-        "window state restored from a checkpoint): exact, the outputs are those of a run without it", BOOL)
+    enable_prefix_caching: bool | None = option(
+        None, "reuse the cached state of a prompt's longest cached prefix (blocks shared by content, the "
+        "window state restored from a checkpoint): exact, the outputs are those of a run without it; "
+        "None = on unless an option it cannot serve exactly is set (V4.1's yoco_prefill_truncation_mode "
+        "'mask' or 'compact')", Rule("True, False or None", lambda v: v is None or isinstance(v, bool)))
     prefix_checkpoint_interval: int = option(
         0, "prefix caching: also keep a checkpoint every this many positions of a long prompt (0: only at "
         "prompt ends, output ends and shared-prefix junctions)",

@@ -1,7 +1,15 @@
 """Free lists for the state cache: state slots (one per resident sequence: window rings and
 compressor tails) and paged blocks (128 positions of compressed rows and indexer keys in every
-layer). Plain Python ints, so the scheduler can own it without touching tensors."""
+layer). Plain Python ints, so the scheduler can own it without touching tensors. A prefix cache
+over the allocator registers itself (`cached`): what only it holds is in use, yet reclaimable."""
 from __future__ import annotations
+
+from typing import Protocol
+
+
+class Reclaimable(Protocol):
+    def reset(self) -> bool:
+        """Free every block and slot only this holder holds; True when it then holds none."""
 
 
 class CacheFullError(RuntimeError):
@@ -19,6 +27,7 @@ class BlockAllocator:
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._block_used = [False] * num_blocks
         self._slot_used = [False] * num_slots
+        self.cached: Reclaimable | None = None   # the prefix cache over these blocks, if any
 
     # ---- blocks ------------------------------------------------------------------------------
     @property
@@ -69,3 +78,10 @@ class BlockAllocator:
     @property
     def empty(self) -> bool:
         return self.num_used_blocks == 0 and self.num_used_slots == 0
+
+    def reclaim(self) -> bool:
+        """Free what only the prefix cache holds (cached blocks and checkpoints no sequence holds);
+        True when nothing is then in use. A leak check: a sequence's leaked block stays in use."""
+        if self.cached is not None:
+            self.cached.reset()
+        return self.empty

@@ -18,6 +18,7 @@ class CacheRequest:
 
     num_slots: int                              # = max_num_seqs
     checkpoint_slots: int = 0                   # prefix caching's checkpoints (more slots of the same size)
+    checkpoint_share: float | None = None       # those at most this share of a byte budget
     num_blocks: int | None = None               # exact block count (tests, tools)
     memory_bytes: int | None = None             # LLM(kv_cache_memory_bytes=...)
     gpu_memory_utilization: float = 0.9         # fraction of the whole device the engine may use
@@ -28,13 +29,11 @@ class CacheRequest:
 
 
 def resolve_num_blocks(layout: CacheLayout, req: CacheRequest, device: str,
-                       activation_bytes: Callable[[], int] = lambda: 0) -> tuple[int, str]:
-    """(number of blocks, one line saying where the figure came from)."""
-    cap = None
-    if req.max_model_len is not None:
-        cap = (req.num_slots + req.checkpoint_slots) * -(-req.max_model_len // layout.block_size)
+                       activation_bytes: Callable[[], int] = lambda: 0) -> tuple[int, int, str]:
+    """(number of blocks, number of checkpoint slots, one line saying where the figures came
+    from)."""
     if req.num_blocks is not None:
-        return req.num_blocks, f"num_cache_blocks={req.num_blocks}"
+        return req.num_blocks, req.checkpoint_slots, f"num_cache_blocks={req.num_blocks}"
     detail = ""                                  # the CUDA figures behind the budget, for the log line
     if req.memory_bytes is not None:
         budget, name = req.memory_bytes, "kv_cache_memory_bytes"
@@ -53,8 +52,15 @@ def resolve_num_blocks(layout: CacheLayout, req: CacheRequest, device: str,
     else:
         budget, name = req.cpu_memory_bytes, "cpu_kv_cache_bytes"
         detail = " (DEEPINFER_CPU_KV_CACHE_BYTES)"
-    n = layout.num_blocks_for_budget(budget, req.num_slots + req.checkpoint_slots, name)
     note = f"{name}{detail}: {budget} bytes"
-    if cap is not None and n > cap:
-        n, note = cap, note + f", capped at max_num_seqs x max_model_len = {cap} blocks"
-    return n, note
+    checkpoints = req.checkpoint_slots
+    share = req.checkpoint_share
+    if share is not None and checkpoints * layout.slot_bytes > share * budget:
+        checkpoints = max(1, int(share * budget) // layout.slot_bytes)
+        note += f", checkpoint slots capped at {share:.0%} of it"
+    n = layout.num_blocks_for_budget(budget, req.num_slots + checkpoints, name)
+    if req.max_model_len is not None:
+        cap = (req.num_slots + checkpoints) * -(-req.max_model_len // layout.block_size)
+        if n > cap:
+            n, note = cap, note + f", capped at max_num_seqs x max_model_len = {cap} blocks"
+    return n, checkpoints, note

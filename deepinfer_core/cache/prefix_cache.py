@@ -72,6 +72,9 @@ class PrefixCache:
         self.index = PrefixIndex()
         self.stats = PrefixCacheStats()
         self.num_checkpoints = 0          # checkpoint slots in use
+        if allocator.cached is not None:  # an earlier engine's cache over the same blocks
+            allocator.cached.reset()
+        allocator.cached = self
 
     # ---- keys ----------------------------------------------------------------------------------
     def keys(self, seq, end: int) -> list[bytes]:

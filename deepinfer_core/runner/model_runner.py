@@ -132,6 +132,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.cache: StateCache | None = None
         self._cache_request: CacheRequest | None = None
+        self.checkpoint_slots = 0                # of the cache's slots, those for prefix checkpoints
         self.cache_note = ""                     # where the cache's size came from (logged, tests)
         self.profile_tokens = config.scheduler.max_num_batched_tokens   # the LLM sets it again
         log.info("model loaded in %.1f s", self.loaded.load_seconds)
@@ -144,20 +145,21 @@ class ModelRunner:
 
     def allocate_cache(self, request: CacheRequest) -> StateCache:
         """Size and allocate the state cache once (again only when the request changed and nothing
-        is resident)."""
+        is resident but cached prefixes, which are dropped)."""
         if self.cache is not None and self._cache_request == request:
             return self.cache
-        if self.cache is not None and not self.cache.allocator.empty:
+        if self.cache is not None and not self.cache.allocator.reclaim():
             raise RuntimeError("state cache: cannot re-size while sequences are resident")
         self.graphs = None                      # they point into the old cache's pools
         self.cache = None                       # free the old pools before sizing the new ones
         layout = self.cache_layout()
         use_graphs = self._graphs_wanted()
         graph_bytes = self._graph_output_bytes(request.num_slots) if use_graphs else 0
-        num_blocks, note = resolve_num_blocks(layout, request, self.device,
-                                              lambda: self._profile_activation_bytes() + graph_bytes)
+        num_blocks, checkpoints, note = resolve_num_blocks(
+            layout, request, self.device, lambda: self._profile_activation_bytes() + graph_bytes)
+        self.checkpoint_slots = checkpoints      # the prefix cache's (engine_builder.prefix_cache)
         # decode graphs pad batches into one extra slot and block of their own
-        slots = request.num_slots + request.checkpoint_slots
+        slots = request.num_slots + checkpoints
         self.cache = StateCache(layout, slots, num_blocks, self.device, spare=use_graphs)
         max_blocks = -(-(request.max_model_len or self.model_config.max_position_embeddings) // layout.block_size)
         # draft rows for any drafter the rollback room allows (k <= backtrack - 1), also one installed
@@ -175,9 +177,9 @@ class ModelRunner:
                                        max_blocks, tables=self.slot_tables)
             note += "; +1 slot and block for CUDA-graph padding"
         self._cache_request, self.cache_note = request, note
-        if request.checkpoint_slots:
-            note += (f"; {request.checkpoint_slots} of the slots hold prefix-cache checkpoints "
-                     f"({request.checkpoint_slots * layout.slot_bytes / 2**20:.1f} MiB)")
+        if checkpoints:
+            note += (f"; {checkpoints} of the slots hold prefix-cache checkpoints "
+                     f"({checkpoints * layout.slot_bytes / 2**20:.1f} MiB)")
         log.info("state cache: %d slots x %d B + %d blocks x %d B = %.1f MiB (%s)", slots,
                  layout.slot_bytes, num_blocks, layout.block_bytes, self.cache.nbytes() / 2**20, note)
         self.warmup_seconds = warm_up(self, self.profile_tokens)

@@ -4,14 +4,18 @@ starts, so no user request pays for it.
 Triton compiles a kernel per shape specialisation the first time it runs, and the backends pick
 tiles by the number of tokens, so a cold process would compile inside its first requests (tens of
 seconds at V4-Flash width). Here the model runs eagerly at token counts from 1 to the step's token
-budget through the engine's own path (a slot and blocks of the empty cache), then every decode graph
-bucket is captured. CPU runners have nothing to compile.
+budget through the engine's own path (slots and blocks of the empty cache), then every decode graph
+bucket is captured. A count one sequence cannot hold (its block table ends at max_model_len) runs
+as several sequences, as a served step of that size does (the prefill chunks of many prompts, a
+verify step of gamma + 1 rows per sequence): the MoE tiles follow the step's tokens, not a
+sequence's. CPU runners have nothing to compile.
 """
 from __future__ import annotations
 
 import logging
 import time
 from contextlib import nullcontext
+from itertools import accumulate
 
 import torch
 
@@ -27,6 +31,12 @@ def eager_sizes(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
+def split_rows(n: int, per_seq: int) -> list[int]:
+    """The sequences of a warm-up step of `n` tokens: as few as hold them (`per_seq` at most)."""
+    full, rest = divmod(n, per_seq)
+    return [per_seq] * full + ([rest] if rest else [])
+
+
 def _progress(total: int, desc: str):
     try:
         from tqdm.auto import tqdm
@@ -39,10 +49,10 @@ def _progress(total: int, desc: str):
 def warm_up(runner, max_tokens: int) -> float:
     """Compile and capture now; returns the seconds it took (0 on a CPU).
 
-    The eager sizes run through `runner.execute`, the engine's own path (a real slot and blocks
+    The eager sizes run through `runner.execute`, the engine's own path (real slots and blocks
     of the empty cache, block tables gathered on the device), so the kernels see the same shapes,
-    strides and specialisations as a user's prefill of that many tokens; then the sampler runs
-    once greedy and once seeded on the logits."""
+    strides and specialisations as a user's prefill of that many tokens (over `split_rows`'
+    sequences); then the sampler runs once greedy and once seeded on their last rows' logits."""
     if torch.device(runner.device).type != "cuda":
         return 0.0
     with compiles_expected(runner):
@@ -61,38 +71,25 @@ def compiles_expected(runner):
 
 
 def _warm_up(runner, max_tokens: int) -> float:
-    from ..api.sampling_params import SamplingParams
-    from ..engine.scheduler import CacheUpdates
-    from ..engine.step_executor import StepBatch
-
     t0 = time.perf_counter()
-    sizes = eager_sizes(min(int(max_tokens), int(runner.model_config.max_position_embeddings)))
+    alloc, block_size = runner.cache.allocator, runner.cache.layout.block_size
+    # one sequence holds at most its block table (max_model_len) and the model's positions; a step
+    # holds up to the token budget, over as many sequences as there are slots
+    per_seq = min(runner.slot_tables.max_blocks * block_size,
+                  int(runner.model_config.max_position_embeddings))
+    sizes = eager_sizes(min(int(max_tokens), per_seq * alloc.num_free_slots))
     graphs = runner.graphs
     buckets = list(graphs.buckets) if graphs is not None else []
     bar = _progress(len(sizes) + len(buckets), "warm-up (kernels, CUDA graphs)")
-    alloc, block_size = runner.cache.allocator, runner.cache.layout.block_size
-    room = _same_on_every_ep_rank(runner, min(alloc.num_free_blocks, runner.slot_tables.max_blocks))
+    room = _same_on_every_ep_rank(runner, alloc.num_free_blocks)
     gen = torch.Generator().manual_seed(0)
-    vocab = int(runner.model_config.vocab_size)
-    slot = alloc.allocate_slot()
-    try:
-        for n in sizes:
-            if bar is not None:
-                bar.update(1)
-            need = -(-n // block_size)
-            if need > room:
-                continue
-            blocks = alloc.allocate_blocks(need)
-            # random ids: MoE kernels are chosen by how the tokens spread over the experts, and one
-            # repeated id would route every token alike (hash layers map ids to experts)
-            ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-            updates = CacheUpdates([slot], [(slot, i, b) for i, b in enumerate(blocks)])
-            logits = runner.execute(StepBatch([slot], [0], [n], ids, [n - 1], updates))
-            for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9)):
-                runner.sampler.sample(logits, [params], [n], [0]).cpu()
-            alloc.free_blocks(blocks)
-    finally:
-        alloc.free_slot(slot)
+    for n in sizes:
+        if bar is not None:
+            bar.update(1)
+        lens = split_rows(n, per_seq)
+        need = [-(-k // block_size) for k in lens]
+        if sum(need) <= room:
+            _eager_step(runner, lens, need, gen)
     for size in buckets:
         graphs.capture_bucket(size, 1)
         if bar is not None:
@@ -103,6 +100,36 @@ def _warm_up(runner, max_tokens: int) -> float:
     seconds = time.perf_counter() - t0
     log.info("warm-up: %d eager sizes and %d decode CUDA graphs in %.1f s", len(sizes), len(buckets), seconds)
     return seconds
+
+
+def _eager_step(runner, lens: list[int], need: list[int], gen: torch.Generator) -> None:
+    """One prefill step of fresh sequences of `lens` tokens (`need` blocks each) through
+    `runner.execute`, then the sampler once greedy and once seeded on their last rows' logits."""
+    from ..api.sampling_params import SamplingParams
+    from ..engine.scheduler import CacheUpdates
+    from ..engine.step_executor import StepBatch
+
+    alloc = runner.cache.allocator
+    slots, tables = [], []
+    try:
+        for blocks in need:
+            slots.append(alloc.allocate_slot())
+            tables.append(alloc.allocate_blocks(blocks))
+        # random ids: MoE kernels are chosen by how the tokens spread over the experts, and one
+        # repeated id would route every token alike (hash layers map ids to experts)
+        vocab, k = int(runner.model_config.vocab_size), len(lens)
+        ids = torch.randint(0, vocab, (sum(lens),), generator=gen).tolist()
+        writes = [(s, i, b) for s, blocks in zip(slots, tables) for i, b in enumerate(blocks)]
+        last = [end - 1 for end in accumulate(lens)]          # each sequence's last row
+        updates = CacheUpdates(slots, writes)
+        logits = runner.execute(StepBatch(slots, [0] * k, lens, ids, last, updates))
+        for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9)):
+            runner.sampler.sample(logits, [params] * k, lens, [0] * k).cpu()
+    finally:
+        for blocks in tables:
+            alloc.free_blocks(blocks)
+        for slot in slots:
+            alloc.free_slot(slot)
 
 
 def _same_on_every_ep_rank(runner, blocks: int) -> int:

@@ -53,6 +53,7 @@ class FakeRunner:
     logits_processors: list = []
     scheduler_policy = None          # first come, first served
     profile_tokens: int | None = None
+    dtype = torch.float32
 
     def __init__(self, fn: Callable[[list[int]], torch.Tensor] = random_logits, vocab: int = VOCAB,
                  max_pos: int = 4096, eos: int = EOS, max_slots: int = 1024):
@@ -64,23 +65,35 @@ class FakeRunner:
         self.last_token = torch.zeros(max_slots, dtype=torch.long)
         self._in_slot: dict[int, FakeSeq] = {}
         self._cache: tuple | None = None
+        self.cache: SimpleNamespace | None = None
 
     def allocate_cache(self, request: CacheRequest) -> SimpleNamespace:
         """A block counter of the size asked for (every sequence at max_model_len unless
-        num_blocks), the same one while the request is unchanged."""
+        num_blocks; prefix-cache checkpoints in extra slots), the same one while the request is
+        unchanged."""
         per_seq = -(-request.max_model_len // 128)
-        shape = (request.num_blocks or request.num_slots * per_seq, request.num_slots)
+        shape = (request.num_blocks or request.num_slots * per_seq,
+                 request.num_slots + request.checkpoint_slots)
+        self.checkpoint_slots = request.checkpoint_slots
         if self._cache is None or self._cache[0] != shape:
-            self._cache = (shape, SimpleNamespace(allocator=BlockAllocator(*shape)))
+            self.cache = SimpleNamespace(allocator=BlockAllocator(*shape),
+                                         layout=SimpleNamespace(block_size=128))
+            self._cache = (shape, self.cache)
         return self._cache[1]
 
     def make_speculator(self) -> None:
         return None
 
     def execute(self, batch) -> torch.Tensor:
-        for slot in batch.updates.bound_slots:
+        """A slot's state is the tokens fed to it; prefix-cache checkpoints copy them."""
+        up = batch.updates
+        for src, dst in up.saves:
+            self._in_slot[dst] = FakeSeq(list(self._in_slot[src].tokens))
+        for slot in up.bound_slots:
             self._in_slot[slot] = FakeSeq()
             self.seqs.append(self._in_slot[slot])
+        for src, dst in up.restores:
+            self._in_slot[dst].tokens = list(self._in_slot[src].tokens)
         wanted, rows, off = set(batch.logit_rows), [], 0
         for slot, start, n in zip(batch.slots, batch.starts, batch.lens):
             seq = self._in_slot[slot]

@@ -25,7 +25,7 @@ def test_greedy_follows_fake_logits(make_llm, fake):
     assert c.token_ids == [4, 5, 6, 7, 8] and c.finish_reason == "length" and c.stop_reason is None
     assert c.text == "w2 w3 w4 w5 w6" and out.prompt_token_ids == [2, 3] and out.prompt is None
     assert c.logprobs is None and c.cumulative_logprob is None
-    assert llm.engine.scheduler.blocks.allocator.empty
+    assert llm.engine.scheduler.blocks.allocator.reclaim()
     assert runner.calls == [(2, False)] + [(1, False)] * 4   # no forward after the last token
 
 
@@ -179,7 +179,7 @@ def test_n_completions(make_llm, fake):
     out = run(llm, ids=[[3, 4]], params=S(n=4, max_tokens=8, ignore_eos=True, seed=1))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 4
-    assert llm.engine.scheduler.blocks.allocator.empty and len(runner.seqs) == 4
+    assert llm.engine.scheduler.blocks.allocator.reclaim() and len(runner.seqs) == 4
     single = run(llm, ids=[[3, 4]], params=S(n=1, max_tokens=8, ignore_eos=True, seed=1))[0]
     assert single.outputs[0].token_ids == out.outputs[0].token_ids
     assert len(out.metrics.token_times) == 32

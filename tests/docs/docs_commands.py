@@ -363,7 +363,7 @@ PYTHON: dict[str, Check] = {
     "data_parallel_size=2, enable_expert_parallel=True) as llm": check_data_parallel_snippet,
     "EngineConfig.from_options(max_num_seqs=64": check_engine_config_snippet,
     'yoco_prefill_truncation_mode="compact"': check_bounded_replay_snippet,
-    "LLM(\"/tmp/tiny-v4\", enable_prefix_caching=True)": check_prefix_caching_snippet,
+    "enable_prefix_caching: on by default": check_prefix_caching_snippet,
 }
 
 

@@ -27,7 +27,7 @@ def run(llm, ps, params=GREEDY, **opts) -> list[list[int]]:
         llm = LLM.from_runner(llm.runner, tokenizer=llm.tokenizer, **opts)
     out = llm.generate(prompt_token_ids=ps, sampling_params=params, use_tqdm=False)
     eng = llm.engine
-    assert eng.scheduler.blocks.allocator.empty and not eng.has_unfinished_requests()
+    assert eng.scheduler.blocks.allocator.reclaim() and not eng.has_unfinished_requests()
     run.last = llm
     return [o.outputs[0].token_ids for o in out]
 

@@ -30,7 +30,7 @@ def llm_over(base: LLM, **opts) -> LLM:
 
 def assert_clean(llm: LLM) -> None:
     eng = llm.engine
-    assert eng.scheduler.blocks.allocator.empty, "slots or blocks leaked"
+    assert eng.scheduler.blocks.allocator.reclaim(), "slots or blocks leaked"
     assert not eng.has_unfinished_requests() and not eng.scheduler.running and not eng._requests
 
 

@@ -38,7 +38,7 @@ def drain(engine, outputs: dict | None = None) -> dict:
 
 
 def assert_clean(engine) -> None:
-    assert engine.scheduler.blocks.allocator.empty, "slots or blocks leaked"
+    assert engine.scheduler.blocks.allocator.reclaim(), "slots or blocks leaked"
     assert not engine.has_unfinished_requests() and not engine.scheduler.running
 
 

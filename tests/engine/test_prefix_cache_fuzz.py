@@ -1,8 +1,9 @@
-"""Prefix caching under fuzz (tiny V4, float32, batch-invariant ops, CPU): requests drawn from a
-random tree of shared prefixes, submitted in random groups to an engine with a small cache (blocks
-and checkpoint slots evicted all along), give exactly the outputs of the same requests with caching
-off; afterwards, with the cache reset, every block and checkpoint slot is free. The CI-sized run
-takes 16 requests up to 400 tokens; the full one (`-m slow`) 1,000 requests up to 3,000 tokens."""
+"""Prefix caching under fuzz (tiny V4, batch-invariant ops; float32 on the CPU, bf16 on a GPU with
+`-m gpu`): requests drawn from a random tree of shared prefixes, submitted in random groups to an
+engine with a small cache (blocks and checkpoint slots evicted all along), give exactly the outputs
+of the same requests with caching off; afterwards, with the cache reset, every block and checkpoint
+slot is free. The CI-sized run takes 16 requests up to 400 tokens; the full one (`-m slow`) 1,000
+requests up to 3,000 tokens."""
 from __future__ import annotations
 
 import random
@@ -41,10 +42,11 @@ def run(base: LLM, prompts, caching: bool, seed: int, **opts) -> tuple[list[list
     return outs, llm
 
 
-def fuzz(tiny_ckpt_dir, n: int, max_len: int, seqs: int, blocks: int) -> None:
+def fuzz(tiny_ckpt_dir, n: int, max_len: int, seqs: int, blocks: int, device: str) -> None:
     opts = dict(max_model_len=max_len + 8, max_num_seqs=seqs, num_cache_blocks=blocks,
                 max_num_batched_tokens=1024)
-    base = LLM(model=str(tiny_ckpt_dir), dtype="float32", batch_invariant=True, **opts)
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    base = LLM(model=str(tiny_ckpt_dir), dtype=dtype, device=device, batch_invariant=True, **opts)
     prompts = prefix_tree_requests(n, max_len, seed=n)
     cold, _ = run(base, prompts, False, seed=1, **opts)
     warm, llm = run(base, prompts, True, seed=1, prefix_checkpoint_slots=3, **opts)
@@ -55,10 +57,15 @@ def fuzz(tiny_ckpt_dir, n: int, max_len: int, seqs: int, blocks: int) -> None:
     assert llm.engine.scheduler.blocks.allocator.empty, "blocks or checkpoints left after a reset"
 
 
-def test_fuzzed_prefix_trees_under_eviction_pressure(tiny_ckpt_dir):
-    fuzz(tiny_ckpt_dir, 16, 400, seqs=2, blocks=8)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]   # cuda: bf16, the nvidia kernels
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fuzzed_prefix_trees_under_eviction_pressure(tiny_ckpt_dir, device):
+    fuzz(tiny_ckpt_dir, 16, 400, seqs=2, blocks=8, device=device)
 
 
 @pytest.mark.slow
-def test_fuzzed_prefix_trees_full_size(tiny_ckpt_dir):
-    fuzz(tiny_ckpt_dir, 1000, 3000, seqs=4, blocks=4 * 24 + 16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fuzzed_prefix_trees_full_size(tiny_ckpt_dir, device):
+    fuzz(tiny_ckpt_dir, 1000, 3000, seqs=4, blocks=4 * 24 + 16, device=device)

@@ -1,4 +1,5 @@
-"""Prefix caching through `LLM.generate` (tiny V4, float32, batch-invariant ops, CPU): with caching
+"""Prefix caching through `LLM.generate` (tiny V4, batch-invariant ops; float32 on the CPU, bf16 on
+a GPU): with caching
 on, every output is bitwise the output with caching off, and every case asserts a hit
 (`num_cached_tokens > 0`), so none can pass without one. Cases: a repeated prompt, a shared system
 prompt (the junction kept on the second request, hit by the third), a multi-turn conversation
@@ -20,14 +21,22 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 129000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module")
-def base(tiny_ckpt_dir):
-    return LLM(model=str(tiny_ckpt_dir), dtype="float32", batch_invariant=True, max_model_len=1024,
-               max_num_seqs=4, max_num_batched_tokens=512)
+# float32 on the CPU; on a GPU (marked gpu: `python -m pytest -m gpu` on the file) bf16 with the
+# nvidia backend's batch-invariant kernels and CUDA graphs, in a 1 GiB cache
+DEVICES = {"cpu": dict(dtype="float32"),
+           "cuda": dict(dtype="bfloat16", device="cuda", kv_cache_memory_bytes=1 << 30)}
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def base(request, tiny_ckpt_dir):
+    return LLM(model=str(tiny_ckpt_dir), batch_invariant=True, max_model_len=1024, max_num_seqs=4,
+               max_num_batched_tokens=512, **DEVICES[request.param])
 
 
 def over(base: LLM, caching: bool, **opts) -> LLM:
-    opts = {"max_model_len": 1024, "max_num_seqs": 4, "max_num_batched_tokens": 512, **opts}
+    sized = {} if "num_cache_blocks" in opts else DEVICES[str(base.runner.device).split(":")[0]]
+    opts = {"max_model_len": 1024, "max_num_seqs": 4, "max_num_batched_tokens": 512,
+            "kv_cache_memory_bytes": sized.get("kv_cache_memory_bytes"), **opts}
     return LLM.from_runner(base.runner, tokenizer=base.tokenizer, enable_prefix_caching=caching,
                            **opts)
 
@@ -161,12 +170,21 @@ def test_bad_prefix_caching_input_names_the_field(base, tiny_v41_dir):
         llm.generate({"prompt_token_ids": ids(10, 1), "cache_salt": 5}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="prefix_checkpoint_interval=100.*multiple of 128"):
         LLM.from_runner(base.runner, enable_prefix_caching=True, prefix_checkpoint_interval=100)
-    v41 = LLM(model=str(tiny_v41_dir), dtype="float32", yoco_prefill_truncation_mode="compact",
-              enable_prefix_caching=True)
     want = ("enable_prefix_caching=True with yoco_prefill_truncation_mode='compact'.*allowed "
             "together: yoco_prefill_truncation_mode='off'")
     with pytest.raises(ValueError, match=want):
-        v41.generate({"prompt_token_ids": ids(10, 1)}, GREEDY, use_tqdm=False)
+        LLM(model=str(tiny_v41_dir), dtype="float32", yoco_prefill_truncation_mode="compact",
+            enable_prefix_caching=True).generate({"prompt_token_ids": ids(10, 1)}, GREEDY)
+
+
+def test_on_by_default_where_exact(base, tiny_v41_dir):
+    """Unset (None), caching is on, except under V4.1's truncated prefill, where it is off."""
+    assert LLM.from_runner(base.runner, tokenizer=base.tokenizer).engine.scheduler.prefix is not None
+    v41 = LLM(model=str(tiny_v41_dir), dtype="float32", max_model_len=512)
+    assert v41.runner.truncation is None and v41.engine.scheduler.prefix is not None
+    compact = LLM(model=str(tiny_v41_dir), dtype="float32", max_model_len=512,
+                  yoco_prefill_truncation_mode="compact")
+    assert compact.runner.truncation.mode == "compact" and compact.engine.scheduler.prefix is None
 
 
 def test_v41_hits_exactly_with_truncation_off(tiny_v41_dir):

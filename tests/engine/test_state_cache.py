@@ -2,6 +2,7 @@
 that read back exactly what a contiguous layout would hold."""
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -91,16 +92,29 @@ def test_pools_allocate_exactly_the_counted_bytes(num_slots, num_blocks):
 def test_budget_gives_the_most_blocks_that_fit():
     L = CacheLayout.from_config(tiny_cfg(), torch.float32, backtrack=6)
     budget = 4 * L.slot_bytes + 10 * L.block_bytes + L.block_bytes - 1
-    n, note = resolve_num_blocks(L, CacheRequest(num_slots=4, memory_bytes=budget), "cpu")
+    n, _, note = resolve_num_blocks(L, CacheRequest(num_slots=4, memory_bytes=budget), "cpu")
     assert n == 10 and "kv_cache_memory_bytes" in note
     cache = StateCache(L, 4, n)
     assert cache.nbytes() <= budget < cache.nbytes() + L.block_bytes
     # max_model_len caps the blocks at what max_num_seqs full-length sequences can use
-    n, note = resolve_num_blocks(L, CacheRequest(num_slots=4, memory_bytes=1 << 30, max_model_len=300), "cpu")
+    n, _, note = resolve_num_blocks(L, CacheRequest(num_slots=4, memory_bytes=1 << 30, max_model_len=300), "cpu")
     assert n == 4 * 3 and "capped" in note
     # the env table's CPU budget is the default
-    n, note = resolve_num_blocks(L, CacheRequest(num_slots=1), "cpu")
+    n, _, note = resolve_num_blocks(L, CacheRequest(num_slots=1), "cpu")
     assert n == (2**30 - L.slot_bytes) // L.block_bytes and "DEEPINFER_CPU_KV_CACHE_BYTES" in note
+
+
+def test_default_checkpoint_slots_stay_within_their_share_of_the_budget():
+    L = CacheLayout.from_config(tiny_cfg(), torch.float32, backtrack=6)
+    budget = 100 * L.slot_bytes
+    req = CacheRequest(num_slots=4, checkpoint_slots=8, memory_bytes=budget, checkpoint_share=0.1)
+    n, checkpoints, note = resolve_num_blocks(L, req, "cpu")
+    assert checkpoints == 8 and "checkpoint" not in note             # 8 slots: 8% of the budget
+    n, checkpoints, note = resolve_num_blocks(L, dataclasses.replace(req, checkpoint_slots=30), "cpu")
+    assert checkpoints == 10 and "checkpoint slots capped at 10%" in note
+    assert n == (budget - 14 * L.slot_bytes) // L.block_bytes
+    exact = CacheRequest(num_slots=4, checkpoint_slots=30, memory_bytes=budget)   # a count asked for
+    assert resolve_num_blocks(L, exact, "cpu")[1] == 30
 
 
 def test_too_small_budget_names_the_field():

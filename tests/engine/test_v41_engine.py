@@ -46,7 +46,7 @@ def llm_over(base: LLM, **opts) -> LLM:
 def generate(llm: LLM, ps, params=GREEDY) -> list:
     out = llm.generate(prompt_token_ids=ps, sampling_params=params, use_tqdm=False)
     eng = llm.engine
-    assert eng.scheduler.blocks.allocator.empty, "slots or blocks leaked"
+    assert eng.scheduler.blocks.allocator.reclaim(), "slots or blocks leaked"
     assert not eng.has_unfinished_requests() and not eng.scheduler.running and not eng._requests
     return out
 

@@ -39,6 +39,22 @@ def serve_mixed(llm: LLM, steps: int, seed: int, shared: bool = False) -> int:
     return n
 
 
+def serve_wave(llm: LLM, n: int, seed: int) -> int:
+    """`n` requests at once (concurrency n: prompts 8-80 tokens, 4-40 new tokens, greedy or
+    sampled), stepped until all finish: prefill steps of many prompts' chunks, then verify steps of
+    k + 1 rows per sequence while the batch shrinks; returns the requests served."""
+    rng, engine = random.Random(seed), llm.engine
+    vocab = llm.runner.model_config.vocab_size
+    for i in range(n):
+        ids = [rng.randrange(2, vocab) for _ in range(rng.randrange(8, 81))]
+        params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randrange(4, 41),
+                                ignore_eos=True, seed=i)
+        engine.add_request(f"w{seed}-{i}", ids, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return n
+
+
 @pytest.mark.parametrize("simulate_qat,prefix_caching", [(True, False), (False, False), (True, True)])
 def test_no_compiles_after_warmup(simulate_qat, prefix_caching, tmp_path):
     """Run in this order, the QAT-off engine is the second of the process: its start-up (memory profile,
@@ -63,6 +79,38 @@ def test_no_compiles_after_warmup(simulate_qat, prefix_caching, tmp_path):
           f"({len(unexpected)} outside it), "
           f"{served} requests after the warm-up; {len(late)} compiles")
     assert not unexpected, "Triton compiled outside the start-up:\n" + "\n".join(map(str, unexpected))
+    assert not late, "Triton compiled after the warm-up:\n" + "\n".join(map(str, late))
+    del llm
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("num_drafts,simulate_qat", [(3, True), (5, True), (5, False)])
+def test_no_compiles_after_warmup_speculating_at_concurrency_64(num_drafts, simulate_qat, tmp_path):
+    """MTP speculation, 64 requests at once (benchmarks/spec_replay.py --concurrency 64 compiled
+    the MoE's 32-row tiles mid-serving: `_schedule_kernel` BM1/BM2 and the grouped GEMMs' BLOCK_M
+    16 -> 32). The MoE picks its tiles by a step's tokens, and with a short max_model_len one
+    sequence holds fewer of them than a step of many: here 128 tokens (one block), below the trained
+    model's larger tile sets, which steps of 64 prompts' prefill chunks and 64 x (k + 1)-row verify
+    steps reach. A fixed cache budget, as in the benchmark: no memory-profile forward of the whole
+    token budget warms them up."""
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    from deepinfer_kernels.compile_watch import compile_watch  # after the conftest (see above)
+    watch = compile_watch()
+    model = make_trained_checkpoint(tmp_path / "trained", ARTIFACT)
+    before = watch.mark()
+    llm = LLM(model=str(model), dtype="bfloat16", simulate_qat=simulate_qat, device="cuda",
+              max_num_seqs=64, max_model_len=128, num_speculative_tokens=num_drafts,
+              kv_cache_memory_bytes=1 << 30)
+    unexpected = [e for e in watch.since(before) if not e.expected]
+    start = watch.mark()
+    served = sum(serve_wave(llm, 64, seed) for seed in range(2))
+    late = watch.since(start)
+    assert llm.engine.spec_metrics is not None and llm.engine.spec_metrics.num_steps > 0
+    print(f"[gpu] MTP-{num_drafts}, QAT {simulate_qat}, concurrency 64: {start - before} compiles "
+          f"at start-up ({len(unexpected)} outside it), {served} requests after the warm-up; "
+          f"{len(late)} compiles")
+    assert not unexpected, ("Triton compiled outside the start-up:\n"
+                            + "\n".join(map(str, unexpected)))
     assert not late, "Triton compiled after the warm-up:\n" + "\n".join(map(str, late))
     del llm
     torch.cuda.empty_cache()

@@ -18,6 +18,7 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer_core.cache.block_allocator import BlockAllocator
 from deepinfer_core.cache.prefix_cache import PrefixCache
 from deepinfer_core.engine.sequence import Request, Sequence
 from deepinfer_core.parallel.dp_messages import (
@@ -59,7 +60,7 @@ def test_route_prefers_the_longest_match_within_the_slack_and_the_least_load_bey
 
 def test_the_routers_keys_are_the_ranks_prefix_cache_keys():
     prompt, router = ids(300, 1), PrefixRouter(KEYING, 2)
-    cache = PrefixCache(None, KEYING.block_size, 0, salt=KEYING.salt)
+    cache = PrefixCache(BlockAllocator(1, 1), KEYING.block_size, 0, salt=KEYING.salt)
 
     def rank_keys(salt: str | None) -> list[bytes]:          # what a rank looks the prompt up by
         req = Request("r", None, prompt, GREEDY, 0, RequestMetrics(0.0), cache_salt=salt)

@@ -118,7 +118,8 @@ def test_metrics_count_the_hits(url):
 
 
 def test_without_prefix_caching_usage_says_0_cached_and_a_reset_is_false(model_dir, start_server):
-    llm = LLM(model=model_dir, max_model_len=512, num_speculative_tokens=0)
+    llm = LLM(model=model_dir, max_model_len=512, num_speculative_tokens=0,
+              enable_prefix_caching=False)
     url = start_server(llm, 64, MODEL, "sk-test")[0]
     assert cached(complete(url, long_prompt("plain"))) == 0
     assert httpx.post(f"{url}/reset_prefix_cache", headers=AUTH).json() == {"reset": False}

@@ -107,13 +107,13 @@ def test_bad_request_refused_by_a_rank_is_a_400(server):
 
 
 def test_cache_salt_reaches_the_ranks_and_reset_prefix_cache_answers_for_them(server):
-    """Prefix caching is off here: a salted request runs (0 cached tokens), and a reset of the
-    ranks' prefix caches answers false, as one engine's does."""
+    """Prefix caching is on (the default): a salted request runs (0 cached tokens: a prompt shorter
+    than a block), and a reset of the ranks' prefix caches answers true, as one engine's does."""
     url, _, _ = server
     got = client(url).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, extra_body={"cache_salt": "s"})
     assert got.usage.prompt_tokens_details.cached_tokens == 0
     r = httpx.post(f"{url}/reset_prefix_cache", headers=AUTH, timeout=60)
-    assert r.status_code == 200 and r.json() == {"reset": False}, r.text
+    assert r.status_code == 200 and r.json() == {"reset": True}, r.text
 
 
 def _wait_idle(url: str, loop) -> None:
