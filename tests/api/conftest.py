@@ -53,6 +53,7 @@ class FakeRunner:
     logits_processors: list = []
     scheduler_policy = None          # first come, first served
     profile_tokens: int | None = None
+    checkpoint_slots = 0                 # set by allocate_cache
     dtype = torch.float32
 
     def __init__(self, fn: Callable[[list[int]], torch.Tensor] = random_logits, vocab: int = VOCAB,

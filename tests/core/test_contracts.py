@@ -86,8 +86,8 @@ def test_from_runner_refuses_an_object_that_is_not_a_runner():
             return torch.empty(0)
 
     with pytest.raises(TypeError, match=r"HalfRunner is not a runner: missing last_token, sampler, "
-                                        r"logits_processors, scheduler_policy, profile_tokens, allocate_cache, "
-                                        r"make_speculator"):
+                                        r"logits_processors, scheduler_policy, profile_tokens, checkpoint_slots, "
+                                        r"allocate_cache, make_speculator"):
         LLM.from_runner(HalfRunner())
 
 
