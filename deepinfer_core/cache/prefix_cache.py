@@ -22,9 +22,9 @@ The kept boundaries of a sequence (`Sequence.cuts`; a prefill chunk never crosse
   finish or preemption: the end of the output; a preempted sequence resumes as a hit).
 
 Checkpoints live in `num_checkpoint_slots` extra state slots, counted in the cache budget.
-Eviction is least recently used: a checkpoint no running sequence holds goes first when the
-checkpoint slots run out, and unreferenced leaf blocks (with their checkpoints) when the blocks run
-out.
+Eviction is least recently used: when the checkpoint slots run out, the checkpoint least recently
+kept or restored from goes (never one the same step copies; a running sequence's path may lose one
+it has passed), and when the blocks run out, unreferenced leaf blocks with their checkpoints.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from .prefix_index import Match, PrefixIndex, block_keys, root_key
 # why a lookup hit less than the cached blocks (`PrefixCacheStats.cut_short` keys)
 NO_CHECKPOINT = "no_checkpoint"              # blocks cached past the deepest checkpoint
 PROMPT_LOGPROBS = "prompt_logprobs"          # the request wants every prompt row's logprobs
-CHECKPOINTS_FULL = "checkpoint_slots_full"   # a boundary not kept: every checkpoint slot held
+CHECKPOINTS_FULL = "checkpoint_slots_full"   # a boundary not kept: all slots copied this step
 TOKENS_IN_FLIGHT = "tokens_in_flight"        # a decode boundary not kept: tokens still in flight
 CUT_SHORT_REASONS = (NO_CHECKPOINT, PROMPT_LOGPROBS, CHECKPOINTS_FULL, TOKENS_IN_FLIGHT)
 
@@ -111,6 +111,7 @@ class PrefixCache:
                 seq.block_ids = [n.block for n in hit.nodes]
                 updates.table_writes.extend((seq.slot, i, b) for i, b in enumerate(seq.block_ids))
                 updates.restores.append((hit.checkpoint, seq.slot))
+                self.index.use_checkpoint(hit.nodes[-1])
                 h = hit.num_blocks * bs
                 st.hits += 1
                 st.hit_tokens += h
@@ -130,11 +131,12 @@ class PrefixCache:
         """A chunk of `seq` starts at block boundary `at`: cache its blocks before `at` and keep its
         slot as the checkpoint there (unless one exists). `decoding`: replace the sequence's
         previous decode checkpoint, unless another sequence holds it. When its last tokens are
-        still on the device (async), the slot is copied now and named once they arrive (`settle`)."""
+        still on the device (async), the slot is copied now and named once they arrive
+        (`settle`)."""
         if seq.num_tokens >= at:
             self._register(seq, at, decoding, None, updates)
             return
-        slot = None if seq.unnamed_checkpoint is not None else self._checkpoint_slot()
+        slot = None if seq.unnamed_checkpoint is not None else self._checkpoint_slot(updates)
         if slot is None:
             self.stats.count(TOKENS_IN_FLIGHT if seq.unnamed_checkpoint else CHECKPOINTS_FULL)
             return
@@ -169,12 +171,12 @@ class PrefixCache:
                 self._free_checkpoint(slot)            # another sequence kept this one first
         else:
             if slot is None:
-                slot = self._checkpoint_slot()
+                slot = self._checkpoint_slot(updates)
                 if slot is None:
                     self.stats.count(CHECKPOINTS_FULL)
                     return
                 updates.saves.append((seq.slot, slot))
-            node.checkpoint = slot
+            self.index.set_checkpoint(node, slot)
             self.stats.checkpoints_stored += 1
         if decoding:
             old, seq.decode_checkpoint = seq.decode_checkpoint, node
@@ -186,11 +188,15 @@ class PrefixCache:
         self.allocator.free_slot(slot)
         self.num_checkpoints -= 1
 
-    def _checkpoint_slot(self) -> int | None:
+    def _checkpoint_slot(self, updates) -> int | None:
+        """A slot for a new checkpoint: a free one, or the least recently used checkpoint's, but
+        none this step still copies: a restore's source (restores run after the saves) or a save's
+        destination (two copies into one slot in one op land in any order on a GPU)."""
         if self.num_checkpoints < self.capacity:
             self.num_checkpoints += 1
             return self.allocator.allocate_slot()
-        slot = self.index.evict_checkpoint()
+        pinned = {src for src, _ in updates.restores} | {dst for _, dst in updates.saves}
+        slot = self.index.evict_checkpoint(pinned)
         self.stats.evicted_checkpoints += slot is not None
         return slot
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +46,8 @@ class Node:
     refs: int = 0                       # sequences holding it
     checkpoint: int | None = None       # state slot with the window state at this block's end
     children: dict[bytes, Node] = field(default_factory=dict)
-    last_use: int = 0
+    last_use: int = 0                   # last acquired (blocks: least recently used go first)
+    checkpoint_use: int = 0             # its checkpoint last kept or restored from
 
 
 @dataclass
@@ -115,15 +116,25 @@ class PrefixIndex:
         if node.checkpoint is not None:
             return slot
         node.checkpoint = slot
+        self.use_checkpoint(node)
         return None
 
-    def evict_checkpoint(self) -> int | None:
-        """Drop the least recently used checkpoint no sequence holds (its blocks stay cached);
-        returns its slot, or None when every checkpoint is held."""
-        free = [n for n in self.nodes.values() if n.checkpoint is not None and n.refs == 0]
+    def use_checkpoint(self, node: Node) -> None:
+        """`node`'s checkpoint was kept or restored from just now."""
+        node.checkpoint_use = next(self._clock)
+
+    def evict_checkpoint(self, pinned: Collection[int] = ()) -> int | None:
+        """Drop the checkpoint least recently kept or restored from, but none in `pinned` (restores
+        not yet applied); its blocks stay cached. A checkpoint inside a path a running sequence
+        holds may go: that sequence has its own state, and a conversation's earlier turns are
+        passed through, not restored from, so they age while its newest checkpoint and a shared
+        prefix's junction, restored from by every new request, stay. Returns its slot, or None
+        when every checkpoint is pinned."""
+        free = [n for n in self.nodes.values()
+                if n.checkpoint is not None and n.checkpoint not in pinned]
         if not free:
             return None
-        node = min(free, key=lambda n: n.last_use)
+        node = min(free, key=lambda n: n.checkpoint_use)
         slot, node.checkpoint = node.checkpoint, None
         return slot
 

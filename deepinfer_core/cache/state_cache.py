@@ -223,6 +223,8 @@ class StateCache:
         """Copy what slots `src` hold into slots `dst`, one op per pool: with the blocks before an
         aligned position, a slot is a sequence's whole state there (a prefix checkpoint taken, or
         restored into a new sequence's slot, `SequenceState.resume`)."""
+        if len(set(dst)) != len(dst):         # index_copy_ picks any of them on a GPU
+            raise RuntimeError(f"state cache: slots copied into twice in one op: {list(dst)}")
         s, d = (to_device(list(x), torch.long, self.device) for x in (src, dst))
         for t in self.slot_tensors():
             t.index_copy_(0, d, t.index_select(0, s))

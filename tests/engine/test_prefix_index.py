@@ -68,3 +68,19 @@ def test_eviction_takes_unreferenced_leaves_oldest_first_with_their_checkpoints(
     assert index.evict(10) == ([4], [])
     with pytest.raises(RuntimeError, match="released more than acquired"):
         index.release(b[:1])
+
+
+def test_the_checkpoint_least_recently_kept_or_restored_goes_first_but_never_a_pinned_one():
+    """A conversation's earlier checkpoint, passed through on its path (held), goes before a
+    shared prefix's junction that new requests restore from; a slot a restore still reads stays."""
+    index = PrefixIndex()
+    path = chain(index, block_keys(ROOT, list(range(16)), BS), [1, 2, 3, 4], checkpoints={0, 2})
+    junction, earlier = path[0], path[2]
+    later = path[3]
+    assert index.set_checkpoint(later, 103) is None        # the conversation's newest
+    index.acquire(path)                                    # its next turn runs through all of it
+    index.use_checkpoint(junction)                         # a new request restored the junction
+    assert index.evict_checkpoint() == 102 and earlier.checkpoint is None
+    assert index.evict_checkpoint(pinned={103}) == 100 and junction.checkpoint is None
+    assert index.evict_checkpoint(pinned={103}) is None and later.checkpoint == 103
+    assert [n.block for n in path if n.refs] == [1, 2, 3, 4]     # the blocks stay cached
