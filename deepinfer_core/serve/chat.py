@@ -12,7 +12,6 @@ streamed: the delta's) and the reply its prompt's (`prompt_token_ids`, streamed:
 event)."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from ..api.tool_calls import ToolCallStream, parse_tool_calls
 from .errors import ApiError, field_named
 from .protocol import ChatRequest
 from .streams import MIN_LOGPROB, collect, first_outputs, merged, sse_errors, token_text, usage
+from .wire import JSON, sse
 
 
 @dataclass
@@ -67,9 +67,9 @@ async def create_chat_completion(body: ChatRequest, engine_loop, tokenizer, refu
                 "logprobs": _logprobs(c, tokenizer, top) if top is not None else None,
                 **_token_ids(c, body)}
                for c in outs]
-    return {**head, "choices": choices, **_prompt_token_ids(request, body),
-            "usage": usage(len(request.prompt_token_ids), sum(len(c.token_ids) for c in outs),
-                           request.num_cached_tokens)}
+    return JSON({**head, "choices": choices, **_prompt_token_ids(request, body),
+                 "usage": usage(len(request.prompt_token_ids), sum(len(c.token_ids) for c in outs),
+                                request.num_cached_tokens)})
 
 
 def _token_ids(c: CompletionOutput, body: ChatRequest) -> dict:
@@ -158,9 +158,9 @@ async def _sse(head: dict, firsts, streams, thinking: bool, parse_tools: bool, b
             choice = dict(index=c.index, delta=delta, finish_reason=finish_reason,
                           logprobs=_logprobs(c, tokenizer, top) if top is not None else None,
                           **_token_ids(c, body))
-            yield f"data: {json.dumps({**head, 'choices': [choice], **prompt_ids})}\n\n"
+            yield sse({**head, 'choices': [choice], **prompt_ids})
             prompt_ids = {}
     if body.include_usage:
         tokens = usage(len(firsts[0].prompt_token_ids), completion_tokens, firsts[0].num_cached_tokens)
-        yield f"data: {json.dumps({**head, 'choices': [], 'usage': tokens})}\n\n"
+        yield sse({**head, 'choices': [], 'usage': tokens})
     yield "data: [DONE]\n\n"

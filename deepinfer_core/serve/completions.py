@@ -13,7 +13,6 @@ prompt's, so a client can resend a conversation's exact history as token ids.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
@@ -23,6 +22,7 @@ from ..api.outputs import CompletionOutput, Logprob, RequestOutput
 from .errors import ApiError, field_named
 from .protocol import CompletionRequest
 from .streams import MIN_LOGPROB, collect, first_outputs, merged, sse_errors, token_text, usage
+from .wire import JSON, sse
 
 Entries = list[dict[int, Logprob] | None]
 
@@ -47,9 +47,9 @@ async def create_completion(body: CompletionRequest, engine_loop, tokenizer):
     choices = [_choice(p * params.n + c.index, c, whole, body, tokenizer)
                for p, (whole, outs) in enumerate(done) for c in outs]
     generated = 0 if body.prompt_only else sum(len(c.token_ids) for _, o in done for c in o)
-    return {**head, "choices": choices,
-            "usage": usage(sum(len(r.prompt_token_ids) for r, _ in done), generated,
-                           sum(r.num_cached_tokens for r, _ in done))}
+    return JSON({**head, "choices": choices,
+                 "usage": usage(sum(len(r.prompt_token_ids) for r, _ in done), generated,
+                                sum(r.num_cached_tokens for r, _ in done))})
 
 
 def _choice(index: int, c: CompletionOutput, request: RequestOutput | None,
@@ -116,11 +116,11 @@ async def _sse(head: dict, firsts, streams, body: CompletionRequest, n: int, tok
             completion_tokens += 0 if body.prompt_only else len(c.token_ids)
             choice = _choice(index, c, first, body, tokenizer, sent.get(index, 0))
             sent[index] = sent.get(index, 0) + len(choice["text"])
-            yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+            yield sse({**head, 'choices': [choice]})
         if item.finished:
             prompt_tokens += len(item.prompt_token_ids)
             cached_tokens += item.num_cached_tokens
     if body.include_usage:
         last = {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
-        yield f"data: {json.dumps(last)}\n\n"
+        yield sse(last)
     yield "data: [DONE]\n\n"

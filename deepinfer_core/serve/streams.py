@@ -4,12 +4,12 @@ order for one SSE response. Closing a stream aborts its request (engine_loop.py)
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 from ..api.outputs import CompletionOutput, Logprob, RequestOutput
 from .engine_loop import EngineStopped, QueueFull, merge_into, owned_copy
 from .errors import ApiError, field_named
+from .wire import sse
 
 # JSON has no -inf; OpenAI and vLLM send this floor for a token the model rules out
 MIN_LOGPROB = -9999.0
@@ -100,7 +100,7 @@ async def sse_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
             yield event
     except EngineStopped as exc:
         body = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": 503}}
-        yield f"data: {json.dumps(body)}\n\n"
+        yield sse(body)
 
 
 def token_text(token_id: int, logprob: Logprob, tokenizer) -> str:

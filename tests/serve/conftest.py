@@ -4,6 +4,7 @@ checks of a `deepinfer serve` subprocess (start-up, SIGTERM in the middle of a s
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import socket
 import subprocess
@@ -90,7 +91,8 @@ class ConsoleServer:
             assert next(line for line in lines if line.startswith("data:"))
             proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line.startswith("data:")]
-        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(120) == 0
 
 
