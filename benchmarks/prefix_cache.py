@@ -38,9 +38,9 @@ otherwise the agreement is reported.
 
 `--server`: the same turns through the OpenAI server instead (prefix_cache_server.py): each mode's
 LLM is served in this process (after its warm-up) while its workload runs, and a turn is one
-streamed `/v1/completions` request per conversation, all sent at once, with token-id prompts and
-`return_token_ids` (the next turn resends the exact history); TTFT is the client's, from the send to
-the first streamed chunk; the hits are the usage's `cached_tokens`. JSON: `"through"`: "llm" or
+streamed `/v1/completions` request per conversation, all sent at once from a client process of
+its own, with token-id prompts and `return_token_ids` (the next turn resends the exact history);
+TTFT is the client's, from the send to the first streamed chunk; the hits are the usage's `cached_tokens`. JSON: `"through"`: "llm" or
 "server" (label suffix `_server`), in benchmarks/results/prefix_cache_<device>_<label>.json,
 rewritten after every call, so a run cut short by `--time-budget` keeps what it measured.
 
@@ -287,13 +287,13 @@ class Bench:
     @contextlib.contextmanager
     def served(self, llm: Any) -> Iterator[None]:
         """--server: `llm` behind an OpenAI server in this process while the block runs (the calls
-        then go over HTTP); otherwise nothing."""
+        then go over HTTP, from a client process); otherwise nothing."""
         if not self.a.server:
             yield
             return
         import prefix_cache_server as PS  # aiohttp, its client's, is the test extra's
-        with PS.serving(llm, self.a.conversations) as url:
-            self.server_turn = functools.partial(PS.turn, url)
+        with PS.client() as pool, PS.serving(llm, self.a.conversations) as url:
+            self.server_turn = functools.partial(PS.turn, pool, url)
             try:
                 yield
             finally:

@@ -3,7 +3,8 @@
 Each mode's LLM is served in this process while its workload runs (`serving`: the engine loop's
 thread and uvicorn's, on a free port, as `deepinfer serve` runs with the engine in a thread), and
 every turn is one streamed `/v1/completions` request per conversation, all sent at once over HTTP
-(serve_bench_http's aiohttp client): the prompt as token ids, greedy, `ignore_eos`,
+by serve_bench_http's aiohttp client in a process of its own (`client`: as a client on another
+host, its JSON work never holds the server's GIL): the prompt as token ids, greedy, `ignore_eos`,
 `return_token_ids` (the next turn resends the exact history: this prompt + the returned ids + the
 new user message) and `stream_options.include_usage` (`usage.prompt_tokens_details.cached_tokens`:
 the hits). Each request comes back as the `RequestOutput` the report reads (`as_output`), with the
@@ -12,7 +13,9 @@ client's clock: TTFT is the send to the first streamed chunk (which carries a to
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import multiprocessing
 import threading
 import time
 from collections.abc import Iterator
@@ -68,16 +71,30 @@ def as_output(res: SM.RequestResult, prompt: list[int]) -> RequestOutput:
                          res.cached_tokens or 0)
 
 
-def turn(url: str, prompts: list[list[int]], output_len: int) -> tuple[list[RequestOutput], float]:
-    """One turn over HTTP, every request sent at once: (their outputs, seconds from the first send
-    to the last [DONE]). A failed request, or one without usage, raises RuntimeError."""
-    reqs = [SM.BenchRequest(p, output_len, len(p)) for p in prompts]
+@contextlib.contextmanager
+def client() -> Iterator[concurrent.futures.Executor]:
+    """The process the client runs in (started once; `turn` sends it each turn's prompts)."""
+    with concurrent.futures.ProcessPoolExecutor(1, multiprocessing.get_context("spawn")) as pool:
+        pool.submit(int).result()                 # started before the first timed turn
+        yield pool
 
+
+def _send_all(url: str, reqs: list[SM.BenchRequest]) -> tuple[list[SM.RequestResult], float]:
+    """In the client's process: every request sent at once; (results, seconds to the last end)."""
     async def run() -> tuple[list[SM.RequestResult], float]:
-        async with SH.client_session(url, {}, READ_TIMEOUT_S) as client:
-            return await SH.run_requests(client, MODEL, reqs, [0.0] * len(reqs), None, BODY)
+        async with SH.client_session(url, {}, READ_TIMEOUT_S) as session:
+            return await SH.run_requests(session, MODEL, reqs, [0.0] * len(reqs), None, BODY)
 
-    results, elapsed = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def turn(pool: concurrent.futures.Executor, url: str, prompts: list[list[int]],
+         output_len: int) -> tuple[list[RequestOutput], float]:
+    """One turn over HTTP, every request sent at once by the client's process: (their outputs,
+    seconds from the first send to the last [DONE]). A failed request, or one without usage,
+    raises RuntimeError."""
+    reqs = [SM.BenchRequest(p, output_len, len(p)) for p in prompts]
+    results, elapsed = pool.submit(_send_all, url, reqs).result()
     bad = next((r for r in results if not r.ok or r.cached_tokens is None), None)
     if bad is not None:
         why = bad.error or "no usage.prompt_tokens_details.cached_tokens"
