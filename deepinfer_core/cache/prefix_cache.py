@@ -181,8 +181,7 @@ class PrefixCache:
         if decoding:
             old, seq.decode_checkpoint = seq.decode_checkpoint, node
             if old is not None and old is not node and old.refs == 1 and old.checkpoint is not None:
-                self._free_checkpoint(old.checkpoint)
-                old.checkpoint = None
+                self._free_checkpoint(self.index.drop_checkpoint(old))
 
     def _free_checkpoint(self, slot: int) -> None:
         self.allocator.free_slot(slot)

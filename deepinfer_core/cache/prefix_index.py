@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -47,7 +48,6 @@ class Node:
     checkpoint: int | None = None       # state slot with the window state at this block's end
     children: dict[bytes, Node] = field(default_factory=dict)
     last_use: int = 0                   # last acquired (blocks: least recently used go first)
-    checkpoint_use: int = 0             # its checkpoint last kept or restored from
 
 
 @dataclass
@@ -66,10 +66,12 @@ class PrefixIndex:
         self.nodes: dict[bytes, Node] = {}
         self._clock = itertools.count(1)
         self.num_unreferenced = 0       # nodes no sequence holds: the blocks eviction can free
+        # the nodes with a checkpoint, least recently kept or restored from first
+        self.checkpointed: OrderedDict[Node, None] = OrderedDict()
 
     @property
     def num_checkpoints(self) -> int:
-        return sum(n.checkpoint is not None for n in self.nodes.values())
+        return len(self.checkpointed)
 
     def match(self, keys: Sequence[bytes]) -> Match:
         """The longest cached prefix of `keys` that ends on a checkpoint (no references taken)."""
@@ -116,12 +118,18 @@ class PrefixIndex:
         if node.checkpoint is not None:
             return slot
         node.checkpoint = slot
-        self.use_checkpoint(node)
+        self.checkpointed[node] = None
         return None
 
     def use_checkpoint(self, node: Node) -> None:
-        """`node`'s checkpoint was kept or restored from just now."""
-        node.checkpoint_use = next(self._clock)
+        """`node`'s checkpoint was restored from just now."""
+        self.checkpointed.move_to_end(node)
+
+    def drop_checkpoint(self, node: Node) -> int:
+        """Take `node`'s checkpoint away (its blocks stay); returns its slot."""
+        slot, node.checkpoint = node.checkpoint, None
+        del self.checkpointed[node]
+        return slot
 
     def evict_checkpoint(self, pinned: Collection[int] = ()) -> int | None:
         """Drop the checkpoint least recently kept or restored from, but none in `pinned` (restores
@@ -130,13 +138,8 @@ class PrefixIndex:
         passed through, not restored from, so they age while its newest checkpoint and a shared
         prefix's junction, restored from by every new request, stay. Returns its slot, or None
         when every checkpoint is pinned."""
-        free = [n for n in self.nodes.values()
-                if n.checkpoint is not None and n.checkpoint not in pinned]
-        if not free:
-            return None
-        node = min(free, key=lambda n: n.checkpoint_use)
-        slot, node.checkpoint = node.checkpoint, None
-        return slot
+        node = next((n for n in self.checkpointed if n.checkpoint not in pinned), None)
+        return None if node is None else self.drop_checkpoint(node)
 
     def evict(self, num_blocks: int) -> tuple[list[int], list[int]]:
         """Drop up to `num_blocks` unreferenced leaves, least recently used first (a parent becomes
@@ -154,5 +157,5 @@ class PrefixIndex:
                     del node.parent.children[node.key]
                 blocks.append(node.block)
                 if node.checkpoint is not None:
-                    slots.append(node.checkpoint)
+                    slots.append(self.drop_checkpoint(node))
         return blocks, slots
