@@ -15,6 +15,7 @@ from .completions import create_completion
 from .engine_loop import EngineLoop, EngineStopped
 from .errors import ApiError, error_response
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .wire import body_of
 
 
 def build_app(llm, engine_loop: EngineLoop, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -85,12 +86,12 @@ def build_app(llm, engine_loop: EngineLoop, model_name: str, api_key: str | None
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest = Depends(body_of(CompletionRequest))):
         check_model(body.model)
         return await create_completion(body, engine_loop, tokenizer)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(body: ChatRequest):
+    async def chat_completions(body: ChatRequest = Depends(body_of(ChatRequest))):
         check_model(body.model)
         return await create_chat_completion(body, engine_loop, tokenizer, llm.model_config.vision)
 
