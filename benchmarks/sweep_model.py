@@ -33,6 +33,7 @@ from v41_cut import DEFAULT_ENGRAM_ROWS, cut_v41, family, text_keys
 from deepinfer_core.cache.sequence_state import SequenceState
 from deepinfer_core.cache.state_cache import CacheLayout, StateCache
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.config_fields import normalize_dtype
 from deepinfer_core.contracts import resolve_model_ops, resolve_sampler
 from deepinfer_core.engine_config import EngineConfig
 from deepinfer_core.model import ModelOps, bind_ops, build_model, process_weights
@@ -42,7 +43,7 @@ from deepinfer_core.model.engram import EngramTable, engram_storage
 from deepinfer_core.model.layers import Linear
 from deepinfer_core.model.moe import MoE
 from deepinfer_core.ops.kv_fp8 import pack_kv_fp8
-from deepinfer_core.plugin_context import BuildContext, normalize_dtype
+from deepinfer_core.plugin_context import BuildContext
 from deepinfer_core.plugins import get_plugin_manager
 from deepinfer_core.runner.model_loader import (
     check_batch_invariant,

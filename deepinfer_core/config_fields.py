@@ -5,6 +5,7 @@ construction. Kept free of torch, as engine_config is."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
@@ -62,10 +63,20 @@ def only(value: Any, why: str) -> Rule:
     return Rule(repr(value), lambda v: type(v) is type(value) and v == value, why=why)
 
 
-def dtype_name(value: Any) -> str:
-    # lazy: plugin_context imports engine_config, which imports this module
-    from .plugin_context import normalize_dtype
-    return normalize_dtype(value)
+DTYPE_ALIASES = {"float32": "float32", "float": "float32", "fp32": "float32",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "bfloat16"}
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """Accept "float32"/"bfloat16"/"auto"/aliases/torch dtypes; anything else names the allowed values.
+    Torch-free for strings (the CLI validates before importing torch): a torch dtype means torch is loaded."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype, str(dtype))
+    if isinstance(dtype, str) and dtype.lower() in DTYPE_ALIASES:
+        return DTYPE_ALIASES[dtype.lower()]
+    raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'float32', 'bfloat16', "
+                     f"'auto' (= bfloat16), torch.float32, torch.bfloat16")
 
 
 BOOL = Rule("True, False", lambda v: isinstance(v, bool))

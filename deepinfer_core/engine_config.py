@@ -31,11 +31,11 @@ from .config_fields import (
     Rule,
     Section,
     choice,
-    dtype_name,
     env_bool,
     env_if_set,
     env_option,
     is_int,
+    normalize_dtype,
     only,
     option,
     path_or_none,
@@ -63,7 +63,7 @@ class ModelOptions(Section):
                                  path_or_none("the model's"))
     dtype: str = option("float32", "compute dtype; 'auto' = bfloat16",
                       Rule("'float32', 'bfloat16', 'auto' (= bfloat16), torch.float32, torch.bfloat16",
-                           convert=dtype_name))
+                           convert=normalize_dtype))
     simulate_qat: bool = option(True, "DeepSeek's inference numerics: FP8/FP4 activation rounding and the official code's rounding order (docs/numerics.md); False: clean float math", BOOL)
     seed: int = option(0, "seeds the requests that set no seed of their own (with a request counter)",
                      Rule("an int", is_int))

@@ -1,9 +1,7 @@
 """The public dataclasses that hooks receive and return (plugins see nothing else of the core)."""
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 from .config import ModelConfig
 from .engine_config import EngineConfig
@@ -17,22 +15,6 @@ class Platform:
     device_type: str          # torch device type: "cpu", "cuda", "npu", ...
     plugin: str = "core"      # name of the plugin that provided it
     description: str = ""
-
-
-DTYPE_ALIASES = {"float32": "float32", "float": "float32", "fp32": "float32",
-                 "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "bfloat16"}
-
-
-def normalize_dtype(dtype: Any) -> str:
-    """Accept "float32"/"bfloat16"/"auto"/aliases/torch dtypes; anything else names the allowed values.
-    Torch-free for strings (the CLI validates before importing torch): a torch dtype means torch is loaded."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(dtype, torch.dtype):
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype, str(dtype))
-    if isinstance(dtype, str) and dtype.lower() in DTYPE_ALIASES:
-        return DTYPE_ALIASES[dtype.lower()]
-    raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'float32', 'bfloat16', "
-                     f"'auto' (= bfloat16), torch.float32, torch.bfloat16")
 
 
 @dataclass

@@ -13,12 +13,13 @@ from torch import nn
 
 from deepinfer_core.cache.state_cache import new_sequence_state
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.config_fields import normalize_dtype
 from deepinfer_core.contracts import resolve_model_ops
 from deepinfer_core.model import ForwardBatch, bind_ops, build_model, process_weights
 from deepinfer_core.model.attention import Numerics
 from deepinfer_core.model.dummy_weights import fill_dummy_weights
 from deepinfer_core.ops.quant import dequant_fp4, dequant_fp8_block
-from deepinfer_core.plugin_context import BuildContext, normalize_dtype
+from deepinfer_core.plugin_context import BuildContext
 from deepinfer_core.plugins import get_plugin_manager
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
