@@ -1,0 +1,136 @@
+"""What the OpenAI server adds to time to first token, with a model that computes nothing.
+
+N prompts of L random token ids go to a stand-in runner (`NullRunner`: it samples token 7 from
+constant logits and keeps no state, so every millisecond measured is the host's) twice: through
+`LLM.generate` (all added at once) and through the server (`prefix_cache_server`: the engine in a
+thread of this process, every request sent at once as a streamed `/v1/completions` with a token-id
+prompt and `return_token_ids`, from a client process of its own). Runs on a CPU; the difference is
+the server's host path for such a burst (HTTP, parsing and validating the bodies, handing requests
+to the engine thread, encoding the events), which a GPU's forward does not hide. Prints a table
+and writes benchmarks/results/server_overhead_<label>.json.
+
+    python benchmarks/server_overhead.py [--requests 64] [--prompt-len 6000] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import prefix_cache_server as PS
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.cache.block_allocator import BlockAllocator
+from deepinfer_core.ops.sampler import Sampler
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 1000           # small, so that sampling costs nothing either
+
+
+class NullCache:
+    """Slots and blocks counted, no tensors (the server's cache-bytes gauge reads `nbytes`)."""
+
+    layout = SimpleNamespace(block_size=128)
+
+    def __init__(self, blocks: int, slots: int):
+        self.shape = (blocks, slots)
+        self.allocator = BlockAllocator(blocks, slots)
+
+    def nbytes(self) -> int:
+        return 0
+
+
+class NullRunner:
+    """The runner contract (deepinfer_core/contracts.py EngineRunner) with nothing computed: every
+    logit row says token 7; the cache is a block counter."""
+
+    device, dtype = "cpu", torch.float32
+    sampler = Sampler()
+    logits_processors: list = []
+    scheduler_policy = None
+    profile_tokens = None
+    checkpoint_slots = 0
+
+    def __init__(self, max_len: int):
+        self.model_config = SimpleNamespace(vocab_size=VOCAB, eos_token_id=1, bos_token_id=0,
+                                            max_position_embeddings=max_len)
+        self.model = torch.nn.Linear(1, 1)        # the server's weight-bytes gauge reads it
+        self.last_token = torch.zeros(4096, dtype=torch.long)
+        self.cache = None
+        self._row = torch.zeros(VOCAB)
+        self._row[7] = 1.0
+
+    def allocate_cache(self, request):
+        """A block counter of the size asked for, the same one while the request is unchanged."""
+        blocks = request.num_blocks or request.num_slots * -(-request.max_model_len // 128)
+        if self.cache is None or self.cache.shape != (blocks, request.num_slots):
+            self.cache = NullCache(blocks, request.num_slots)
+        return self.cache
+
+    def make_speculator(self):
+        return None
+
+    def execute(self, batch) -> torch.Tensor:
+        return self._row.expand(len(batch.logit_rows), VOCAB)
+
+
+def ttfts(outs) -> list[float]:
+    return [(o.metrics.first_token_time - o.metrics.arrival_time) * 1e3 for o in outs]
+
+
+def measure(a: argparse.Namespace) -> dict:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(a.prompt_len)] for _ in range(a.requests)]
+    llm = LLM.from_runner(NullRunner(a.prompt_len + 64), tokenizer=None, max_num_seqs=a.requests,
+                          max_model_len=a.prompt_len + 64, enable_prefix_caching=False,
+                          max_num_batched_tokens=a.requests * (a.prompt_len + 64))
+    params = SamplingParams(max_tokens=a.output_len, ignore_eos=True)
+    generate = []
+    for _ in range(a.repeats + 1):                 # the first is a warm-up
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        generate.append(statistics.median(ttfts(outs)))
+    served = []
+    with PS.client() as pool, PS.serving(llm, a.requests) as url:
+        for _ in range(a.repeats + 1):
+            outs, _ = PS.turn(pool, url, prompts, a.output_len)
+            served.append(statistics.median(ttfts(outs)))
+    return {"generate_ttft_ms_p50": generate[1:], "server_ttft_ms_p50": served[1:]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=6000)
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--label", default=platform.machine())
+    p.add_argument("--json", default=None, help="result path (default: benchmarks/results/"
+                   "server_overhead_<label>.json)")
+    a = p.parse_args(argv)
+    res = measure(a)
+    gen, srv = (statistics.median(res[k]) for k in ("generate_ttft_ms_p50", "server_ttft_ms_p50"))
+    print(f"{a.requests} requests of {a.prompt_len} token ids, median of {a.repeats} runs")
+    print(f"{'path':<16}{'TTFT p50 (ms)':>14}")
+    print(f"{'LLM.generate':<16}{gen:>14.0f}\n{'server':<16}{srv:>14.0f}\n"
+          f"{'server adds':<16}{srv - gen:>14.0f}")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    out = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": commit,
+           "host": platform.processor() or platform.machine(), "settings": vars(a), **res,
+           "generate_ttft_ms": gen, "server_ttft_ms": srv}
+    path = Path(a.json or REPO / "benchmarks" / "results" / f"server_overhead_{a.label}.json")
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
