@@ -15,6 +15,7 @@ goes with it, so no checkpoint outlives a block it depends on. Plain Python: the
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -68,6 +69,18 @@ class PrefixIndex:
         self.num_unreferenced = 0       # nodes no sequence holds: the blocks eviction can free
         # the nodes with a checkpoint, least recently kept or restored from first
         self.checkpointed: OrderedDict[Node, None] = OrderedDict()
+        # (last_use, tie, node) of every node that became an evictable leaf (unreferenced, no
+        # children); an entry that no longer says so is skipped when it comes up
+        self._leaves: list[tuple[int, int, Node]] = []
+        self._tie = itertools.count()
+
+    def _maybe_leaf(self, node: Node) -> None:
+        if node.refs == 0 and not node.children:
+            heapq.heappush(self._leaves, (node.last_use, next(self._tie), node))
+            if len(self._leaves) > 2 * len(self.nodes) + 64:     # mostly stale: rebuild
+                self._leaves = [(n.last_use, next(self._tie), n) for n in self.nodes.values()
+                                if n.refs == 0 and not n.children]
+                heapq.heapify(self._leaves)
 
     @property
     def num_checkpoints(self) -> int:
@@ -98,6 +111,7 @@ class PrefixIndex:
                 raise RuntimeError(f"prefix index: block {node.block} released more than acquired")
             node.refs -= 1
             self.num_unreferenced += node.refs == 0
+            self._maybe_leaf(node)
 
     def insert(self, parent: Node | None, key: bytes, block: int) -> Node:
         """Register a full block after `parent` (None: the first block); returns the cached node,
@@ -110,6 +124,7 @@ class PrefixIndex:
             self.num_unreferenced += 1
             if parent is not None:
                 parent.children[key] = node
+            self._maybe_leaf(node)
         return node
 
     def set_checkpoint(self, node: Node, slot: int) -> int | None:
@@ -146,16 +161,18 @@ class PrefixIndex:
         a leaf once its children are gone); returns (blocks, checkpoint slots) to free."""
         blocks: list[int] = []
         slots: list[int] = []
-        while len(blocks) < num_blocks:
-            leaves = [n for n in self.nodes.values() if not n.children and n.refs == 0]
-            if not leaves:
-                break
-            for node in sorted(leaves, key=lambda n: n.last_use)[: num_blocks - len(blocks)]:
-                del self.nodes[node.key]
-                self.num_unreferenced -= 1
-                if node.parent is not None:
-                    del node.parent.children[node.key]
-                blocks.append(node.block)
-                if node.checkpoint is not None:
-                    slots.append(self.drop_checkpoint(node))
+        heap = self._leaves
+        while len(blocks) < num_blocks and heap:
+            use, _, node = heapq.heappop(heap)
+            if (node.refs or node.children or use != node.last_use
+                    or self.nodes.get(node.key) is not node):
+                continue                        # held, a parent again, or already evicted
+            del self.nodes[node.key]
+            self.num_unreferenced -= 1
+            blocks.append(node.block)
+            if node.checkpoint is not None:
+                slots.append(self.drop_checkpoint(node))
+            if node.parent is not None:
+                del node.parent.children[node.key]
+                self._maybe_leaf(node.parent)
         return blocks, slots

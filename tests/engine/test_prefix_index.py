@@ -84,3 +84,17 @@ def test_the_checkpoint_least_recently_kept_or_restored_goes_first_but_never_a_p
     assert index.evict_checkpoint(pinned={103}) == 100 and junction.checkpoint is None
     assert index.evict_checkpoint(pinned={103}) is None and later.checkpoint == 103
     assert [n.block for n in path if n.refs] == [1, 2, 3, 4]     # the blocks stay cached
+
+
+def test_eviction_order_survives_reuse_and_the_leaf_heap_stays_bounded():
+    """Blocks used again go after those left alone; thousands of acquire/release cycles leave the
+    index's heap of evictable leaves within a constant of its size."""
+    index = PrefixIndex()
+    a = chain(index, block_keys(ROOT, list(range(8)), BS), [1, 2])
+    b = chain(index, block_keys(ROOT, [7] * 8, BS), [3, 4])
+    for _ in range(2000):
+        index.acquire(a)
+        index.release(a)                      # a used again and again: b is older
+    assert len(index._leaves) <= 2 * len(index.nodes) + 64
+    assert index.evict(3) == ([4, 3, 2], [])
+    assert index.evict(3) == ([1], []) and not index.nodes
