@@ -77,6 +77,7 @@ class BlockManager:
     def __init__(self, allocator: BlockAllocator, block_size: int, prefix: PrefixCache | None = None):
         self.allocator, self.block_size, self.prefix = allocator, block_size, prefix
         self.updates = CacheUpdates()
+        self._freed: set[int] = set()      # slots freed since they were last bound
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -98,8 +99,10 @@ class BlockManager:
     def bind_slot(self, seq: Sequence) -> None:
         seq.slot = self.allocator.allocate_slot()
         self.updates.bound_slots.append(seq.slot)
-        if self.updates.table_writes:      # the slot's previous owner's writes of this interval
-            self.updates.table_writes = [w for w in self.updates.table_writes if w[0] != seq.slot]
+        if seq.slot in self._freed:        # the slot's previous owner's writes of this interval
+            self._freed.discard(seq.slot)
+            if self.updates.table_writes:
+                self.updates.table_writes = [w for w in self.updates.table_writes if w[0] != seq.slot]
 
     def hold(self, seq: Sequence, num_tokens: int) -> None:
         if seq.slot < 0:
@@ -119,6 +122,7 @@ class BlockManager:
         seq.block_ids = []
         if seq.slot >= 0:
             self.allocator.free_slot(seq.slot)
+            self._freed.add(seq.slot)
             seq.slot = -1
 
 
