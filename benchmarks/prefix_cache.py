@@ -40,9 +40,9 @@ otherwise the agreement is reported.
 LLM is served in this process (after its warm-up) while its workload runs, and a turn is one
 streamed `/v1/completions` request per conversation, all sent at once from a client process of
 its own, with token-id prompts and `return_token_ids` (the next turn resends the exact history);
-TTFT is the client's, from the send to the first streamed chunk; the hits are the usage's `cached_tokens`. JSON: `"through"`: "llm" or
-"server" (label suffix `_server`), in benchmarks/results/prefix_cache_<device>_<label>.json,
-rewritten after every call, so a run cut short by `--time-budget` keeps what it measured.
+TTFT is the client's, from the send to the first streamed chunk; the hits are the usage's
+`cached_tokens`. JSON: `"through"`: "llm" or "server" (label suffix `_server`), in
+benchmarks/results/prefix_cache_<device>_<label>.json, rewritten after every call, so a run cut short by `--time-budget` keeps what it measured.
 
     python benchmarks/prefix_cache.py --ci --batch-invariant --no-shared
     python benchmarks/prefix_cache.py --ci --server
