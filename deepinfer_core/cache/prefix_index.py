@@ -147,8 +147,8 @@ class PrefixIndex:
         return slot
 
     def evict_checkpoint(self, pinned: Collection[int] = ()) -> int | None:
-        """Drop the checkpoint least recently kept or restored from, but none in `pinned` (slots the
-        step still copies from or into); its blocks stay cached. A checkpoint inside a path a running sequence
+        """Drop the checkpoint least recently kept or restored from, but none in `pinned` (slots
+        the step still copies from or into); its blocks stay cached. A checkpoint inside a path a running sequence
         holds may go: that sequence has its own state, and a conversation's earlier turns are
         passed through, not restored from, so they age while its newest checkpoint and a shared
         prefix's junction, restored from by every new request, stay. Returns its slot, or None
