@@ -148,11 +148,11 @@ class PrefixIndex:
 
     def evict_checkpoint(self, pinned: Collection[int] = ()) -> int | None:
         """Drop the checkpoint least recently kept or restored from, but none in `pinned` (slots
-        the step still copies from or into); its blocks stay cached. A checkpoint inside a path a running sequence
-        holds may go: that sequence has its own state, and a conversation's earlier turns are
-        passed through, not restored from, so they age while its newest checkpoint and a shared
-        prefix's junction, restored from by every new request, stay. Returns its slot, or None
-        when every checkpoint is pinned."""
+        the step still copies from or into); its blocks stay cached. A checkpoint inside a path a
+        running sequence holds may go: that sequence has its own state, and a conversation's
+        earlier turns are passed through, not restored from, so they age while its newest
+        checkpoint and a shared prefix's junction, restored from by every new request, stay.
+        Returns its slot, or None when every checkpoint is pinned."""
         node = next((n for n in self.checkpointed if n.checkpoint not in pinned), None)
         return None if node is None else self.drop_checkpoint(node)
 
