@@ -2,8 +2,8 @@
 pydantic). A request body of 6,000 token ids is parsed and validated in one pass (FastAPI's
 `json.loads` alone took 0.5 ms); a response or a streamed event that carries them
 (`return_token_ids`) costs ~0.1 ms, where the standard library's encoder took 0.4 ms and FastAPI's
-per-element `jsonable_encoder` ~6 ms. All of it runs on the event loop's thread, which the engine
-thread shares."""
+per-element `jsonable_encoder` ~5 ms (benchmarks/host_costs.py). All of it runs on the event
+loop's thread, which the engine thread shares."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable

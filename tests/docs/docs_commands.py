@@ -226,6 +226,8 @@ TABLE: dict[str, Run | Skip] = {
     "python -m pytest -s -m gpu tests/gpu/test_no_late_compiles.py": Skip(GPU),
     ("python -m pytest -m gpu tests/engine/test_prefix_cache_fuzz.py "
      "tests/engine/test_prefix_caching.py"): Skip(GPU),
+    "python benchmarks/host_costs.py": Skip(
+        "writes benchmarks/results; tests/benchmarks/test_host_costs.py runs its smallest form"),
     "python benchmarks/server_overhead.py": Skip(
         "writes benchmarks/results; tests/benchmarks/test_server_overhead.py runs its smallest form"),
     "python benchmarks/prefix_cache.py --ci --server": Skip(
