@@ -90,10 +90,13 @@ def fp4_note(launch: list[str]) -> str:
     """Whether the launched server keeps FP4 experts FP4 (the engine's fp4_experts option), said aloud."""
     if "--fp4-experts" in launch:
         return "FP4 routed experts, kept FP4 by the server (--fp4-experts in --launch)"
+    if "--no-fp4-experts" in launch:
+        return ("FP4 routed experts in the checkpoint format, re-encoded to FP8 at load by an NVIDIA server "
+                "(--no-fp4-experts in --launch: twice the expert bytes)")
     return (
-        "FP4 routed experts in the checkpoint format; --launch has no --fp4-experts, so an NVIDIA server "
-        "re-encodes them to FP8 at load (twice the expert bytes; the portable method dequantises every weight to "
-        "the compute dtype at load either way)"
+        "FP4 routed experts in the checkpoint format; --launch leaves fp4_experts to the server: kept FP4 on "
+        "a Hopper GPU, re-encoded to FP8 at load on other NVIDIA GPUs (the portable method dequantises every "
+        "weight to the compute dtype at load either way)"
     )
 
 

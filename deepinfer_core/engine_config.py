@@ -89,10 +89,11 @@ class ModelOptions(Section):
     engram_force_gpu_storage: bool = env_option(
         "DEEPINFER_ENGRAM_FORCE_GPU_STORAGE", "V4.1 Engram: keep the n-gram tables in device memory "
         "(default on CUDA: pinned host memory, gathered by the backend without a copy or a sync)")
-    fp4_experts: bool = option(False, "nvidia backend: keep the checkpoint's FP4 routed experts FP4 and decode "
-                             "them in the MoE kernels (same results as the default, their FP8 re-encoding at "
-                             "load, with about half the expert bytes; opt-in until it has run compiled on a "
-                             "GPU); refused on backends that cannot", BOOL)
+    fp4_experts: bool | None = option(
+        None, "nvidia backend: keep the checkpoint's FP4 routed experts FP4 and decode them in the MoE "
+        "kernels (same results as their FP8 re-encoding at load, with about half the expert bytes); None "
+        "= on where its compiled tests have passed (Hopper, SM90), else off; True is refused on backends "
+        "that cannot", Rule("True, False or None", lambda v: v is None or isinstance(v, bool)))
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 
 def check_fp4_experts(ops: ModelOps, ctx: BuildContext) -> None:
-    """fp4_experts was asked for: the chosen MoE method must keep FP4 experts FP4 (`fp4_experts`)."""
-    if ctx.options.model.fp4_experts and not getattr(ops.moe, "fp4_experts", False):
+    """fp4_experts=True was asked for: the chosen MoE method must keep FP4 experts FP4 (None leaves
+    the choice to the backend)."""
+    if ctx.options.model.fp4_experts is True and not getattr(ops.moe, "fp4_experts", False):
         raise ValueError(f"fp4_experts=True: the MoE method of this platform ({ctx.platform.name}: "
                          f"{type(ops.moe).__qualname__}) cannot keep FP4 experts FP4; the nvidia backend can")
 

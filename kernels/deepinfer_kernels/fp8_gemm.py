@@ -23,6 +23,10 @@ from .pdl import launch_args, pdl_gate, prefetch_l2
 
 BLOCK_K = 128
 WEIGHT_BLOCK = 128
+# Channels the FP8 MMAs sum before their partial product is promoted to fp32: one activation scale
+# group, as DeepSeek's own kernel does (a 128-deep MMA chain, then the scale multiply). 32 promotes
+# after every Hopper FP8 MMA: four partial products to add per group and more registers.
+PROMOTE_EVERY = 128
 
 
 @triton.jit
@@ -53,7 +57,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, st
                      N_KG: tl.constexpr, N_AG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, WB: tl.constexpr, PRECISE_ACC: tl.constexpr,
-                     KG_PER_SPLIT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                     KG_PER_SPLIT: tl.constexpr, FOLD: tl.constexpr = False, PDL: tl.constexpr = False,
+                     PREFETCH: tl.constexpr = False):
     pid = tl.program_id(0)
     split = tl.program_id(1)              # split-K slice: K groups split*KG_PER_SPLIT ..
     pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -83,10 +88,15 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, st
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         kb_scale = tl.minimum(kb, N_KG - 1)
         sa = tl.load(sa_ptrs + kb_scale // (128 // BLOCK_K), mask=m_ok, other=0.0)
-        sw = tl.load(sw_ptrs + kb_scale, mask=n_ok, other=0.0)
-        # fp32 promotion after every 32-deep FP8 MMA; what remains (~1e-4 relative) is the rounding
-        # inside one Hopper FP8 MMA, a property of the hardware
-        acc += tl.dot(a, w, max_num_imprecise_acc=PRECISE_ACC) * sa[:, None] * sw[None, :]
+        # The FP8 MMAs' sums are promoted to fp32 every PRECISE_ACC channels (128, one K group: as
+        # DeepSeek's kernel promotes) and scaled there.
+        part = tl.dot(a, w, max_num_imprecise_acc=PRECISE_ACC)
+        if FOLD:     # the tile's columns share a weight block: one scale per row, sa * sw (theirs too)
+            sw1 = tl.load(ws_ptr + (pid_n * BLOCK_N // WB) * N_KG + kb_scale)
+            acc += part * (sa * sw1)[:, None]
+        else:
+            sw = tl.load(sw_ptrs + kb_scale, mask=n_ok, other=0.0)
+            acc += part * sa[:, None] * sw[None, :]
     c_ptrs = c_ptr + split * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -205,7 +215,7 @@ def _weight_block(block, who: str) -> tuple[int, int]:
 
 def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
-             precise_acc: int = 32, splits: int | None = None,
+             precise_acc: int = PROMOTE_EVERY, splits: int | None = None,
              weight_block: tuple[int, int] = (WEIGHT_BLOCK, BLOCK_K)) -> torch.Tensor:
     """qa [M, K] e4m3, sa [M, ceil(K/128)] fp32, qw [N, K] e4m3, sw [ceil(N/bn), ceil(K/bk)] fp32
     for `weight_block` (bn, bk) -> C [M, N] in out_dtype."""
@@ -233,7 +243,7 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), splits)
     _fp8_gemm_kernel[grid](qa, sa, qw, sw, dest, M, N, K, qa.stride(0), qw.stride(0), N, stride_cs, N_KG=n_kg,
                            N_AG=sa.shape[1], BLOCK_K=bk, GROUP_M=8, WB=bn, PRECISE_ACC=precise_acc,
-                           KG_PER_SPLIT=per, **cfg, **_launch_args(qa, M))
+                           KG_PER_SPLIT=per, FOLD=bn % cfg["BLOCK_N"] == 0, **cfg, **_launch_args(qa, M))
     if splits > 1:
         sum_splits(dest, stride_cs, c, splits)
     return c

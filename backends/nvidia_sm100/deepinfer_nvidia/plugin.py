@@ -14,7 +14,8 @@ NAME = "nvidia"
 MIN_CAPABILITY = (9, 0)      # FP8 tensor cores (Hopper); SM100 runs the same Triton code
 DEEPINFER_PLUGIN_INFO = {
     "status": "partial",
-    "note": "Triton kernels for FP8 linear layers (FP4 experts re-encoded to FP8, or kept FP4 with fp4_experts), the fused FP8 MoE, "
+    "note": "Triton kernels for FP8 linear layers, the fused MoE (FP4 experts kept FP4 on Hopper, "
+            "re-encoded to FP8 elsewhere or with fp4_experts=False), "
             "sparse attention with the indexer and compressors, mHC, fused RMSNorm/RoPE/KV quant; decode "
             "CUDA graphs; Engram tables gathered from pinned host memory. V4.1 attention (ratio-1/2 "
             "compressors, shared caches) and FP8 linears in 32x32 blocks (V4.1's shared experts "
@@ -94,4 +95,18 @@ def deepinfer_moe_method(ctx):
     if not _serves(ctx):
         return None
     from .moe import NvidiaMoEMethod
-    return NvidiaMoEMethod(fp4_experts=ctx.options.model.fp4_experts)
+    return NvidiaMoEMethod(fp4_experts=fp4_experts(ctx))
+
+
+# Where FP4 experts are kept FP4 unless fp4_experts says otherwise: the GPUs on which the compiled
+# kernel and engine tests have passed with them (SM100 runs the same Triton code, never tested).
+FP4_EXPERTS_BY_DEFAULT = (9,)
+
+
+def fp4_experts(ctx) -> bool:
+    """The engine's fp4_experts, with None resolved by the GPU's architecture."""
+    asked = ctx.options.model.fp4_experts
+    if asked is not None:
+        return asked
+    import torch
+    return torch.cuda.get_device_capability(torch.device(ctx.device))[0] in FP4_EXPERTS_BY_DEFAULT
