@@ -18,8 +18,9 @@ def test_rms_norm_reference_by_hand(fake_npu):
 def test_rms_norm_constraints(fake_npu):
     import torch_npu
     x = torch.ones(2, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="npu_rms_norm: gamma .*same dtype"):
-        torch_npu.npu_rms_norm(x, torch.ones(8))
+    torch_npu.npu_rms_norm(x, torch.ones(8))        # fp32 gamma with bf16 x: documented
+    with pytest.raises(ValueError, match="npu_rms_norm: gamma has dtype torch.float16"):
+        torch_npu.npu_rms_norm(x, torch.ones(8, dtype=torch.float16))
     with pytest.raises(ValueError, match="npu_rms_norm: gamma .*trailing"):
         torch_npu.npu_rms_norm(x, torch.ones(4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="npu_rms_norm: input has dtype int32"):
@@ -39,6 +40,8 @@ def test_add_rms_norm_returns_sum_and_norm(fake_npu):
     assert rstd.shape == (1, 1) and rstd.dtype == torch.float32
     with pytest.raises(ValueError, match="npu_add_rms_norm: x2 .*same shape"):
         torch_npu.npu_add_rms_norm(x1, torch.ones(2, 2), torch.ones(2))
+    with pytest.raises(ValueError, match="npu_add_rms_norm: gamma has dtype"):
+        torch_npu.npu_add_rms_norm(x1, x2, torch.ones(2, dtype=torch.bfloat16))
 
 
 def _rope_independent(x, cos, sin, interleave):

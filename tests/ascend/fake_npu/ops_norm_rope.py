@@ -2,9 +2,9 @@
 
 Doc pages (Ascend/op-plugin `docs/zh/custom_APIs/torch_npu/`, also carried as docstrings in the
 wheel's `torch_npu/_op_plugin_docs.py`): `(beta)torch_npu-npu_rms_norm.md`,
-`torch_npu-npu_add_rms_norm.md` (not in the 2.13.0 wheel's docstrings: semantics from the spec
-table: (y, rstd, x1 + x2), 950DT listed), `torch_npu-npu_rotary_mul.md`. Output shapes follow the
-wheel's meta registrations (rstd keeps the leading dims of x, 1 over gamma's dims).
+`torch_npu-npu_add_rms_norm.md` ((y, rstd, x1 + x2); lists 950DT),
+`torch_npu-npu_rotary_mul.md`. Output shapes follow the wheel's meta registrations (rstd keeps
+the leading dims of x, 1 over gamma's dims).
 [UNCONFIRMED] on A5: the rms_norm and rotary_mul pages list no A5 row (vllm-ascend calls
 both on A5).
 """
@@ -17,12 +17,14 @@ from .schema import check, check_dim, check_dtype, register
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_norm_args(op, x_name, x, gamma):
+def _check_norm_args(op, x_name, x, gamma, dims, gamma_dtypes):
     check_dtype(op, x_name, x, _FLOATS, "float16, bfloat16 or float32")
-    check(2 <= x.dim() <= 8, op, x_name, f"has {x.dim()} dimensions", "2-8 dimensions")
-    check(gamma.dtype == x.dtype, op, "gamma",
-          f"has dtype {gamma.dtype}, {x_name} has {x.dtype}", f"same dtype as {x_name}")
-    check(1 <= gamma.dim() <= x.dim() and tuple(gamma.shape) == tuple(x.shape[-gamma.dim():]),
+    check(dims[0] <= x.dim() <= dims[1], op, x_name, f"has {x.dim()} dimensions",
+          f"{dims[0]}-{dims[1]} dimensions")
+    check(gamma.dtype in gamma_dtypes, op, "gamma", f"has dtype {gamma.dtype} for {x_name} "
+          f"{x.dtype}", "gamma dtype: " + ", ".join(map(str, gamma_dtypes)))
+    check(1 <= gamma.dim() < x.dim() + (dims[0] == 1)
+          and tuple(gamma.shape) == tuple(x.shape[x.dim() - gamma.dim():]),
           op, "gamma", f"has shape {tuple(gamma.shape)} for {x_name} {tuple(x.shape)}",
           f"the trailing dimensions of {x_name} (usually its last one)")
 
@@ -37,7 +39,9 @@ def _rms_norm(x, gamma, eps):
 
 
 def _validate_rms_norm(a, soc):
-    _check_norm_args("npu_rms_norm", "input", a.input, a.gamma)
+    # rms_norm page, A2/A3 table: fp16/bf16 x with gamma of the same dtype or float32
+    x = a.input
+    _check_norm_args("npu_rms_norm", "input", x, a.gamma, (2, 8), (x.dtype, torch.float32))
 
 
 def _ref_rms_norm(a):
@@ -52,7 +56,7 @@ def _validate_add_rms_norm(a, soc):
           "same dtype as x1")
     check(a.x2.shape == a.x1.shape, op, "x2", f"has shape {tuple(a.x2.shape)}, "
           f"x1 has {tuple(a.x1.shape)}", "same shape as x1")
-    _check_norm_args(op, "x1", a.x1, a.gamma)
+    _check_norm_args(op, "x1", a.x1, a.gamma, (1, 8), (a.x1.dtype,))
 
 
 def _ref_add_rms_norm(a):
