@@ -19,8 +19,12 @@ Contract of the fixtures in `tests/ascend/conftest.py`
   Stream (`.npu_stream` handle) / Event / ExternalEvent / current_stream / set_stream /
   `stream(s)` context as recording no-ops (log: `fake.state.log`), memory_allocated & co. (0),
   empty_cache, `config.allow_internal_format` (False until set), `set_compile_mode(jit_compile=)`.
-  Graphs and HCCL: see graphs.py and hccl.py (NPUGraph, graph(), graph_pool_handle; the `hccl`
-  process-group backend over gloo).
+  NPUGraph / graph() / graph_pool_handle() / is_current_stream_capturing(): graphs.py (capture
+  runs eagerly and records aten ops; replay re-runs them on the same tensors; host syncs during
+  capture raise HostSyncError).
+* The `hccl` process-group backend (hccl.py): gloo under HCCL's name, registered for device
+  type cpu while installed, so `init_process_group("hccl", pg_options=ProcessGroupHCCL.Options())`
+  works; each spawned worker must install the fake (e.g. `fake_npu.install()`) itself.
 * `torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options()`: a plain options object.
 * dtype codes as module attributes: `torch_npu.float4_e2m1fn_x2 = 296`, `hifloat8 = 290`,
   `float8_e8m0fnu = 293`, `int4 = 285`, `float4_e1m2fn_x2 = 297` (ints, as the wheel's meta
@@ -49,6 +53,8 @@ import torch.distributed as dist
 
 from . import schema
 from .device import DeviceState, HostSyncError, build_npu_module
+from .graphs import install_graph_api
+from .hccl import register_hccl_backend
 from .schema import OPS
 from .schemas import WHEEL_VERSION
 
@@ -112,6 +118,7 @@ class FakeNpu:
                                  mem_info=tuple(mem_info))
         self.calls: list = []
         self.npu = build_npu_module(self.state)
+        install_graph_api(self.npu, self.state)
         self.module = self._build_torch_npu()
         self._saved: dict = {}
         self._finder = _TransferToNpuFinder(self.state)
@@ -158,6 +165,7 @@ class FakeNpu:
         self._saved["attr:is_hccl_available"] = getattr(dist, "is_hccl_available", _MISSING)
         dist.is_hccl_available = lambda: True
         sys.meta_path.insert(0, self._finder)
+        self._undo_hccl = register_hccl_backend()
         schema._active = self
         self.installed = True
         return self
@@ -166,6 +174,7 @@ class FakeNpu:
         if not self.installed:
             return
         sys.meta_path.remove(self._finder)
+        self._undo_hccl()
         for name in _MODULES:
             sys.modules.pop(name, None)
             saved = self._saved.pop(name)
