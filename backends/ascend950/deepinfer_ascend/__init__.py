@@ -1,1 +1,1 @@
-"""DeepInfer backend for Ascend 950 NPUs (registered as entry point `ascend` in `deepinfer.backends`)."""
+"""DeepInfer backend for Ascend NPUs (entry point `ascend` in `deepinfer.backends`)."""
