@@ -38,6 +38,13 @@ Contract of the fixtures in `tests/ascend/conftest.py`
   documented constraints for the installed SoC (ValueError "npu_<op>: <arg> <what>; documented:
   <rule>"), records the call, then returns a plain-PyTorch reference of the documented result.
   Which ops exist: `sorted(fake_npu.OPS)`; an op not implemented is absent (AttributeError).
+  Implemented: npu_rms_norm, npu_add_rms_norm, npu_rotary_mul (ops_norm_rope.py);
+  npu_dynamic_mx_quant (FP8), npu_quant_matmul (MXFP8 form only) (ops_quant.py);
+  npu_lightning_indexer, npu_sparse_flash_attention (ops_attention.py); npu_mhc_pre,
+  npu_mhc_sinkhorn, npu_mhc_post (ops_mhc.py); npu_top_k_top_p, npu_scatter_nd_update_
+  (ops_misc.py). Not yet: npu_grouped_matmul, npu_moe_init_routing_v2,
+  npu_moe_token_unpermute, npu_moe_gating_top_k (their schemas are in schemas.py).
+  A form of an implemented op that the fake does not model raises NotImplementedError.
 * Recorder: `torch_npu._calls` (== `fake.calls`) is a list of `(op name, bound arguments dict)`
   with defaults filled in and dtype arguments as int codes.
 """
