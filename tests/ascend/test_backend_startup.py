@@ -209,8 +209,8 @@ def test_start_runs_once_and_checks_the_device(ascend, monkeypatch):
     calls = []
     fake = SimpleNamespace(npu=SimpleNamespace(get_soc_version=lambda: 260), __version__="2.13.0")
     monkeypatch.setattr(ascend.runtime, "_import", lambda name: calls.append(name) or fake)
-    ascend.plugin.deepinfer_configure(ctx_for("npu:0"))
     ascend.plugin.deepinfer_configure(ctx_for("cpu"))      # the portable ops on the host: allowed
+    ascend.plugin.deepinfer_configure(ctx_for("cpu"))
     assert calls == ["torch_npu"]
     rt = ascend.runtime.started()
     assert (rt.soc.family, rt.device_type, rt.torch_npu) == ("A5", "npu", fake)

@@ -3,19 +3,27 @@
 Detection is import-light on purpose (it runs in every process): it looks for the NPU device node
 only and never imports torch_npu. When the `ascend` platform is chosen, `deepinfer_configure` starts
 the runtime once (runtime.py: environment defaults, `import torch_npu`, the SoC); each failure is
-one line naming what is missing.
+one line naming what is missing. It then builds the op table once (op_table.py) from the SoC, the
+compute dtype and the model config; the op hooks return that table's objects, or None where the
+core's portable op runs (on the NPU, as plain torch).
 """
 from __future__ import annotations
+
+import logging
 
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.plugin_context import probe_platform
 
 from . import detect
 
+log = logging.getLogger("deepinfer.ascend")
+
 NAME = "ascend"
+# "skeleton" until tests/core/test_plugins.py (which pins it) moves with it to "partial"
 STATUS = "skeleton"
-NOTE = ("start-up (torch_npu import, SoC check); no torch_npu operators yet, the core's portable "
-        "ops run; never run on Ascend hardware")
+NOTE = ("RMSNorm/RoPE on npu_rms_norm/npu_rotary_mul, FP8 linears as MXFP8 npu_quant_matmul (A5); "
+        "attention, MoE, mHC, sampling on the core's portable ops; tested on a simulated torch_npu "
+        "only, never run on Ascend hardware")
 PROBE_PATHS = detect.NPU_PROBE_PATHS   # tests may replace this tuple
 
 
@@ -49,10 +57,36 @@ def deepinfer_configure(ctx):
         raise ValueError("DEEPINFER_BATCH_INVARIANT=1 (batch_invariant=True) is not supported on "
                          "the Ascend backend: batch-invariant kernels exist for the nvidia and cpu "
                          "platforms only; unset DEEPINFER_BATCH_INVARIANT")
-    from . import runtime
+    from . import op_table, runtime
     rt = runtime.start()
     device = device_type(ctx.device)
-    if device not in (rt.device_type, "cpu"):
+    if device == rt.device_type:
+        log.info("ascend op table: %s", op_table.table_for(rt, ctx).summary())
+    elif device != "cpu":
         raise ValueError(f"device={ctx.device!r} on the ascend platform; allowed: "
                          f"{rt.device_type!r} (the NPU) or 'cpu' (the core's portable ops on the "
                          "host)")
+
+
+def _table(ctx):
+    """The op table of this build context, or None where the core's ops run (another platform, or
+    the host CPU as device)."""
+    if ctx.platform.name != NAME:
+        return None
+    from . import op_table, runtime
+    rt = runtime.start()
+    if device_type(ctx.device) != rt.device_type:
+        return None
+    return op_table.table_for(rt, ctx)
+
+
+@hookimpl
+def deepinfer_pointwise_method(ctx):
+    table = _table(ctx)
+    return table.pointwise if table else None
+
+
+@hookimpl
+def deepinfer_linear_method(ctx, weight_format):
+    table = _table(ctx)
+    return table.linear.get(weight_format) if table else None

@@ -1,0 +1,77 @@
+"""The op table: which torch_npu mapping serves each hook, chosen once at start-up from the SoC,
+the compute dtype and the model config (the idea of vllm-ascend's per-SoC device adaptor, without
+branches inside the forward). The hooks hand the engine the table's plain objects; a `None` entry
+lets the core's portable op (trylast) answer, running the same torch code on the NPU.
+
+| hook       | A5 (SoC 260)                                  | A2 / A3                          |
+|------------|-----------------------------------------------|----------------------------------|
+| pointwise  | npu_rms_norm + npu_rotary_mul                 | the same (both pages list A2/A3) |
+| linear fp8 | MXFP8 npu_quant_matmul (bf16 + QAT)           | portable (no MX formats)         |
+| others     | portable                                      | portable                         |
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from .linear import MxFp8LinearMethod
+from .pointwise import AscendPointwise
+from .runtime import AscendRuntime
+
+PORTABLE_HOOKS = {
+    "attention": "portable: V4's SWA + compressed shared-KV attention has no torch_npu op "
+                 "(npu_sparse_flash_attention mapping not written yet)",
+    "moe": "portable: no torch_npu op for sqrt-softplus routing; grouped-matmul dispatch not "
+           "written yet",
+    "mhc": "portable: npu_mhc_pre/_sinkhorn/_post not mapped yet",
+    "sampler": "portable (vllm-ascend samples in PyTorch on A5 too)",
+    "graphs": "none: the core's graph runner is CUDA-only; eager on the NPU",
+    "distributed": "none: the core chooses gloo/nccl only (hccl needs a core seam)",
+}
+
+
+@dataclass
+class OpTable:
+    soc_family: str
+    pointwise: Any = None
+    linear: dict[str, Any] = field(default_factory=dict)    # weight format -> method
+    portable: dict[str, str] = field(default_factory=dict)  # hook -> why the core's op runs
+
+    def summary(self) -> str:
+        chosen = [f"pointwise={type(self.pointwise).__name__}" if self.pointwise else None,
+                  *(f"linear[{f}]={type(m).__name__}" for f, m in sorted(self.linear.items()))]
+        portable = ", ".join(sorted(self.portable))
+        return f"SoC {self.soc_family}: " + ", ".join(c for c in chosen if c) + \
+            f"; portable: {portable}"
+
+
+def build_op_table(rt: AscendRuntime, ctx: Any) -> OpTable:
+    """The table for this runtime and build context (no hook call, no SoC test after this)."""
+    import torch
+    tnpu, official = rt.torch_npu, bool(ctx.simulate_qat)
+    table = OpTable(rt.soc.family, portable=dict(PORTABLE_HOOKS))
+    table.pointwise = AscendPointwise(tnpu, official=official)
+    block = tuple(ctx.model_config.weight_block_size or (128, 128))
+    if rt.soc.has_mx and ctx.torch_dtype == torch.bfloat16 and ctx.simulate_qat:
+        table.linear["fp8"] = MxFp8LinearMethod(tnpu, ctx.torch_dtype, ctx.simulate_qat, block)
+    else:
+        why = ("no MX formats before the Ascend 950" if not rt.soc.has_mx else
+               "the MX matmul needs the bf16 compute dtype and the QAT numerics")
+        table.portable["linear"] = f"portable: {why}; bf16 and fp4 weights always"
+    if "linear" not in table.portable:
+        table.portable["linear"] = "portable for bf16 and fp4 weights"
+    return table
+
+
+# One table per build context, built in deepinfer_configure and read by the op hooks.
+_tables: dict[int, tuple[weakref.ref, OpTable]] = {}
+
+
+def table_for(rt: AscendRuntime, ctx: Any) -> OpTable:
+    entry = _tables.get(id(ctx))
+    if entry is not None and entry[0]() is ctx:
+        return entry[1]
+    table = build_op_table(rt, ctx)
+    _tables[id(ctx)] = (weakref.ref(ctx, lambda _, key=id(ctx): _tables.pop(key, None)), table)
+    return table
