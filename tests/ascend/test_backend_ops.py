@@ -232,3 +232,34 @@ def test_other_fp8_layers_run_the_portable_method(npu, fake_npu, act_quant, grou
     else:
         assert torch.equal(method.apply(ours, x), portable.apply(ref, x))
     assert not calls(fake_npu, "npu_quant_matmul")
+
+
+# ---- mHC -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fake_npu,qat,served", [(260, False, True), (260, True, False),
+                                                  (223, False, False)], indirect=["fake_npu"])
+def test_mhc_on_the_npu_ops_equals_the_portable_op(npu, fake_npu, qat, served):
+    from deepinfer_core.ops.portable_mhc import PortableMHC
+    ctx = make_ctx(simulate_qat=qat)
+    ours = npu.deepinfer_mhc_method(ctx)
+    assert (ours is not None) == served
+    if not served:
+        return
+    c = ctx.model_config
+    ref = PortableMHC(c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, False)
+    g = torch.Generator().manual_seed(6)
+    n, D, T = c.hc_mult, c.hidden_size, 5
+    x = torch.randn(T, n, D, generator=g).to(BF16)
+    fn = torch.randn(n * n + 2 * n, n * D, generator=g) * 0.02
+    scale, base = torch.tensor([1.0, 0.5, 0.8]), torch.randn(n * n + 2 * n, generator=g) * 0.1
+    got, want = ours.pre(x, fn, scale, base), ref.pre(x, fn, scale, base)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2 ** -18, atol=0)      # the same fp32 formulas
+    f = torch.randn(T, D, generator=g).to(BF16)
+    torch.testing.assert_close(ours.post(f, x, want[1], want[2]),
+                               ref.post(f, x, want[1], want[2]), rtol=0, atol=0)
+    (pre,) = calls(fake_npu, "npu_mhc_pre")
+    assert pre["gamma"] is None and pre["phi"] is fn and pre["hc_eps"] == c.hc_eps
+    (sk,) = calls(fake_npu, "npu_mhc_sinkhorn")
+    assert sk["num_iters"] == c.hc_sinkhorn_iters and sk["eps"] == c.hc_eps
+    (post,) = calls(fake_npu, "npu_mhc_post")
+    assert torch.equal(post["h_res"], want[2].transpose(-1, -2))    # comb transposed

@@ -7,6 +7,7 @@ lets the core's portable op (trylast) answer, running the same torch code on the
 |------------|-----------------------------------------------|----------------------------------|
 | pointwise  | npu_rms_norm + npu_rotary_mul                 | the same (both pages list A2/A3) |
 | linear fp8 | MXFP8 npu_quant_matmul (bf16 + QAT)           | portable (no MX formats)         |
+| mhc        | npu_mhc_pre + _sinkhorn + _post (bf16, no QAT)| portable (A5-only ops)           |
 | others     | portable                                      | portable                         |
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .linear import MxFp8LinearMethod
+from .mhc import AscendMHC
 from .pointwise import AscendPointwise
 from .runtime import AscendRuntime
 
@@ -24,7 +26,6 @@ PORTABLE_HOOKS = {
                  "(npu_sparse_flash_attention mapping not written yet)",
     "moe": "portable: no torch_npu op for sqrt-softplus routing; grouped-matmul dispatch not "
            "written yet",
-    "mhc": "portable: npu_mhc_pre/_sinkhorn/_post not mapped yet",
     "sampler": "portable (vllm-ascend samples in PyTorch on A5 too)",
     "graphs": "none: the core's graph runner is CUDA-only; eager on the NPU",
     "distributed": "none: the core chooses gloo/nccl only (hccl needs a core seam)",
@@ -35,11 +36,13 @@ PORTABLE_HOOKS = {
 class OpTable:
     soc_family: str
     pointwise: Any = None
+    mhc: Any = None
     linear: dict[str, Any] = field(default_factory=dict)    # weight format -> method
     portable: dict[str, str] = field(default_factory=dict)  # hook -> why the core's op runs
 
     def summary(self) -> str:
         chosen = [f"pointwise={type(self.pointwise).__name__}" if self.pointwise else None,
+                  f"mhc={type(self.mhc).__name__}" if self.mhc else None,
                   *(f"linear[{f}]={type(m).__name__}" for f, m in sorted(self.linear.items()))]
         portable = ", ".join(sorted(self.portable))
         return f"SoC {self.soc_family}: " + ", ".join(c for c in chosen if c) + \
@@ -59,6 +62,15 @@ def build_op_table(rt: AscendRuntime, ctx: Any) -> OpTable:
         why = ("no MX formats before the Ascend 950" if not rt.soc.has_mx else
                "the MX matmul needs the bf16 compute dtype and the QAT numerics")
         table.portable["linear"] = f"portable: {why}; bf16 and fp4 weights always"
+    cfg = ctx.model_config
+    if rt.soc.has_mx and ctx.torch_dtype == torch.bfloat16 and cfg.hc_mult in (4, 6, 8) \
+            and not official:
+        table.mhc = AscendMHC(tnpu, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps,
+                              cfg.rms_norm_eps)
+    else:
+        table.portable["mhc"] = ("portable: npu_mhc_* are Ascend 950 ops on bf16/fp16 streams "
+                                 "with hc_mult 4, 6 or 8, and cannot follow the QAT numerics' "
+                                 "official rounding order")
     if "linear" not in table.portable:
         table.portable["linear"] = "portable for bf16 and fp4 weights"
     return table

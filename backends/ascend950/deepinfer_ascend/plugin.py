@@ -21,9 +21,9 @@ log = logging.getLogger("deepinfer.ascend")
 NAME = "ascend"
 # "skeleton" until tests/core/test_plugins.py (which pins it) moves with it to "partial"
 STATUS = "skeleton"
-NOTE = ("RMSNorm/RoPE on npu_rms_norm/npu_rotary_mul, FP8 linears as MXFP8 npu_quant_matmul (A5); "
-        "attention, MoE, mHC, sampling on the core's portable ops; tested on a simulated torch_npu "
-        "only, never run on Ascend hardware")
+NOTE = ("RMSNorm/RoPE on npu_rms_norm/npu_rotary_mul; on A5 FP8 linears as MXFP8 "
+        "npu_quant_matmul and mHC on npu_mhc_*; attention, MoE, sampling on the core's portable "
+        "ops; tested on a simulated torch_npu only, never run on Ascend hardware")
 PROBE_PATHS = detect.NPU_PROBE_PATHS   # tests may replace this tuple
 
 
@@ -90,3 +90,9 @@ def deepinfer_pointwise_method(ctx):
 def deepinfer_linear_method(ctx, weight_format):
     table = _table(ctx)
     return table.linear.get(weight_format) if table else None
+
+
+@hookimpl
+def deepinfer_mhc_method(ctx):
+    table = _table(ctx)
+    return table.mhc if table else None
