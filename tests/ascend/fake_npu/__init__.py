@@ -42,8 +42,11 @@ Contract of the fixtures in `tests/ascend/conftest.py`
   npu_dynamic_mx_quant (FP8), npu_quant_matmul (MXFP8 form only) (ops_quant.py);
   npu_lightning_indexer, npu_sparse_flash_attention (ops_attention.py); npu_mhc_pre,
   npu_mhc_sinkhorn, npu_mhc_post (ops_mhc.py); npu_top_k_top_p, npu_scatter_nd_update_
-  (ops_misc.py). Not yet: npu_grouped_matmul, npu_moe_init_routing_v2,
-  npu_moe_token_unpermute, npu_moe_gating_top_k (their schemas are in schemas.py).
+  (ops_misc.py); npu_moe_gating_top_k (softmax / sigmoid, groups, hash mode),
+  npu_moe_init_routing_v2 (quant_mode -1, dropless), npu_moe_token_unpermute (padded_mode
+  False; index convention [UNCONFIRMED], see the module) (ops_moe.py); npu_grouped_matmul
+  (group_type 0, one output tensor: bf16/fp16/fp32, A5 W8A8 MXFP8 and W4A8 MXFP) (ops_gmm.py,
+  imported by ops_moe.py).
   A form of an implemented op that the fake does not model raises NotImplementedError.
 * Recorder: `torch_npu._calls` (== `fake.calls`) is a list of `(op name, bound arguments dict)`
   with defaults filled in and dtype arguments as int codes.
