@@ -94,9 +94,9 @@ def fp4_note(launch: list[str]) -> str:
         return ("FP4 routed experts in the checkpoint format, re-encoded to FP8 at load by an NVIDIA server "
                 "(--no-fp4-experts in --launch: twice the expert bytes)")
     return (
-        "FP4 routed experts in the checkpoint format; --launch leaves fp4_experts to the server: kept FP4 on "
-        "a Hopper GPU, re-encoded to FP8 at load on other NVIDIA GPUs (the portable method dequantises every "
-        "weight to the compute dtype at load either way)"
+        "FP4 routed experts in the checkpoint format; --launch leaves fp4_experts to the server's default for "
+        "its GPU (re-encoded to FP8 at load unless that GPU keeps them FP4 by default; the portable method "
+        "dequantises every weight to the compute dtype at load either way)"
     )
 
 

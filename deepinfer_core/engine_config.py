@@ -92,8 +92,8 @@ class ModelOptions(Section):
     fp4_experts: bool | None = option(
         None, "nvidia backend: keep the checkpoint's FP4 routed experts FP4 and decode them in the MoE "
         "kernels (same results as their FP8 re-encoding at load, with about half the expert bytes); None "
-        "= on where its compiled tests have passed (Hopper, SM90), else off; True is refused on backends "
-        "that cannot", Rule("True, False or None", lambda v: v is None or isinstance(v, bool)))
+        "= the backend's default for the GPU (off until its compiled suite has passed with them); True "
+        "is refused on backends that cannot", Rule("True, False or None", lambda v: v is None or isinstance(v, bool)))
 
 
 @dataclass(frozen=True)
