@@ -1,12 +1,14 @@
 """The tiny V4 model through the Ascend backend on the simulated device (alias mode): the engine
 picks the `ascend` platform from DEEPINFER_ACCELERATOR, the backend starts on the fake torch_npu and
-serves its pointwise and FP8 linear ops; greedy tokens must equal the portable CPU backend's."""
+serves its pointwise, FP8 linear and MoE ops; greedy tokens must equal the portable CPU
+backend's."""
 from __future__ import annotations
 
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 
 from deepinfer_core import LLM, SamplingParams, plugins
 
@@ -51,6 +53,7 @@ def _greedy(llm) -> list[list[int]]:
 def test_tiny_model_greedy_tokens_equal_the_portable_backend(tiny_ckpt_dir, ascend_platform,
                                                              monkeypatch):
     from deepinfer_ascend.linear import MxFp8LinearMethod
+    from deepinfer_ascend.moe import AscendMoE
     from deepinfer_ascend.pointwise import AscendPointwise
     options = dict(model=str(tiny_ckpt_dir), dtype="bfloat16", device="cpu", max_num_seqs=2)
     llm = LLM(**options)
@@ -58,9 +61,16 @@ def test_tiny_model_greedy_tokens_equal_the_portable_backend(tiny_ckpt_dir, asce
     assert loaded.ctx.platform.name == "ascend"
     assert isinstance(loaded.ops.pointwise, AscendPointwise)
     assert isinstance(loaded.ops.linear["fp8"], MxFp8LinearMethod)
+    assert isinstance(loaded.ops.moe, AscendMoE) and loaded.ops.moe.form == "mx"
+    # the tiny model's FP4 experts stay FP4 (W4A8 MXFP), stacked per layer
+    ffn = loaded.model.layers[0].ffn
+    assert ffn.npu_moe.fmt == "fp4" and ffn.npu_w13.dtype == torch.uint8
     got = _greedy(llm)
     called = {name for name, _ in ascend_platform.calls}
-    assert {"npu_rms_norm", "npu_rotary_mul", "npu_quant_matmul"} <= called, called
+    assert {"npu_rms_norm", "npu_rotary_mul", "npu_quant_matmul", "npu_moe_init_routing_v2",
+            "npu_grouped_matmul", "npu_moe_token_unpermute"} <= called, called
+    assert all(args["weight_dtype"] == 296 for name, args in ascend_platform.calls
+               if name == "npu_grouped_matmul")
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "cpu")
     plugins.get_plugin_manager(refresh=True)
     ref = LLM(**options)

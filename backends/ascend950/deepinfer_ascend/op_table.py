@@ -8,6 +8,9 @@ lets the core's portable op (trylast) answer, running the same torch code on the
 | pointwise  | npu_rms_norm + npu_rotary_mul                 | the same (both pages list A2/A3) |
 | linear fp8 | MXFP8 npu_quant_matmul (bf16 + QAT)           | portable (no MX formats)         |
 | mhc        | npu_mhc_pre + _sinkhorn + _post (bf16, no QAT)| portable (A5-only ops)           |
+| moe        | init_routing_v2 + grouped_matmul (MX W8A8 /   | portable (chain mapped for A5    |
+|            | W4A8 with bf16 + QAT, else plain) + unpermute | first)                           |
+|            | (routing itself portable)                     |                                  |
 | others     | portable                                      | portable                         |
 """
 from __future__ import annotations
@@ -16,16 +19,19 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer_core.model.layers import weight_format
+
 from .linear import MxFp8LinearMethod
 from .mhc import AscendMHC
+from .moe import AscendMoE, moe_form
 from .pointwise import AscendPointwise
 from .runtime import AscendRuntime
 
 PORTABLE_HOOKS = {
     "attention": "portable: V4's SWA + compressed shared-KV attention has no torch_npu op "
                  "(npu_sparse_flash_attention mapping not written yet)",
-    "moe": "portable: no torch_npu op for sqrt-softplus routing; grouped-matmul dispatch not "
-           "written yet",
+    "moe routing": "portable: no torch_npu op computes V4's sqrt-softplus scores, bias for "
+                   "selection only, hash table, renorm and routed scale exactly",
     "sampler": "portable (vllm-ascend samples in PyTorch on A5 too)",
     "graphs": "none: the core's graph runner is CUDA-only; eager on the NPU",
     "distributed": "none: the core chooses gloo/nccl only (hccl needs a core seam)",
@@ -37,12 +43,14 @@ class OpTable:
     soc_family: str
     pointwise: Any = None
     mhc: Any = None
+    moe: Any = None
     linear: dict[str, Any] = field(default_factory=dict)    # weight format -> method
     portable: dict[str, str] = field(default_factory=dict)  # hook -> why the core's op runs
 
     def summary(self) -> str:
         chosen = [f"pointwise={type(self.pointwise).__name__}" if self.pointwise else None,
                   f"mhc={type(self.mhc).__name__}" if self.mhc else None,
+                  f"moe={type(self.moe).__name__}({self.moe.form})" if self.moe else None,
                   *(f"linear[{f}]={type(m).__name__}" for f, m in sorted(self.linear.items()))]
         portable = ", ".join(sorted(self.portable))
         return f"SoC {self.soc_family}: " + ", ".join(c for c in chosen if c) + \
@@ -71,6 +79,12 @@ def build_op_table(rt: AscendRuntime, ctx: Any) -> OpTable:
         table.portable["mhc"] = ("portable: npu_mhc_* are Ascend 950 ops on bf16/fp16 streams "
                                  "with hc_mult 4, 6 or 8, and cannot follow the QAT numerics' "
                                  "official rounding order")
+    fmt = weight_format(cfg, "expert")
+    form, why = moe_form(rt.soc.has_mx, ctx.torch_dtype, official, fmt, block)
+    if form:
+        table.moe = AscendMoE(tnpu, form, ctx.torch_dtype, official, block)
+    else:
+        table.portable["moe"] = why
     if "linear" not in table.portable:
         table.portable["linear"] = "portable for bf16 and fp4 weights"
     return table

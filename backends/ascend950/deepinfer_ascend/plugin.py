@@ -22,8 +22,9 @@ NAME = "ascend"
 # "skeleton" until tests/core/test_plugins.py (which pins it) moves with it to "partial"
 STATUS = "skeleton"
 NOTE = ("RMSNorm/RoPE on npu_rms_norm/npu_rotary_mul; on A5 FP8 linears as MXFP8 "
-        "npu_quant_matmul and mHC on npu_mhc_*; attention, MoE, sampling on the core's portable "
-        "ops; tested on a simulated torch_npu only, never run on Ascend hardware")
+        "npu_quant_matmul, mHC on npu_mhc_* and MoE experts on npu_moe_init_routing_v2 / "
+        "npu_grouped_matmul / npu_moe_token_unpermute; attention, MoE routing, sampling on the "
+        "core's portable ops; tested on a simulated torch_npu only, never run on Ascend hardware")
 PROBE_PATHS = detect.NPU_PROBE_PATHS   # tests may replace this tuple
 
 
@@ -96,3 +97,9 @@ def deepinfer_linear_method(ctx, weight_format):
 def deepinfer_mhc_method(ctx):
     table = _table(ctx)
     return table.mhc if table else None
+
+
+@hookimpl
+def deepinfer_moe_method(ctx):
+    table = _table(ctx)
+    return table.moe if table else None
