@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from .api.outputs import InvalidRequestError
 from .api.sampling_params import SamplingParams
 from .engine_config import EngineConfig, option_fields
+from .plugin_context import PluginError
 from .prompts_file import PromptsFile, UsageError, collect_prompts
 
 logger = logging.getLogger("deepinfer.generate")
@@ -365,7 +366,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         finally:
             if config.parallel.in_processes:     # stop the engine processes cleanly (the seam's LLM is in-process)
                 llm.close()
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, PluginError) as exc:     # PluginError: no usable platform
         logger.debug("generate failed", exc_info=True)   # the traceback, for DEBUG logging only
         return _fail(_one_line(exc), prog)
     except KeyboardInterrupt:

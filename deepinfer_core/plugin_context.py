@@ -35,6 +35,14 @@ class BuildContext:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
 
 
+class PluginError(RuntimeError):
+    """A plugin could not provide what the engine needs."""
+
+
+class PlatformError(PluginError):
+    """No (or more than one) platform matches the request."""
+
+
 def probe_platform(requested: str | None, name: str, device_type: str, probe_paths: tuple[str, ...],
                    hardware: str, description: str) -> Platform | None:
     """Import-light platform detection for backends: procfs / device nodes only, no CUDA init.
@@ -49,7 +57,7 @@ def probe_platform(requested: str | None, name: str, device_type: str, probe_pat
         return None
     if not any(os.path.exists(p) for p in probe_paths):
         if requested == name:
-            raise RuntimeError(
+            raise PlatformError(
                 f"DEEPINFER_ACCELERATOR={name} but no {hardware} was found (none of {', '.join(probe_paths)} "
                 f"exists); unset DEEPINFER_ACCELERATOR or set it to cpu")
         return None

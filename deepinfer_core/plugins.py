@@ -23,7 +23,7 @@ import pluggy
 
 from . import envs, hookspecs
 from .hookspecs import PROJECT_NAME
-from .plugin_context import Platform
+from .plugin_context import Platform, PlatformError, PluginError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("deepinfer.plugins")
 
@@ -34,14 +34,6 @@ FEATURES_GROUP = "deepinfer.features"
 GROUPS = (BACKENDS_GROUP, FEATURES_GROUP)
 INFO_ATTR = "DEEPINFER_PLUGIN_INFO"   # optional module-level {"status": ..., "note": ...}
 FROM_ENV = object()                   # detect_platform(): "use DEEPINFER_ACCELERATOR"
-
-
-class PluginError(RuntimeError):
-    """A plugin could not provide what the engine needs."""
-
-
-class PlatformError(PluginError):
-    """No (or more than one) platform matches the request."""
 
 
 @dataclass

@@ -21,6 +21,7 @@ import signal
 import sys
 
 from ..generate import _add_engine_flags, engine_options_from_args
+from ..plugin_context import PluginError
 
 PROG = "python -m deepinfer_core.serve"
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     # --data-parallel-size N: the ranks start here (spawned); the engine thread drives their front end
     try:
         llm = LLM(model=args.model, **server_engine_options(args))
-    except ValueError as exc:      # options the engine refuses (e.g. data parallelism with speculation)
+    except (ValueError, PluginError) as exc:   # refused options (e.g. DP with speculation), no platform
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     loop = EngineLoop(llm.serving_engine(), max_requests=args.max_requests)

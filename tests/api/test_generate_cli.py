@@ -152,6 +152,19 @@ def test_errors_exit_2_with_one_line(capsys, tmp_path, bad_jsonl, tiny_ckpt_dir,
     assert needle in err and "error" in err
 
 
+def test_a_requested_platform_without_its_hardware_exits_2_with_one_line(capsys, monkeypatch,
+                                                                         tiny_ckpt_dir):
+    """DEEPINFER_ACCELERATOR names a backend whose hardware this machine lacks: one line, no trace."""
+    from deepinfer_core import plugins
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "ascend")
+    monkeypatch.setattr(plugins, "_cached", None)     # rebuilt from this environment, restored after
+    # options of their own: the module's shared LLMs are keyed by them, and this one must load
+    rc, _, err = run_cli(capsys, "--model", tiny_ckpt_dir, "--prompt", "a", "--max-model-len", "48",
+                         "--no-progress")
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "DEEPINFER_ACCELERATOR=ascend" in err
+
+
 def test_invalid_model_env_and_llm_type_error_exit_2(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tmp_path / "missing"))
     rc, _, err = run_cli(capsys, "--prompt", "a")
