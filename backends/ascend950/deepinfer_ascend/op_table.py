@@ -8,6 +8,8 @@ lets the core's portable op (trylast) answer, running the same torch code on the
 | pointwise  | npu_rms_norm + npu_rotary_mul                 | the same (both pages list A2/A3) |
 | linear fp8 | MXFP8 npu_quant_matmul (bf16 + QAT)           | portable (no MX formats)         |
 | mhc        | npu_mhc_pre + _sinkhorn + _post (bf16, no QAT)| portable (A5-only ops)           |
+| attention  | npu_sparse_flash_attention (+ sinks) and  | portable (no sinks before A5)    |
+|            | npu_lightning_indexer (V4, bf16, D 512)       |                                  |
 | moe        | init_routing_v2 + grouped_matmul (MX W8A8 /   | portable (chain mapped for A5    |
 |            | W4A8 with bf16 + QAT, else plain) + unpermute | first)                           |
 |            | (routing itself portable)                     |                                  |
@@ -19,8 +21,11 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer_core.cache.state_cache import BLOCK_SIZE
 from deepinfer_core.model.layers import weight_format
 
+from .attention import AscendAttentionBackend
+from .attention import unsupported as attention_unsupported
 from .linear import MxFp8LinearMethod
 from .mhc import AscendMHC
 from .moe import AscendMoE, moe_form
@@ -28,8 +33,6 @@ from .pointwise import AscendPointwise
 from .runtime import AscendRuntime
 
 PORTABLE_HOOKS = {
-    "attention": "portable: V4's SWA + compressed shared-KV attention has no torch_npu op "
-                 "(npu_sparse_flash_attention mapping not written yet)",
     "moe routing": "portable: no torch_npu op computes V4's sqrt-softplus scores, bias for "
                    "selection only, hash table, renorm and routed scale exactly",
     "sampler": "portable (vllm-ascend samples in PyTorch on A5 too)",
@@ -44,6 +47,7 @@ class OpTable:
     pointwise: Any = None
     mhc: Any = None
     moe: Any = None
+    attention: Any = None
     linear: dict[str, Any] = field(default_factory=dict)    # weight format -> method
     portable: dict[str, str] = field(default_factory=dict)  # hook -> why the core's op runs
 
@@ -51,6 +55,7 @@ class OpTable:
         chosen = [f"pointwise={type(self.pointwise).__name__}" if self.pointwise else None,
                   f"mhc={type(self.mhc).__name__}" if self.mhc else None,
                   f"moe={type(self.moe).__name__}({self.moe.form})" if self.moe else None,
+                  f"attention={type(self.attention).__name__}" if self.attention else None,
                   *(f"linear[{f}]={type(m).__name__}" for f, m in sorted(self.linear.items()))]
         portable = ", ".join(sorted(self.portable))
         return f"SoC {self.soc_family}: " + ", ".join(c for c in chosen if c) + \
@@ -85,6 +90,11 @@ def build_op_table(rt: AscendRuntime, ctx: Any) -> OpTable:
         table.moe = AscendMoE(tnpu, form, ctx.torch_dtype, official, block)
     else:
         table.portable["moe"] = why
+    why = attention_unsupported(rt.soc.family, ctx.torch_dtype, cfg, BLOCK_SIZE)
+    if why is None:
+        table.attention = AscendAttentionBackend(tnpu, official=official, index_topk=cfg.index_topk)
+    else:
+        table.portable["attention"] = why
     if "linear" not in table.portable:
         table.portable["linear"] = "portable for bf16 and fp4 weights"
     return table

@@ -103,3 +103,9 @@ def deepinfer_mhc_method(ctx):
 def deepinfer_moe_method(ctx):
     table = _table(ctx)
     return table.moe if table else None
+
+
+@hookimpl
+def deepinfer_attention_backend(ctx):
+    table = _table(ctx)
+    return table.attention if table else None
