@@ -162,6 +162,7 @@ TABLE: dict[str, Run | Skip] = {
         check_cli_hello
     ),
     "python -m deepinfer_core.plugins": Run(check_plugins),
+    "python -m pytest -q tests/ascend": Skip("part of the test suite itself (the README's test command)"),
     # Multi-GPU: data and expert parallelism
     'python -m deepinfer_core.generate --model /tmp/tiny-v4 --prompt "Hello" --max-tokens 8 --temperature 0 '
     "--data-parallel-size 2 --enable-expert-parallel --num-redundant-experts 2": Run(check_cli_data_parallel),

@@ -19,8 +19,7 @@ from . import detect
 log = logging.getLogger("deepinfer.ascend")
 
 NAME = "ascend"
-# "skeleton" until tests/core/test_plugins.py (which pins it) moves with it to "partial"
-STATUS = "skeleton"
+STATUS = "partial"
 NOTE = ("RMSNorm/RoPE on npu_rms_norm/npu_rotary_mul; on A5 FP8 linears as MXFP8 "
         "npu_quant_matmul, mHC on npu_mhc_* and MoE experts on npu_moe_init_routing_v2 / "
         "npu_grouped_matmul / npu_moe_token_unpermute; attention, MoE routing, sampling on the "
