@@ -4,6 +4,7 @@ HBM bandwidth and FP8 FLOP rate against the measured peaks, next to torch's bf16
 same shape. Prints a table and writes benchmarks/results/fp8_gemm_<gpu>.json.
 
     python benchmarks/bench_fp8_gemm.py [--rows 1,16,64,256,4096,16384] [--peak-bw 4.8e12] [--peak-fp8 1.58e15]
+        [--promote-every 32|64|128]
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 import triton
 
-from deepinfer_kernels.fp8_gemm import fp8_gemm
+from deepinfer_kernels.fp8_gemm import PROMOTE_EVERY, fp8_gemm
 from deepinfer_kernels.fp8_quant import act_quant
 
 # (name, N, K) of V4-Flash linears: q_a (4096 -> 1024), q_b (1024 -> 64 x 512), wkv (4096 -> 512),
@@ -39,6 +40,9 @@ def main() -> None:
     ap.add_argument("--peak-bw", type=float, default=4.8e12, help="HBM bytes/s (H200 datasheet 4.8e12)")
     ap.add_argument("--peak-fp8", type=float, default=1.58e15, help="FP8 FLOP/s (2x the measured bf16 790e12)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated M values")
+    ap.add_argument("--promote-every", type=int, default=PROMOTE_EVERY, choices=(32, 64, 128),
+                    help="channels the FP8 MMAs sum before each fp32 promotion (the kernel's default: "
+                    f"{PROMOTE_EVERY})")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
@@ -51,10 +55,11 @@ def main() -> None:
         for M in map(int, args.rows.split(",")):
             x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
             qa, sa = act_quant(x)
-            t_gemm = bench(lambda: fp8_gemm(qa, sa, qw, sw))
-            t_full = bench(lambda: fp8_gemm(*act_quant(x), qw, sw))
+            pa = args.promote_every
+            t_gemm = bench(lambda: fp8_gemm(qa, sa, qw, sw, precise_acc=pa))
+            t_full = bench(lambda: fp8_gemm(*act_quant(x), qw, sw, precise_acc=pa))
             t_bf16 = bench(lambda: x @ wb.T)
-            t_eager = bench_eager(lambda: fp8_gemm(qa, sa, qw, sw))
+            t_eager = bench_eager(lambda: fp8_gemm(qa, sa, qw, sw, precise_acc=pa))
             moved = N * K + N * K // 16384 * 4 + M * K + M * K // 32 + M * N * 2
             flops = 2 * M * N * K
             floor = max(moved / args.peak_bw, flops / args.peak_fp8)
@@ -71,7 +76,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     out = Path(args.out or Path(__file__).parent / "results" / f"fp8_gemm_{gpu.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(gpu=gpu, commit=commit, peak_bw=args.peak_bw, peak_fp8=args.peak_fp8,
+    out.write_text(json.dumps(dict(gpu=gpu, commit=commit, promote_every=args.promote_every,
+                                   peak_bw=args.peak_bw, peak_fp8=args.peak_fp8,
                                    torch=torch.__version__, triton=triton.__version__, rows=rows), indent=1))
     print(f"wrote {out}")
 

@@ -23,10 +23,11 @@ from .pdl import launch_args, pdl_gate, prefetch_l2
 
 BLOCK_K = 128
 WEIGHT_BLOCK = 128
-# Channels the FP8 MMAs sum before their partial product is promoted to fp32: one activation scale
-# group, as DeepSeek's own kernel does (a 128-deep MMA chain, then the scale multiply). 32 promotes
-# after every Hopper FP8 MMA: four partial products to add per group and more registers.
-PROMOTE_EVERY = 128
+# Channels the FP8 MMAs sum before their partial product is promoted to fp32: 32, after every
+# Hopper FP8 MMA (four partial products to add per 128-channel scale group). DeepSeek's own kernel
+# promotes once per group (128: one 128-deep MMA chain, then the scale multiply), which needs fewer
+# adds and registers; it becomes the default once the compiled tests have passed with it.
+PROMOTE_EVERY = 32
 
 
 @triton.jit
@@ -88,8 +89,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, st
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         kb_scale = tl.minimum(kb, N_KG - 1)
         sa = tl.load(sa_ptrs + kb_scale // (128 // BLOCK_K), mask=m_ok, other=0.0)
-        # The FP8 MMAs' sums are promoted to fp32 every PRECISE_ACC channels (128, one K group: as
-        # DeepSeek's kernel promotes) and scaled there.
+        # The FP8 MMAs' sums are promoted to fp32 every PRECISE_ACC channels (PROMOTE_EVERY), and
+        # the K group's partial product is scaled here.
         part = tl.dot(a, w, max_num_imprecise_acc=PRECISE_ACC)
         if FOLD:     # the tile's columns share a weight block: one scale per row, sa * sw (theirs too)
             sw1 = tl.load(ws_ptr + (pid_n * BLOCK_N // WB) * N_KG + kb_scale)

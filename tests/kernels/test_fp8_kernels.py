@@ -31,7 +31,7 @@ def test_act_quant_equals_the_core_fake_quant_bit_for_bit(kdev, M, K):
 def fp8_tolerance(device: str) -> float:
     """Products of two e4m3 values are exact, so the interpreter (fp32 sums) lands near 1e-7. Hopper's
     FP8 tensor cores sum an MMA chain with a short mantissa: ~1e-4 relative, the hardware's own limit
-    (DeepGEMM shows the same); the kernel promotes to fp32 after every 128 channels."""
+    (DeepGEMM shows the same); the kernel promotes to fp32 every `PROMOTE_EVERY` channels."""
     return 1e-6 if device == "cpu" else 5e-4
 
 
