@@ -1,13 +1,13 @@
 """How many paged blocks the state cache gets: from an explicit block count, an explicit byte budget,
-`gpu_memory_utilization` of a CUDA device, or the CPU byte budget (`EngineConfig.cache`)."""
+`gpu_memory_utilization` of an accelerator (the free and total bytes its torch module's `mem_get_info`
+reports: torch.cuda, torch.npu, ...), or the CPU byte budget (`EngineConfig.cache`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from ..config_fields import validate_utilization
+from ..device_module import memory_query
 from ..envs import ENV_VARS
 from .state_cache import CacheLayout
 
@@ -34,13 +34,14 @@ def resolve_num_blocks(layout: CacheLayout, req: CacheRequest, device: str,
     from)."""
     if req.num_blocks is not None:
         return req.num_blocks, req.checkpoint_slots, f"num_cache_blocks={req.num_blocks}"
-    detail = ""                                  # the CUDA figures behind the budget, for the log line
+    detail = ""                                  # the device figures behind the budget, for the log line
+    query = None if req.memory_bytes is not None else memory_query(device)
     if req.memory_bytes is not None:
         budget, name = req.memory_bytes, "kv_cache_memory_bytes"
-    elif str(device).startswith("cuda"):
+    elif query is not None:                      # an accelerator: torch.cuda / torch.npu / ...
         util = validate_utilization(req.gpu_memory_utilization)
-        free, total = torch.cuda.mem_get_info(torch.device(device))
-        used = total - free                    # weights, other processes, the CUDA context
+        free, total = query(device)
+        used = total - free                    # weights, other processes, the device runtime's context
         act = activation_bytes()
         budget = int(util * total) - used - act
         name = "gpu_memory_utilization"

@@ -15,6 +15,7 @@ from ..cache.sequence_state import SequenceState
 from ..cache.state_cache import CacheLayout, StateCache
 from ..config import ModelConfig
 from ..contracts import DraftProposer, check_contract
+from ..device_module import device_module, peak_memory_bytes
 from ..engine_config import DEFAULT_NUM_DRAFTS, KV_CACHE_DTYPES, EngineConfig
 from ..model import ForwardBatch
 from ..model.deepseek_v4 import ModelOutput
@@ -218,21 +219,18 @@ class ModelRunner:
         return sum(buckets_for(max_seqs)) * int(self.model_config.vocab_size) * 4
 
     def _profile_activation_bytes(self) -> int:
-        """Peak extra device memory of one forward over a full token budget (CUDA only)."""
+        """Peak extra device memory of one forward over a full token budget (an accelerator's)."""
         n = min(int(self.profile_tokens), int(self.model_config.max_position_embeddings))
         layout = self.cache_layout()
         scratch = StateCache(layout, 1, -(-n // layout.block_size), self.device)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        with torch.no_grad(), compiles_expected(self):
-            self.model(ForwardBatch.build([[0] * n], [scratch.bind(0, list(range(scratch.num_blocks)))],
-                                          self.device))
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+
+        def forward(cache: StateCache) -> None:
+            with torch.no_grad(), compiles_expected(self):
+                self.model(ForwardBatch.build([[0] * n], [cache.bind(0, list(range(cache.num_blocks)))], self.device))
+        peak = peak_memory_bytes(self.device, forward, scratch)
         del scratch
-        torch.cuda.empty_cache()
-        return int(peak)
+        device_module(self.device).empty_cache()
+        return peak
 
     def make_speculator(self):
         """The engine's drafter and verifier, or None without speculation (num_drafts == 0)."""

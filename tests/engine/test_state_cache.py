@@ -167,3 +167,12 @@ def test_binding_a_slot_resets_its_tails_only():
     assert torch.isneginf(again.layers[2].compressor.tail_z).all()
     assert (again.layers[2].compressor.tail_kv == 0).all()
     assert (cb.tail_z == 2.0).all()
+
+
+def test_cuda_budget_asks_torch_cuda_with_the_device_as_given(monkeypatch):
+    L = CacheLayout.from_config(tiny_cfg(), torch.float32, backtrack=6)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: asked.append(d) or (3 << 30, 4 << 30))
+    n, _, note = resolve_num_blocks(L, CacheRequest(num_slots=1, gpu_memory_utilization=0.5), "cuda:1")
+    assert asked == ["cuda:1"] and n == ((1 << 30) - L.slot_bytes) // L.block_bytes
+    assert note.startswith("gpu_memory_utilization (1.00 GiB in use, 0.00 GiB activations)")
