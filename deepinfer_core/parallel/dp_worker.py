@@ -276,14 +276,14 @@ def build_rank(spec: WorkerSpec):
     from ..runner.model_runner import ModelRunner
     from .ep_moe import ExpertShard
     from .expert_map import ExpertPlacement
-    from .groups import ParallelLayout, init_process_groups
+    from .groups import ParallelLayout, device_backend, init_process_groups
 
     device = rank_device(spec)
     layout = ParallelLayout(world_size=spec.world_size, rank=spec.rank, data_parallel_size=spec.world_size,
                             expert_parallel=spec.expert_parallel)
     # under torchrun (init_method env://) torch joins the agent's store; RANK / WORLD_SIZE must agree
     env = os.environ if spec.init_method == "env://" else {}
-    groups = init_process_groups(layout, backend="nccl" if device.type == "cuda" else "gloo",
+    groups = init_process_groups(layout, backend=device_backend(device),
                                  init_method=spec.init_method, timeout_s=spec.timeout_s, device=device, env=env,
                                  graph_ep=spec.config.parallel.enable_ep_cuda_graphs)
     shard = None

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("gloo", "nccl")
+from ..device_module import device_module, device_type
+
 DEFAULT_TIMEOUT_S = 14400.0      # DEEPINFER_GLOO_TIMEOUT default; tests pass 60 s so hangs fail fast
 DEFAULT_MASTER_ADDR = "localhost"
 DEFAULT_MASTER_PORT = 23333      # DS-DeepInfer's default rendezvous port
@@ -118,6 +119,27 @@ class ProcessGroups:
     ep_graph: dist.ProcessGroup | None = None
 
 
+def _backend_map() -> dict[str, str]:
+    """torch.distributed's device type -> backend (torch 2.13: cpu gloo, cuda nccl, xpu xccl, mps gloo;
+    torch_npu adds npu hccl on import: `Backend.register_backend("hccl", ..., devices=["npu"])`)."""
+    return dict(dist.Backend.default_device_backend_map)
+
+
+def _known_backends() -> str:
+    return ", ".join(f"{kind} -> {name}" for kind, name in _backend_map().items())
+
+
+def device_backend(device: torch.device | str) -> str:
+    """The process-group backend of a device: torch.distributed's default for its type (gloo for the
+    CPU, nccl for CUDA, hccl for an NPU once torch_npu is imported)."""
+    kind = device_type(device)
+    backend = _backend_map().get(kind)
+    if backend is None:
+        raise ValueError(f"device={str(device)!r}: torch.distributed has no backend for device type {kind!r}; "
+                         f"registered: {_known_backends()} (torch_npu registers npu -> hccl when imported)")
+    return backend
+
+
 def rendezvous_address(env: Mapping[str, str] | None = None) -> str:
     """tcp://MASTER_ADDR:MASTER_PORT as torchrun sets them (defaults localhost:23333)."""
     env = os.environ if env is None else env
@@ -135,13 +157,17 @@ def init_process_groups(layout: ParallelLayout, backend: str = "gloo", init_meth
 
     `init_method`: a torch.distributed URL; None = tcp://MASTER_ADDR:MASTER_PORT from `env` (default
     os.environ). If RANK / WORLD_SIZE are set there (torchrun) they must agree with `layout`.
-    `device`: where the warm-up tensors live (the rank's CUDA device for nccl; CPU for gloo).
+    `backend`: one of torch.distributed's device backends (`device_backend(device)` chooses it).
+    `device`: where the warm-up tensors live (default: the CPU for gloo, else the current device of the
+    type the backend serves: the rank's GPU for nccl, its NPU for hccl).
     `graph_ep`: also an EP group for the exchanges decode CUDA graphs hold. torch's NCCL process group
     keeps per-collective host state that a graph's capture advances and its replays do not, so the
     collectives replayed from graphs get a communicator that eager collectives never use.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: allowed values: {', '.join(BACKENDS)}")
+    allowed = sorted(set(_backend_map().values()))
+    if backend not in allowed:
+        raise ValueError(f"backend={backend!r}: allowed values: {', '.join(allowed)} (the device backends "
+                         f"torch.distributed has registered: {_known_backends()})")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s!r}: must be > 0 seconds")
     if layout.world_size == 1 and not dist.is_initialized():
@@ -177,9 +203,10 @@ def init_process_groups(layout: ParallelLayout, backend: str = "gloo", init_meth
 
 
 def _default_device(backend: str) -> torch.device:
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    kinds = [kind for kind, name in _backend_map().items() if name == backend]
+    if "cpu" in kinds or not kinds:
+        return torch.device("cpu")
+    return torch.device(kinds[0], device_module(kinds[0]).current_device())
 
 
 def destroy_process_groups(groups: ProcessGroups) -> None:
