@@ -19,11 +19,14 @@ and the runner stays eager. `DEEPINFER_ENFORCE_EAGER=1` or `LLM(enforce_eager=Tr
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from ..contracts import AttentionBackend, GraphAttentionBackend, GraphMetadata
+from ..device_module import device_module, device_type
 from ..model import ForwardBatch, ModelOutput
 from ..ops.transfer import copy_into
 from .slot_tables import SlotTables
@@ -33,9 +36,30 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 MAX_QUERY_LEN = 8        # the default cap on q: every (bucket, q) graph keeps its own logits buffer
 
 
+@dataclass(frozen=True)
+class GraphApi:
+    """The capture calls of one device type's torch module, resolved once: torch.cuda (CUDAGraph,
+    graph, Stream, current_stream, stream) or torch.npu (NPUGraph, graph, ...), `<TYPE>Graph` by name."""
+
+    device_type: str
+    graph_class: type                 # torch.cuda.CUDAGraph, torch.npu.NPUGraph
+    capture: Callable[..., Any]       # torch.cuda.graph(graph, pool=...), torch.npu.graph
+    streams: types.ModuleType         # the module: Stream, current_stream, stream
+
+    @classmethod
+    def of(cls, device) -> GraphApi | None:
+        """The API of `device`'s type, or None where its module has no graphs (the CPU)."""
+        kind = device_type(device)
+        module = device_module(kind)
+        graph_class = getattr(module, f"{kind.upper()}Graph", None)
+        if graph_class is None or not callable(getattr(module, "graph", None)):
+            return None
+        return cls(kind, graph_class, module.graph, module)
+
+
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph | None     # None: run the static batch eagerly (capture=False)
+    graph: Any | None            # the device's graph; None: run the static batch eagerly (capture=False)
     batch: ForwardBatch          # static inputs read by the graph (input_ids, positions, ...)
     inputs: torch.Tensor         # [size*q ids (-1 - slot: its last token) | size*q positions | size slots | extras]
     meta: GraphMetadata          # the backend's static metadata, derived on the device from `inputs`
@@ -51,7 +75,7 @@ def buckets_for(max_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model, cache, backend: GraphAttentionBackend, max_seqs: int, max_blocks: int, capture: bool = True,
                  max_query_len: int | None = None, tables: SlotTables | None = None,
-                 per_sequence_output: bool = False, collective: bool = False):
+                 per_sequence_output: bool = False, collective: bool = False, graph_api: GraphApi | None = None):
         """`capture=False` runs the same padded, fixed-shape batches eagerly instead of replaying a
         graph: the padding and static-metadata logic, testable without a GPU. `max_query_len` bounds
         q; by default q = k+1 <= the cache's backtrack room (a verify step of k drafts may roll back
@@ -62,12 +86,16 @@ class DecodeGraphs:
         `per_sequence_output` those have one row per sequence instead of one per token.
         `collective`: the graphs hold collectives (expert-parallel exchanges), which every rank must
         record and replay together: every graph is captured at start-up (never on first use, which
-        only one rank would do) and a failed capture raises instead of turning graphs off."""
+        only one rank would do) and a failed capture raises instead of turning graphs off.
+        `graph_api`: the device module's graph calls; by default those of the cache's device type."""
         self.model, self.backend, self.max_blocks, self.capture = model, backend, max_blocks, capture
         self.collective = collective
         self.per_sequence_output = per_sequence_output
         self.buckets = buckets_for(max_seqs)
         self.device = cache.device
+        if graph_api is None and capture:
+            graph_api = GraphApi.of(cache.device)
+        self.api = graph_api
         if cache.spare_slot is None:
             raise ValueError("decode CUDA graphs need a StateCache built with spare=True (padding slot)")
         if max_query_len is None:
@@ -237,14 +265,17 @@ class DecodeGraphs:
             self.graphs[(size, q)] = cap
             return cap
         try:
-            side = torch.cuda.Stream(device=dev)      # warm-up (Triton compilation) off the capture
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
+            if self.api is None:
+                raise RuntimeError(f"torch has no graph API for device {str(dev)!r}")
+            streams = self.api.streams
+            side = streams.Stream(device=dev)         # warm-up (Triton compilation) off the capture
+            side.wait_stream(streams.current_stream(dev))
+            with streams.stream(side):
                 for _ in range(2):
                     self._body(cap)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            streams.current_stream(dev).wait_stream(side)
+            graph = self.api.graph_class()
+            with self.api.capture(graph, pool=self.pool):
                 out = self._body(cap)
         except Exception as exc:                      # a host sync or an uncapturable op somewhere
             if self.collective:      # this rank's peers captured (or wait in) the same collectives
