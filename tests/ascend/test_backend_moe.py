@@ -8,7 +8,6 @@ replay in the fake NPUGraph."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,20 +21,8 @@ from deepinfer_core.ops.quant import quantize_fp4, quantize_fp8_block
 from deepinfer_core.plugin_context import BuildContext, Platform
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
-BACKEND = Path(__file__).resolve().parents[2] / "backends" / "ascend950"
 BF16, F32 = torch.bfloat16, torch.float32
 E, K = 4, 2                 # routed experts, top-k
-
-
-@pytest.fixture
-def npu(fake_npu, monkeypatch):
-    """The backend on the fake torch_npu in alias mode (its ops run on the CPU)."""
-    monkeypatch.syspath_prepend(str(BACKEND))
-    from deepinfer_ascend import plugin, runtime
-    runtime.reset()
-    monkeypatch.setattr(runtime, "DEVICE_TYPE", "cpu")
-    yield plugin
-    runtime.reset()
 
 
 def make_ctx(dtype=BF16, qat=True, expert="fp8", block=(128, 128), D=128, inter=128):

@@ -3,8 +3,6 @@ the fake torch_npu computes each op's documented result on CPU tensors). Each ma
 the core's portable op's values, and call the torch_npu op with documented arguments."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,19 +15,7 @@ from deepinfer_core.ops.quant import dequant_fp8_block, e8m0_to_float, quantize_
 from deepinfer_core.plugin_context import BuildContext, Platform
 from deepinfer_core.tools.tiny_config import tiny_config_dict
 
-BACKEND = Path(__file__).resolve().parents[2] / "backends" / "ascend950"
 BF16 = torch.bfloat16
-
-
-@pytest.fixture
-def npu(fake_npu, monkeypatch):
-    """The backend on the fake torch_npu in alias mode (its ops run on the CPU)."""
-    monkeypatch.syspath_prepend(str(BACKEND))
-    from deepinfer_ascend import plugin, runtime
-    runtime.reset()
-    monkeypatch.setattr(runtime, "DEVICE_TYPE", "cpu")
-    yield plugin
-    runtime.reset()
 
 
 def make_ctx(dtype="bfloat16", simulate_qat=True, device="cpu", **cfg) -> BuildContext:
