@@ -54,7 +54,8 @@ def test_npu_process_groups_are_hccl(fake_npu, monkeypatch, tmp_path):
     assert (device_backend("npu:0"), device_backend("cpu")) == ("hccl", "gloo")
     with pytest.raises(ValueError, match="device='tpu:0': .* no backend .*: cpu -> gloo, cuda"):
         device_backend("tpu:0")
-    with pytest.raises(ValueError, match="backend='mpi': allowed values: gloo, hccl, nccl, xccl "):
+    # (other tests of the session may have registered backends of their own: not listed here)
+    with pytest.raises(ValueError, match=r"backend='mpi': allowed values: .*\bhccl\b.*npu -> hccl"):
         init_process_groups(ParallelLayout(1, 0, 1, True), backend="mpi")
     made = len(hccl.created)
     dist.init_process_group("hccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
