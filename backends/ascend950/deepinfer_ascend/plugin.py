@@ -37,7 +37,8 @@ def __getattr__(name: str):
 
 def device_type(device) -> str:
     """"npu:0" -> "npu" without torch.device (which knows "npu" only once torch_npu renamed
-    PrivateUse1)."""
+    PrivateUse1). deepinfer_core.device_module has the same function but imports torch, which
+    this module must not (detection stays import-light)."""
     return getattr(device, "type", None) or str(device).split(":")[0]
 
 
