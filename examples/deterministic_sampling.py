@@ -43,8 +43,8 @@ def main() -> None:
     mine = SamplingParams(temperature=0.8, top_p=0.95, seed=42, max_tokens=12, logprobs=1)
     rng = random.Random(0)
     runs = []   # (tokens, logprobs digest, the sampled tokens' logprobs)
-    for batch in (1, 3, 17, 40):
-        others = [[rng.randrange(2, llm.vocab_size) for _ in range(rng.randint(1, 90))]
+    for batch in (1, 3, 9, 24):
+        others = [[rng.randrange(2, llm.vocab_size) for _ in range(rng.randint(1, 60))]
                   for _ in range(batch - 1)]
         at = rng.randrange(batch)
         prompts = others[:at] + [prompt] + others[at:]

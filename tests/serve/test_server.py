@@ -279,20 +279,24 @@ def test_random_disconnects_leak_no_slot_or_block(server):
     assert client(url).completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].finish_reason
 
 
-def test_a_thousand_requests_in_a_row_grow_nothing(server):
+@pytest.mark.parametrize("requests", [300, pytest.param(1000, marks=pytest.mark.slow)])
+def test_hundreds_of_requests_in_a_row_grow_nothing(server, requests):
+    """Peak RSS after a warm-up grows by less than 64 KiB a request (a leak of a request's state,
+    tokens or text shows); the cache ends empty."""
     url, _, loop = server
     body = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=1)
+    measured = requests - 100
     with httpx.Client(headers={"Authorization": "Bearer sk-test"}, timeout=60) as c:
         def run(n: int) -> None:
             for _ in range(n):
                 assert c.post(f"{url}/v1/completions", json=body).status_code == 200
         run(100)                                              # warm-up
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        run(900)
+        run(measured)
     wait_idle(url, loop)
     assert metric(url, "deepinfer_cache_used_slots") == 0
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
-    assert grown_kib < 64 * 1024, f"peak RSS grew {grown_kib} KiB over 900 requests"
+    assert grown_kib < 64 * measured, f"peak RSS grew {grown_kib} KiB over {measured} requests"
 
 
 def test_sigterm_finishes_the_running_request_and_exits_0(model_dir, free_port, console_server):
