@@ -21,7 +21,8 @@ Contract of the fixtures in `tests/ascend/conftest.py`
   empty_cache, `config.allow_internal_format` (False until set), `set_compile_mode(jit_compile=)`.
   NPUGraph / graph() / graph_pool_handle() / is_current_stream_capturing(): graphs.py (capture
   runs eagerly and records aten ops; replay re-runs them on the same tensors; host syncs during
-  capture raise HostSyncError).
+  capture raise HostSyncError; a fake `npu_<op>` called in capture is ONE opaque node whose
+  reference each replay re-runs on its inputs' current values, host reads inside it allowed).
 * The `hccl` process-group backend (hccl.py): gloo under HCCL's name, registered for device
   type cpu while installed, so `init_process_group("hccl", pg_options=ProcessGroupHCCL.Options())`
   works; each spawned worker must install the fake (e.g. `fake_npu.install()`) itself.

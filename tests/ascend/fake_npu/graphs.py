@@ -20,6 +20,14 @@ Design (alias mode, all tensors on the CPU):
   (`.item()`, `bool(t)`, `int(t)`, `float(t)`), `Tensor.tolist/.cpu/.numpy`, `.to("cpu")`,
   `torch.npu.synchronize()`, `Event.synchronize()`; so do data-dependent-shape ops
   (`nonzero`, `masked_select`, `unique`), which a static graph cannot hold.
+* A fake `torch_npu.npu_<op>` is one fused kernel on the device: its result depends on the
+  current contents of its inputs, and whatever its plain-PyTorch reference does inside (host
+  reads of lengths, data-dependent shapes) is the kernel's own business. So a fake op called
+  during capture (`fused`) runs its validator and reference once with recording and the host-sync
+  checks paused, and goes on the tape as ONE opaque node; replay re-runs the reference on the
+  same argument tensors (their values then) and copies its results into the tensors captured as
+  its outputs (the shapes must not change: an op whose output shape follows its input values
+  cannot be captured, and replay says so).
 """
 from __future__ import annotations
 
@@ -43,8 +51,14 @@ _pools = itertools.count(1)
 
 
 class _HostSyncGuard(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.paused = False
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name in _SYNC_METHODS:
             raise HostSyncError(f"Tensor.{name}() is a host sync: not allowed during NPUGraph "
@@ -60,15 +74,52 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, tape):
         super().__init__()
         self.tape = tape
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         if func._schema.name in _FORBIDDEN_ATEN:
             raise HostSyncError(f"{func._schema.name} during NPUGraph capture (a host sync or "
                                 "a data-dependent shape)")
         out = func(*args, **kwargs)
-        self.tape.append((func, args, kwargs, out))
+        self.tape.append(_AtenNode(func, args, kwargs, out))
         return out
+
+
+def _copy_results(name: str, old, new) -> None:
+    """Write a re-run's results into the tensors the capture handed on (unless they alias)."""
+    for old_t, new_t in zip(tree_flatten(old)[0], tree_flatten(new)[0]):
+        if not isinstance(old_t, torch.Tensor) or old_t is new_t:
+            continue
+        if old_t.shape != new_t.shape:
+            raise RuntimeError(f"NPUGraph.replay: {name} returned shape {tuple(new_t.shape)}, "
+                               f"captured {tuple(old_t.shape)} (a data-dependent shape cannot be "
+                               "replayed)")
+        if old_t.data_ptr() != new_t.data_ptr():
+            old_t.copy_(new_t)
+
+
+class _AtenNode:
+    """One recorded aten op: re-run on the same argument tensors."""
+
+    def __init__(self, func, args, kwargs, out):
+        self.func, self.args, self.kwargs, self.out = func, args, kwargs, out
+        self.name = func._schema.name
+
+    def replay(self):
+        _copy_results(self.name, self.out, self.func(*self.args, **self.kwargs))
+
+
+class _FusedNode:
+    """One fused fake op: its reference re-run as a single opaque kernel."""
+
+    def __init__(self, name, run, out):
+        self.name, self.run, self.out = name, run, out
+
+    def replay(self):
+        _copy_results(self.name, self.out, self.run())
 
 
 class NPUGraph:
@@ -95,6 +146,7 @@ class NPUGraph:
         for m in self._modes:
             m.__enter__()
         self._state.capturing = True
+        _capturing[id(self._state)] = self
         self._state.record("NPUGraph.capture_begin", self._pool, capture_error_mode)
 
     def capture_end(self):
@@ -104,6 +156,7 @@ class NPUGraph:
             m.__exit__(None, None, None)
         self._modes = []
         self._state.capturing = False
+        _capturing.pop(id(self._state), None)
         self._ready = True
         self._state.record("NPUGraph.capture_end", len(self._tape))
 
@@ -112,12 +165,25 @@ class NPUGraph:
             raise RuntimeError("NPUGraph.replay: nothing captured")
         self._state.record("NPUGraph.replay", len(self._tape))
         with torch.no_grad():
-            for func, args, kwargs, out in self._tape:
-                new = func(*args, **kwargs)
-                for old_t, new_t in zip(tree_flatten(out)[0], tree_flatten(new)[0]):
-                    if (isinstance(old_t, torch.Tensor) and old_t is not new_t
-                            and old_t.data_ptr() != new_t.data_ptr()):
-                        old_t.copy_(new_t)
+            for node in self._tape:
+                node.replay()
+
+    @contextlib.contextmanager
+    def _paused(self):
+        """Neither record nor check host syncs (a fused op's own work, see `fused`)."""
+        for m in self._modes:
+            m.paused = True
+        try:
+            yield
+        finally:
+            for m in self._modes:
+                m.paused = False
+
+    def _fused(self, name, run):
+        with self._paused():
+            out = run()
+        self._tape.append(_FusedNode(name, run, out))
+        return out
 
     def reset(self):
         self._tape, self._ready = [], False
@@ -128,6 +194,27 @@ class NPUGraph:
     @property
     def num_recorded_ops(self) -> int:
         return len(self._tape)
+
+    @property
+    def fused_ops(self) -> list[str]:
+        """The fused fake ops on the tape, in order (each one opaque node)."""
+        return [n.name for n in self._tape if isinstance(n, _FusedNode)]
+
+
+_capturing: dict[int, NPUGraph] = {}     # id(DeviceState) -> the graph capturing on it
+
+
+def fused(state, name: str, check, run):
+    """Call a fused fake op on the device `state`: `check()` (its validator) then `run()` (its
+    reference). Outside capture both simply run. During capture both run once with recording and
+    host-sync checks paused, and `run` goes on the tape as one node that replay re-runs."""
+    graph = _capturing.get(id(state))
+    if graph is None:
+        check()
+        return run()
+    with graph._paused():
+        check()
+    return graph._fused(name, run)
 
 
 def install_graph_api(npu_module, state):

@@ -10,12 +10,15 @@ errors raise `TypeError("npu_<op>: ...")` naming the argument; documented-constr
 found by an op's validator raise `ValueError("npu_<op>: <arg> <what>; documented: <rule>")`.
 
 Every successful call is appended to the installed fake's recorder `torch_npu._calls` as
-`(op name, bound arguments as a dict)` before the reference runs.
+`(op name, bound arguments as a dict)` before the reference runs. A call during an NPUGraph
+capture is one fused node of the graph (`graphs.fused`): validated and run once at capture, its
+reference re-run by each replay on the argument tensors' values then (not recorded again).
 """
 from __future__ import annotations
 
 import torch
 
+from .graphs import fused
 from .schemas import SCHEMAS
 
 # ScalarType codes of c10 (stable enum order), for dtypes passed where the schema says `int`.
@@ -146,9 +149,11 @@ class FakeOp:
     def __call__(self, *args, **kwargs):
         fake = active()
         bound = self.bind(args, kwargs)
-        self.validate(_Args(bound), fake.soc_version)
-        fake.calls.append((self.name, bound))
-        return self.reference(_Args(bound))
+
+        def check():
+            self.validate(_Args(bound), fake.soc_version)
+            fake.calls.append((self.name, bound))
+        return fused(fake.state, self.name, check, lambda: self.reference(_Args(bound)))
 
 
 class _Args:
