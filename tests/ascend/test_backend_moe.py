@@ -4,7 +4,7 @@ same tiny layer through the core's PortableMoE and PortableLinearMethod must giv
 (bf16 + QAT: tests/kernels/test_moe.py's CPU agreement between the nvidia method and the portable
 one; fp32: to rounding), for FP8 (128x128 and 32x32 blocks) and FP4 experts and a hash-routed
 layer; the recorder shows the documented arguments; the op table's choice per SoC; one capture +
-replay in the fake NPUGraph."""
+replay in the fake NPUGraph; the expert-parallel seam on one rank."""
 from __future__ import annotations
 
 import copy
@@ -198,26 +198,72 @@ def test_capture_and_replay_in_the_npu_graph(npu, fake_npu):
 
 
 def test_layers_the_method_cannot_stack_stay_portable(npu, fake_npu):
-    """Expert parallelism (the EP seam asks before weights are processed) and experts already
-    processed by a linear method: the per-expert layers stay, the core's MoE runs them."""
-    from deepinfer_core.parallel.ep_moe import PortableEPExperts
+    """Experts already processed by a linear method: the per-expert layers stay, the core's MoE
+    runs them."""
     ctx = make_ctx(BF16, True, "fp8")
     method = npu.deepinfer_moe_method(ctx)
     x, tok = inputs(3, 11, BF16)
-    for case in ("ep", "processed"):
-        base = make_moe(ctx.model_config, False, 12)
-        portable = PortableLinearMethod(BF16, True)
-        if case == "ep":
-            method = copy.copy(method)
-            assert isinstance(method.ep_experts(), PortableEPExperts)
-        else:
-            for lin in base.experts[0].modules():
-                if isinstance(lin, Linear):
-                    portable.process_weights(lin)
-        ours = prepare(copy.deepcopy(base), method, {"fp8": portable})
-        ref = prepare(base, PortableMoE(), {"fp8": portable})
-        assert ours.npu_moe is None and ours.experts[1].w1.weight.numel() > 0
-        fake_npu.calls.clear()
-        with torch.no_grad():
-            assert torch.equal(ours(x, tok), ref(x, tok))
-        assert not calls(fake_npu, "npu_grouped_matmul")
+    base = make_moe(ctx.model_config, False, 12)
+    portable = PortableLinearMethod(BF16, True)
+    for lin in base.experts[0].modules():
+        if isinstance(lin, Linear):
+            portable.process_weights(lin)
+    ours = prepare(copy.deepcopy(base), method, {"fp8": portable})
+    ref = prepare(base, PortableMoE(), {"fp8": portable})
+    assert ours.npu_moe is None and ours.experts[1].w1.weight.numel() > 0
+    fake_npu.calls.clear()
+    with torch.no_grad():
+        assert torch.equal(ours(x, tok), ref(x, tok))
+    assert not calls(fake_npu, "npu_grouped_matmul")
+
+
+# ---- expert parallelism (one rank: the EP seam without a collective) -----------------------------
+@pytest.mark.parametrize("expert,hash_routed,dtype,qat", [
+    ("fp4", True, BF16, True),       # W4A8 MXFP, hash-routed
+    ("fp8", False, BF16, True),      # W8A8 MXFP8
+    ("fp8", False, F32, False),      # plain fp32
+])
+def test_expert_parallel_rank_runs_its_slots_on_the_grouped_matmul(npu, fake_npu, expert,
+                                                                   hash_routed, dtype, qat):
+    """`EPMoEMethod` around the Ascend method on a world of one with two replicas (E + 2 slots):
+    the rank's slots are stacked, the received pairs run on the grouped matmul with the slots as
+    groups, and the layer equals the single-process Ascend layer (to rounding: the shared expert is
+    added before the routed rows instead of after their sum) and the core's portable MoE. The
+    fixed-size exchange (decode graphs) gives the variable exchange's bits, and with padding rows
+    routed nowhere the live rows' outputs (a padding row's outputs ride in the last group)."""
+    from deepinfer_ascend.ep_experts import AscendEPExperts
+
+    from deepinfer_core.parallel.ep_moe import EPMoEMethod
+    from deepinfer_core.parallel.expert_map import ExpertPlacement
+    ctx = make_ctx(dtype, qat, expert, D=128, inter=128)
+    cfg = ctx.model_config
+    method = npu.deepinfer_moe_method(ctx)
+    portable = PortableLinearMethod(dtype, qat, cfg.weight_block_size)
+    linear = {f: npu.deepinfer_linear_method(ctx, f) or portable for f in ("fp8", "fp4")}
+    base = make_moe(cfg, hash_routed, seed=21)
+    single = prepare(copy.deepcopy(base), method, linear)
+    ep = EPMoEMethod(method, ExpertPlacement.initial(1, E, 1, 2), ep_rank=0, ep_size=1)
+    assert isinstance(ep.ops, AscendEPExperts)
+    ours = prepare(copy.deepcopy(base), ep, linear)
+    assert len(ours.experts) == E + 2 and ours.npu_w13.shape[0] == E + 2       # the slots, stacked
+    ref = prepare(base, PortableMoE(), {"fp8": portable, "fp4": portable})
+    x, tok = inputs(5, 22, dtype)
+    fake_npu.calls.clear()
+    with torch.no_grad():
+        got = ours(x, tok)
+        (gmm1, gmm2) = calls(fake_npu, "npu_grouped_matmul")
+        assert not calls(fake_npu, "npu_moe_init_routing_v2")     # the exchange sorted the pairs
+        assert not calls(fake_npu, "npu_moe_token_unpermute")     # combine sums them
+        assert gmm1["group_list"].shape == (E + 2,) and int(gmm1["group_list"].sum()) == 5 * K
+        tol = 1e-3 if dtype == BF16 else 1e-6
+        assert rel(got, single(x, tok)) < tol and rel(got, ref(x, tok)) < tol
+        with ep.padded_exchange():
+            assert torch.equal(ours(x, tok), got)
+        assert len(calls(fake_npu, "npu_moe_init_routing_v2")) == 2       # single + padded
+        with ep.padded_exchange(torch.tensor(3)):                # rows 3-4: padding
+            masked = ours(x, tok)[:3]
+        assert rel(masked, ours(x[:3], tok[:3])) < tol
+        # EPLB's view of each slot: its stacked weights, in place
+        views = ep.slot_modules(ours)
+        assert len(views) == E + 2
+        assert views[1].w13.data_ptr() == ours.npu_w13[1].data_ptr()

@@ -39,10 +39,13 @@ packing of FP4 along K and its nibble order; unpermute's index convention (the 9
 example: sorted_indices indexed by source slot t*k+j, i.e. init_routing's row_idx_type 0 output
 fed in unchanged; the A2/A3 example reads the inverse map); fp32 x in the plain form on A5.
 
+Under expert parallelism (`ep_experts`, ep_experts.py) the layer holds this rank's slots only, and
+`process_weights` stacks those; the exchange does init_routing's and unpermute's work, and the
+received pairs run through the same two grouped matmuls and SwiGLU (`expert_rows`).
+
 Portable (the core's `PortableMoE`, each expert through its own linear layers): A2/A3 (the
 chain is mapped for the 950 first); a layer whose experts differ in format, shape or numerics, or
-were processed already; under expert parallelism (`ep_experts`: each EP rank keeps its slots'
-per-expert layers, the grouped path over received pairs is not written).
+were processed already.
 """
 from __future__ import annotations
 
@@ -121,7 +124,6 @@ class AscendMoE(PortableMoE):
                  block=(128, 128)):
         self.form, self.dtype, self.simulate_qat = form, dtype, bool(simulate_qat)
         self.block = tuple(block)
-        self.ep = False
         self._init_routing = torch_npu.npu_moe_init_routing_v2
         self._gmm = torch_npu.npu_grouped_matmul
         self._unpermute = torch_npu.npu_moe_token_unpermute
@@ -129,19 +131,16 @@ class AscendMoE(PortableMoE):
         self._fp4 = torch_npu.float4_e2m1fn_x2
 
     def ep_experts(self):
-        """Expert parallelism: the ranks keep the per-expert layers (the core's portable EP
-        experts); resolved before process_weights, so no layer is stacked."""
-        from deepinfer_core.parallel.ep_moe import PortableEPExperts
-        self.ep = True
-        return PortableEPExperts(self)
+        """The EP seam (the core's `EPMoEMethod` asks before weights are processed): this rank's
+        slots stacked, the received pairs through `expert_rows` (ep_experts.py)."""
+        from .ep_experts import AscendEPExperts
+        return AscendEPExperts(self)
 
     @staticmethod
     def stacked(moe) -> bool:
         return getattr(moe, "npu_moe", None) is not None
 
     def _why_not(self, moe) -> str | None:
-        if self.ep:
-            return "expert parallelism (per-expert layers kept)"
         trios = [(ex.w1, ex.w3, ex.w2) for ex in moe.experts]
         lins = [lin for trio in trios for lin in trio]
         fmts = {lin.fmt for lin in lins}
@@ -240,13 +239,22 @@ class AscendMoE(PortableMoE):
         # each sorted row's routing weight: row_idx maps slot t*k+j to its row
         w_rows = torch.empty_like(weights.reshape(-1)).scatter_(0, row_idx.long(),
                                                                 weights.reshape(-1))
+        y = self.expert_rows(moe, rows, w_rows, counts)
+        routed = self._unpermute(y.float(), row_idx, probs=torch.ones_like(weights))
+        out = moe.shared_experts(x2, silu=self.silu).float() + routed
+        return out.to(x.dtype).view(*lead, d)
+
+    def expert_rows(self, moe, rows: torch.Tensor, w_rows: torch.Tensor,
+                    counts: torch.Tensor) -> torch.Tensor:
+        """The experts of a stacked layer on rows sorted by expert: rows [M, D] in the compute
+        dtype, w_rows [M] their routing weights (fp32), counts [E] int64 rows per expert ->
+        [M, D] in the compute dtype. Grouped w1|w3, V4's clamped SwiGLU in fp32 with the weight
+        multiplied in before w2 (as `Expert.forward`), grouped w2."""
+        spec = moe.npu_moe
         h = self._grouped(spec, rows, moe.npu_w13, moe.npu_s13, counts, spec.quant_in)
         g, u = h[:, :spec.inter].float(), h[:, spec.inter:].float()
         if spec.swiglu_limit > 0:
             u = u.clamp(-spec.swiglu_limit, spec.swiglu_limit)
             g = g.clamp(max=spec.swiglu_limit)
-        a = (w_rows[:, None] * (self.silu(g) * u)).to(x.dtype)
-        y = self._grouped(spec, a, moe.npu_w2, moe.npu_s2, counts, spec.quant_mid)
-        routed = self._unpermute(y.float(), row_idx, probs=torch.ones_like(weights))
-        out = moe.shared_experts(x2, silu=self.silu).float() + routed
-        return out.to(x.dtype).view(*lead, d)
+        a = (w_rows[:, None] * (self.silu(g) * u)).to(rows.dtype)
+        return self._grouped(spec, a, moe.npu_w2, moe.npu_s2, counts, spec.quant_mid)
