@@ -1,4 +1,5 @@
-"""The `hccl` backend stand-in: init_process_group("hccl") + all_reduce over gloo."""
+"""The `hccl` backend stand-in: init_process_group("hccl") + all_reduce over gloo; hccl as the alias
+device's (the CPU's) default backend in an NPU rank."""
 from __future__ import annotations
 
 import os
@@ -49,3 +50,18 @@ def test_hccl_all_reduce_two_processes(tmp_path):
     import torch.multiprocessing as mp
     mp.spawn(_all_reduce_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     assert [torch.load(tmp_path / f"rank{r}.pt").item() for r in range(2)] == [3.0, 3.0]
+
+
+def test_hccl_for_cpu_makes_hccl_the_alias_devices_backend(make_fake_npu):
+    """An alias-mode NPU rank: the core's `device_backend("cpu")` answers hccl until undone."""
+    from fake_npu.hccl import hccl_for_cpu
+
+    from deepinfer_core.parallel.groups import device_backend
+    fake = make_fake_npu()
+    undo = hccl_for_cpu()
+    assert device_backend("cpu") == "hccl"
+    undo()
+    assert device_backend("cpu") == "gloo"
+    fake.uninstall()
+    with pytest.raises(RuntimeError, match="hccl is not registered"):
+        hccl_for_cpu()

@@ -8,6 +8,11 @@ the same store, rank and size: `init_process_group("hccl", pg_options=ProcessGro
 and the collectives then run on gloo. `pg_options` must be None or the fake
 `ProcessGroupHCCL.Options` (a TypeError otherwise, as a real backend would reject foreign options).
 Every group created is appended to `created` as (rank, size, pg_options).
+
+torch keeps gloo as device type cpu's default backend whatever is registered, so the core's
+`device_backend("cpu")` stays gloo while the fake is installed. A process that plays an NPU rank
+(alias mode: its tensors, the NPU's, are CPU tensors) calls `hccl_for_cpu()`: hccl becomes cpu's
+default, as the real torch_npu makes it npu's (`default_device_backend_map["npu"] = "hccl"`).
 """
 from __future__ import annotations
 
@@ -49,5 +54,20 @@ def register_hccl_backend():
                         ("plugins", B._plugins)):
             d.clear()
             d.update(saved[name])
+
+    return undo
+
+
+def hccl_for_cpu():
+    """Make hccl device type cpu's default backend (an alias-mode NPU rank; the fake must be
+    installed); returns a function that restores gloo."""
+    B = dist.Backend
+    if "hccl" not in B.backend_list:
+        raise RuntimeError("hccl_for_cpu: hccl is not registered (install the fake first)")
+    saved = B.default_device_backend_map.get("cpu")
+    B.default_device_backend_map["cpu"] = "hccl"
+
+    def undo():
+        B.default_device_backend_map["cpu"] = saved
 
     return undo
