@@ -56,6 +56,10 @@ def ckpt(tmp_path_factory):
 
 
 def test_tiny_model_greedy_tokens_equal_the_portable_backend(tiny_ckpt_dir, ascend):
+    """The suite's tiny model, bf16 + QAT: the pointwise, MXFP8 linear and W4A8 MoE ops serve
+    (attention stays portable: head_dim 128), and its greedy tokens equal the portable backend's
+    on these two prompts for six tokens (a near-tie could part two bf16 implementations: the
+    bf16 tests below compare logits instead)."""
     from deepinfer_ascend.linear import MxFp8LinearMethod
     from deepinfer_ascend.moe import AscendMoE
     from deepinfer_ascend.pointwise import AscendPointwise
