@@ -47,9 +47,12 @@ class GraphApi:
     streams: types.ModuleType         # the module: Stream, current_stream, stream
 
     @classmethod
-    def of(cls, device) -> GraphApi | None:
-        """The API of `device`'s type, or None where its module has no graphs (the CPU)."""
-        kind = device_type(device)
+    def of(cls, device, backend: Any = None) -> GraphApi | None:
+        """The API of `device`'s type, or None where its module has no graphs (the CPU). An
+        attention backend may name the device type whose graphs hold its ops (optional
+        `graph_device_type`): the Ascend backend's ops are torch.npu's also where its tensors sit
+        on the CPU (the tests' simulated torch_npu)."""
+        kind = getattr(backend, "graph_device_type", None) or device_type(device)
         module = device_module(kind)
         graph_class = getattr(module, f"{kind.upper()}Graph", None)
         if graph_class is None or not callable(getattr(module, "graph", None)):
@@ -87,14 +90,15 @@ class DecodeGraphs:
         `collective`: the graphs hold collectives (expert-parallel exchanges), which every rank must
         record and replay together: every graph is captured at start-up (never on first use, which
         only one rank would do) and a failed capture raises instead of turning graphs off.
-        `graph_api`: the device module's graph calls; by default those of the cache's device type."""
+        `graph_api`: the device module's graph calls; by default those of the cache's device type
+        (or the backend's `graph_device_type`, see GraphApi.of)."""
         self.model, self.backend, self.max_blocks, self.capture = model, backend, max_blocks, capture
         self.collective = collective
         self.per_sequence_output = per_sequence_output
         self.buckets = buckets_for(max_seqs)
         self.device = cache.device
         if graph_api is None and capture:
-            graph_api = GraphApi.of(cache.device)
+            graph_api = GraphApi.of(cache.device, backend)
         self.api = graph_api
         if cache.spare_slot is None:
             raise ValueError("decode CUDA graphs need a StateCache built with spare=True (padding slot)")

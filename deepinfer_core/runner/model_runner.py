@@ -16,12 +16,13 @@ from ..cache.state_cache import CacheLayout, StateCache
 from ..config import ModelConfig
 from ..contracts import DraftProposer, check_contract
 from ..device_module import device_module, peak_memory_bytes
-from ..engine_config import DEFAULT_NUM_DRAFTS, KV_CACHE_DTYPES, EngineConfig
+from ..engine_config import EngineConfig
 from ..model import ForwardBatch
 from ..model.deepseek_v4 import ModelOutput
 from ..ops.transfer import to_device, to_device_parts
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, GraphApi
 from .model_loader import engine_config, load_model
+from .options import no_dspark_plugin, resolve_kv_fp8, resolve_num_drafts
 from .slot_tables import SlotTables
 from .warmup import compiles_expected, warm_up
 
@@ -29,54 +30,6 @@ if TYPE_CHECKING:
     from ..engine.step_executor import StepBatch
 
 log = logging.getLogger(__name__)
-
-
-def resolve_kv_fp8(kv_cache_dtype: str, dtype: torch.dtype, simulate_qat: bool,
-                   family: str = "v4") -> bool:
-    """Whether window rings and compressed rows are stored as packed FP8 (`ops.kv_fp8`).
-
-    "auto" (as in vLLM) keeps the model dtype; "bfloat16" says so explicitly. "fp8" stores 584 B
-    instead of 1024 B per 512-wide row (35% fewer cache bytes per token for V4-Flash): lossless with
-    the QAT simulation, which fake-quantises those rows to exactly these FP8 values before caching, a
-    real extra quantisation without it. Not the default yet: the attention kernel's dequantising loads
-    make prefill attention about 2x slower on the H200 (docs/performance.md)."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; allowed: {', '.join(map(repr, KV_CACHE_DTYPES))}")
-    if kv_cache_dtype == "fp8" and dtype != torch.bfloat16:
-        raise ValueError(f"kv_cache_dtype='fp8' needs dtype='bfloat16' (the RoPE dims stay bf16), got {dtype}")
-    if kv_cache_dtype == "fp8" and family != "v4":
-        # V4.1 rounds its compressed rows to FP4 (or MXFP8): V4's packed layout would round them again
-        raise ValueError(f"kv_cache_dtype='fp8' is V4's packed row layout; a {family} model allows "
-                         f"'auto' or 'bfloat16'")
-    return kv_cache_dtype == "fp8"
-
-
-def resolve_num_drafts(requested: int | None, num_mtp_blocks: int, dspark_block: int | None = None) -> int:
-    """Draft tokens per request per step. Unset: the DSpark block size when the checkpoint's drafter
-    is DSpark (`dspark_block`), DS-DeepInfer's default when it is an MTP block, else none, said once
-    here. Asked for without a drafter: an error."""
-    if requested is None:
-        if num_mtp_blocks:
-            return dspark_block or DEFAULT_NUM_DRAFTS
-        log.info("the checkpoint has no drafter tensors (mtp.*): decoding without speculation "
-                 "(DEEPINFER_USE_NEXTN_DECODE=0 says so explicitly)")
-        return 0
-    if requested and not num_mtp_blocks:
-        raise ValueError(f"num_speculative_tokens={requested} (DEEPINFER_USE_NEXTN_DECODE) asks for drafts, "
-                         "but the checkpoint has no drafter (mtp.* tensors); set it to 0 to decode without speculation")
-    return requested
-
-
-def no_dspark_plugin(requested: int | None) -> int:
-    """A DSpark checkpoint without the dspark feature plugin: no drafter to draft with."""
-    if requested:
-        raise ValueError(f"num_speculative_tokens={requested} (DEEPINFER_USE_NEXTN_DECODE) asks for drafts, but the "
-                         "checkpoint's drafter is DSpark and the deepinfer-dspark feature plugin is not installed "
-                         "or is disabled (DEEPINFER_DISABLE_PLUGINS / DEEPINFER_PLUGINS); set it to 0")
-    if requested is None:
-        log.info("the checkpoint's drafter is DSpark, but the deepinfer-dspark feature plugin is not loaded: "
-                 "decoding without speculation")
-    return 0
 
 
 def _positions(batch: StepBatch) -> list[int]:
@@ -187,9 +140,11 @@ class ModelRunner:
         return self.cache
 
     def _graphs_wanted(self) -> bool:
+        """Decode graphs need an attention backend with fixed-shape metadata and a device whose
+        torch module captures graphs (`GraphApi`: torch.cuda's CUDAGraph, torch.npu's NPUGraph)."""
         ops = self.loaded.ops
-        return (torch.device(self.device).type == "cuda" and not self.enforce_eager and ops is not None
-                and DecodeGraphs.supported(ops.attention))
+        return (not self.enforce_eager and ops is not None and DecodeGraphs.supported(ops.attention)
+                and GraphApi.of(self.device, ops.attention) is not None)
 
     def new_sequence(self) -> SequenceState:
         """A self-managed state: its slot and blocks come from the cache's allocator and go back on

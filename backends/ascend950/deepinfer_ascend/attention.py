@@ -5,7 +5,10 @@ shared selections) is the core's portable backend, running on the same device.
 NOTHING HERE HAS RUN ON ASCEND HARDWARE. It is written from the torch_npu 2.13.0 doc pages and
 schemas and tested only on the simulated device of `tests/ascend/fake_npu` (CPU tensors).
 
-Interface level: a full attention backend (`deepinfer_core.contracts.AttentionBackend`).
+Interface level: a full attention backend (`deepinfer_core.contracts.AttentionBackend`), and a
+graph-capable one (`GraphAttentionBackend`): a decode / verify batch of the decode graphs runs on
+fixed-shape device metadata built once per step and is captured in an NPUGraph (aclgraph); that
+path is attention_graph.py. Everything below describes the eager path (any batch).
 `AscendAttentionBackend` subclasses the core's `PortableAttentionBackend`, keeps its `compress`,
 `select` (HCA masks, V4.1 index sources and consumers), `write_ring` and state layout, and replaces
 (a) `PortableAttentionBackend.index_select` for V4 CSA layers (indexer with its own compressor) by
@@ -44,11 +47,12 @@ Mapping (per layer forward; host ints only from the batch: starts, lengths, row 
 
 Host syncs: none added (index tensors are built on the device; lengths and block tables are host
 lists copied once per call). The inherited portable code keeps its own (`write_rows` reads the
-last block index). Not mapped yet: one paged bf16 pool holding the SWA blocks and compressed
-blocks side by side, which would let SFA read them in place (PA_BSND) instead of a gather; the
-kv_fp8 cache (SFA's quantized variant needs Q_D 576); A2/A3 (SFA takes no sinks there); the
-official (QAT) rounding order of the sink softmax and of the indexer scores, which the fused ops
-do not follow (differences at bf16-noise level, and top-k picks may differ at near-ties).
+last block index); the graph path has none and copies nothing from the host. Not mapped yet:
+one paged bf16 pool holding the SWA blocks and compressed blocks side by side, which would let
+SFA read them in place (PA_BSND) instead of a gather (here and in the graph path); the kv_fp8
+cache (SFA's quantized variant needs Q_D 576); A2/A3 (SFA takes no sinks there); the official
+(QAT) rounding order of the sink softmax and of the indexer scores, which the fused ops do not
+follow (differences at bf16-noise level, and top-k picks may differ at near-ties).
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ from deepinfer_core.ops.portable_attention import (
     rectangles,
     ring_rope_dim,
 )
+
+from .attention_graph import META_KEY, GraphMeta, graph_forward
 
 ROPE_DIM = 64          # SFA's MLA-absorb rope width: V4 puts zeros there
 HALF = (torch.bfloat16, torch.float16)
@@ -93,6 +99,9 @@ def unsupported(soc_family: str, dtype: torch.dtype, cfg: Any, block_size: int) 
 
 class AscendAttentionBackend(PortableAttentionBackend):
     batch_invariant = False     # not claimed: the fused ops' reduction order is undocumented
+    # its ops are torch_npu's: graphs are torch.npu's NPUGraph also where the tensors sit on the
+    # CPU (the tests' simulated torch_npu); runner/cuda_graphs.GraphApi.of reads it
+    graph_device_type = "npu"
 
     def __init__(self, torch_npu: Any, official: bool = False, index_topk: int | None = None):
         super().__init__(official=official)
@@ -100,11 +109,24 @@ class AscendAttentionBackend(PortableAttentionBackend):
         self._indexer = torch_npu.npu_lightning_indexer
         self.index_topk = index_topk     # V4.1 consumers' selection width (None: every row)
 
+    # ---- decode graphs (contracts.GraphAttentionBackend) -----------------------------------------
+    def graph_num_extra(self, num_seqs: int, query_len: int) -> int:
+        return 0                          # the metadata derives from positions, slots and tables
+
+    def graph_meta(self, batch, max_blocks: int) -> GraphMeta:
+        """Install fixed-shape metadata into the graph's static batch (its states are the padding
+        state, whose block is scratch); `derive` refills it on the device before each replay."""
+        meta = batch.backend_meta[META_KEY] = GraphMeta(batch, max_blocks)
+        return meta
+
     # ---- the layer -------------------------------------------------------------------------------
     def forward(self, attn, inp, batch, states: list) -> torch.Tensor:
         if inp.q.dtype not in HALF:
             raise ValueError(f"AscendAttentionBackend: query dtype {inp.q.dtype}; "
                              "npu_sparse_flash_attention takes bfloat16 or float16")
+        meta = batch.backend_meta.get(META_KEY)
+        if meta is not None:
+            return graph_forward(self, attn, inp, meta, states)
         rect = rectangles(attn, batch)
         full = batch.shared.get("yoco_full") if attn.yoco_consumer else None
         comp_rows_of = zip(full.seq_slices(), full.starts) if full is not None else None
