@@ -1,5 +1,6 @@
 """CUDA graphs of the decode and speculative-verification forwards, captured at start-up (decode:
-`runner/warmup.py`) or on first use.
+`runner/warmup.py`) or on first use. The graph calls come from the device's torch module
+(`GraphApi`): torch.cuda's CUDAGraph, or torch.npu's NPUGraph (aclgraph) on an Ascend NPU.
 
 A decode step (one new token per sequence, the last row's logits) and a verification step (q = k+1
 tokens per sequence: the last accepted token and k drafts, the logits of every row) run the same
@@ -12,9 +13,10 @@ never touches a real sequence's state: q <= block_size keeps every padding posit
 spare block, and the spare slot's ring and tails are scratch.
 
 Only an attention backend that can describe a batch with fixed-shape device metadata
-(contracts.GraphAttentionBackend, e.g. deepinfer_nvidia.attention) can be captured; every op of the
-forward must be free of host synchronisation. A capture that fails turns graphs off with one warning
-and the runner stays eager. `DEEPINFER_ENFORCE_EAGER=1` or `LLM(enforce_eager=True)` never captures.
+(contracts.GraphAttentionBackend: deepinfer_nvidia.attention, deepinfer_ascend.attention) can be
+captured; every op of the forward must be free of host synchronisation. A capture that fails turns
+graphs off with one warning and the runner stays eager. `DEEPINFER_ENFORCE_EAGER=1` or
+`LLM(enforce_eager=True)` never captures.
 """
 from __future__ import annotations
 

@@ -150,6 +150,22 @@ def test_graph_steps_equal_the_eager_path(ascend_attention, fake_npu, kv_fp8):
     assert cap.fused_ops.count("npu_lightning_indexer") == 1
 
 
+def test_a_host_sync_in_the_graph_path_fails_the_capture(ascend_attention, monkeypatch):
+    """What the tests here rest on: a host read in the layer's graph path (the window gather
+    reading a start position) fails the capture on the fake NPUGraph; the runner says why."""
+    from deepinfer_ascend import attention_graph
+    real = attention_graph.window_keys
+
+    def syncing(meta, *args):
+        int(meta.starts[0])
+        return real(meta, *args)
+    monkeypatch.setattr(attention_graph, "window_keys", syncing)
+    cache = make_cache(kv_fp8=False)
+    model = StandIn(ascend_attention, torch.Generator().manual_seed(0))
+    graphs = DecodeGraphs(model, cache, ascend_attention, max_seqs=2, max_blocks=2)
+    assert graphs.run([[1], [2]], [cache.bind(s, TABLES[s]) for s in (0, 1)]) is None
+    assert "HostSyncError" in graphs.failed
+
 # ---- the engine ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -247,6 +247,10 @@ def compress(meta: GraphMeta, pools: dict, cs, kv: torch.Tensor, z: torch.Tensor
     """The portable `compress` over the graph batch: tails first, then every candidate block
     pooled from the tails and its row written (scratch where the candidate closes nothing)."""
     m, tail_kv, tail_z = cs.ratio, pools["tail_kv"], pools["tail_z"]
+    room = tail_kv.shape[1] - (2 if cs.overlap else 1) * m        # the tails' backtrack room
+    if meta.query_len > room + 1:
+        raise ValueError(f"Ascend graph attention: {meta.query_len} tokens per sequence would "
+                         f"overwrite tail entries a closing block still pools (room {room})")
     part = meta.closing(m, cs.overlap, tail_kv.shape[1], pools["rows"].shape[1])
     tail_kv.index_put_((meta.token_slots, part.token_tail), kv)
     tail_z.index_put_((meta.token_slots, part.token_tail), z)
