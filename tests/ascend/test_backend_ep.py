@@ -50,6 +50,7 @@ def ascend_everywhere(fake_npu, monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(BACKEND))
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv(ENV, settings)
+    monkeypatch.setenv("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")      # torch's default, made sure of
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "ascend")
     from deepinfer_ascend import plugin, runtime
     monkeypatch.setattr(plugin, "PROBE_PATHS", (str(node),))
