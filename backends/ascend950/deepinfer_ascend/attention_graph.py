@@ -123,16 +123,16 @@ class GraphMeta:
             got = self._parts[key] = build()
         return got
 
-    def _arange(self, n: int) -> torch.Tensor:
+    def arange(self, n: int) -> torch.Tensor:
         return torch.arange(n, device=self.positions.device)
 
     def window(self, window: int, ring_len: int) -> WindowPart:
         def build():
             S, q = self.num_seqs, self.query_len
             s = self.starts[:, None]
-            x = s - (window - 1) + self._arange(window + q - 1)            # positions [S, Wq]
-            new_row = self._arange(S)[:, None] * q + (x - s).clamp(0, q - 1)
-            lag = self._arange(window)
+            x = s - (window - 1) + self.arange(window + q - 1)            # positions [S, Wq]
+            new_row = self.arange(S)[:, None] * q + (x - s).clamp(0, q - 1)
+            lag = self.arange(window)
             p = self.positions[:, None]
             sparse = torch.where(p - lag >= 0, self.token_offset[:, None] + window - 1 - lag, -1)
             return WindowPart(x.clamp(min=0) % ring_len, x >= s, new_row, sparse.to(torch.int32))
@@ -141,10 +141,10 @@ class GraphMeta:
     def closing(self, ratio: int, overlap: bool, tail_len: int, rows_per_block: int) -> ClosingPart:
         def build():
             q = self.query_len
-            b = (self.starts // ratio)[:, None] + self._arange(-(-q // ratio))        # [S, nb]
+            b = (self.starts // ratio)[:, None] + self.arange(-(-q // ratio))        # [S, nb]
             closes = b < ((self.starts + q) // ratio)[:, None]
             c = 2 if overlap else 1
-            pos = (b[..., None] - (c - 1)) * ratio + self._arange(c * ratio)
+            pos = (b[..., None] - (c - 1)) * ratio + self.arange(c * ratio)
             col = (b // rows_per_block).clamp(max=self.max_blocks - 1)
             blk = torch.where(closes, self.block_table.gather(1, col).long(), self.scratch_block)
             row = torch.where(closes, b % rows_per_block, 0)
@@ -159,7 +159,7 @@ class GraphMeta:
         rows_per_block) and the sparse indices [T, R + W] of the rows each token sees and of its
         window positions."""
         def build():
-            r = self._arange(self.max_blocks * rows_per_block)
+            r = self.arange(self.max_blocks * rows_per_block)
             blk = self.block_table[:, r // rows_per_block].long()
             n = ((self.positions + 1) // ratio)[:, None]                 # rows each token sees
             comp = torch.where(r < n, win.ring_row.shape[1] + r, -1)
@@ -173,7 +173,7 @@ class GraphMeta:
 
     def kv_lens(self, length: int) -> torch.Tensor:
         """TND prefix sums of S KV batches of `length` keys each."""
-        return self.part(("kv_lens", length), lambda: (self._arange(self.num_seqs) + 1).mul(
+        return self.part(("kv_lens", length), lambda: (self.arange(self.num_seqs) + 1).mul(
             length).to(torch.int32))
 
 
@@ -292,7 +292,7 @@ def picked_rows(meta: GraphMeta, rows: torch.Tensor, picks: torch.Tensor, window
     r = torch.where(valid, asc, 0).long().view(S, q * k)
     rpb = rows.shape[1]
     blk = meta.block_table.gather(1, (r // rpb).clamp(max=meta.max_blocks - 1)).long()
-    slot_of = meta.token_offset[:, None] * k + torch.arange(k, device=picks.device)
+    slot_of = meta.token_offset[:, None] * k + meta.arange(k)
     comp = torch.where(valid, window + q - 1 + slot_of, -1)
     return rows[blk, r % rpb], comp
 
@@ -307,6 +307,8 @@ def window_keys(meta: GraphMeta, win: WindowPart, ring: torch.Tensor,
 
 
 def write_ring(meta: GraphMeta, ring: torch.Tensor, kv: torch.Tensor) -> None:
+    """The step's KV rows into their slots' rings at position % ring_len (after the attention
+    read them, as the eager path; packed for a kv_fp8 ring)."""
     pos = meta.part(("ring", ring.shape[1]), lambda: meta.positions % ring.shape[1])
     rows = pack_kv_fp8(kv, ring_rope_dim(ring, kv)) if ring.dtype == torch.uint8 else \
         kv.to(ring.dtype)
