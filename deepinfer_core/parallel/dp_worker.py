@@ -281,7 +281,8 @@ def rank_device(spec: WorkerSpec, bind: bool = False) -> torch.device:
     rank's own process, before any device work): that device also becomes the current one
     (torch.<type>.set_device), so the config's bare type ("cuda", "npu") means this rank's
     device."""
-    ranks = rank_devices(spec.config.model.device)
+    device = spec.config.model.device      # None: one engine process, its engine's own choice
+    ranks = None if device is None else rank_devices(device)
     if ranks is None:
         return torch.device("cpu")
     if bind:
