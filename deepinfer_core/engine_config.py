@@ -347,10 +347,10 @@ class EngineConfig(Section):
         if dp == 1:
             return
         device = self.model.device
-        if device not in (None, "cpu", "cuda"):
-            raise ValueError(f"data_parallel_size={dp} with device={device!r}: rank r runs on GPU r of this host "
-                             "(CUDA) or on the CPU; allowed with data_parallel_size > 1: device='cpu', 'cuda' or "
-                             "None (the detected platform's)")
+        if device not in (None, "cpu", "cuda", "npu"):
+            raise ValueError(f"data_parallel_size={dp} with device={device!r}: rank r runs on GPU r (or "
+                             "NPU r) of this host or on the CPU; allowed with data_parallel_size > 1: "
+                             "device='cpu', 'cuda', 'npu' or None (the detected platform's)")
         # MTP speculation pairs up: a speculating rank's step launches one verify forward through the main
         # (expert-parallel) layers; the MTP block drafts with its own, local experts (no collective). VARLEN
         # too: every rank profiles the same forwards at start-up and they share one table (dp_worker.py).

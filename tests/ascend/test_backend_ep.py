@@ -112,6 +112,9 @@ def test_npu_ranks_are_placed_through_torch_npu(make_fake_npu, monkeypatch):
     assert fake.state.current_device == 1 and fake.state.log[-1][:2] == ("set_device", (1,))
     assert dp_config.collective_timeout("npu") == dp_config.GPU_TIMEOUT_S
     assert dp_config.collective_timeout("cpu") == dp_config.DEFAULT_TIMEOUT_S
+    npu_config = EngineConfig.from_options(data_parallel_size=2, enable_expert_parallel=True,
+                                           device="npu")
+    assert dp_config.rank_config(npu_config).model.device == "npu"
     fake.uninstall()
     monkeypatch.setattr(dp_config, "detect_platform", lambda: SimpleNamespace(name="ascend",
                                                                              device_type="npu"))

@@ -63,8 +63,8 @@ def test_every_field_refuses_a_bad_value_naming_the_field(clean_env, name):
     ({"tensor_parallel_size": 8}, r"tensor_parallel_size=8; allowed: 1 \(not implemented; data and expert parallelism are"),
     ({"data_parallel_size": 0}, "data_parallel_size=0; allowed: an int >= 1"),
     ({"data_parallel_size": 2, "device": "cuda:1"},
-     "data_parallel_size=2 with device='cuda:1': rank r runs on GPU r .* allowed with data_parallel_size > 1: "
-     "device='cpu', 'cuda' or None"),
+     r"data_parallel_size=2 with device='cuda:1': rank r runs on GPU r \(or NPU r\) .* allowed with "
+     "data_parallel_size > 1: device='cpu', 'cuda', 'npu' or None"),
     ({"data_parallel_size": 2, "num_speculative_tokens": 0, "enable_mtp_varlen": True},
      "enable_mtp_varlen=True .*num_speculative_tokens=0"),
     ({"enable_expert_parallel": True}, "enable_expert_parallel=True with data_parallel_size=1"),
