@@ -25,7 +25,7 @@ from deepinfer_core.tools.trained_model import ARTIFACT, make_trained_checkpoint
 
 PROMPTS = ["HAMLET.\nTo be, or not to be,", "KING.\nMy lord, the", "ROMEO.\nBut soft, what light",
            "QUEEN.\nAlas, my lord,"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,14 @@ def prompts(graphed_llm):
     return [graphed_llm.tokenizer.encode(p) for p in PROMPTS]
 
 
-def test_mtp_drafts_verified_on_the_device_give_the_host_paths_tokens(graphed_llm, prompts):
-    host_tokens, host_accepted, host_launches = run(graphed_llm, prompts, on_device=False)
+@pytest.fixture(scope="module")
+def host_run(graphed_llm, prompts):
+    """The host path's greedy run (verdict read before the next launch), shared by the tests."""
+    return run(graphed_llm, prompts, on_device=False)
+
+
+def test_mtp_drafts_verified_on_the_device_give_the_host_paths_tokens(graphed_llm, prompts, host_run):
+    host_tokens, host_accepted, host_launches = host_run
     tokens, accepted, launches = run(graphed_llm, prompts, on_device=True)
     assert host_launches == {"on_device": 0, "blind": 0}
     assert launches["on_device"] > 0 and launches["blind"] > 0, launches
@@ -107,7 +113,7 @@ def test_requests_that_need_the_host_fall_back_per_step(graphed_llm, prompts):
     host_tokens, _, _ = run(graphed_llm, prompts, on_device=False, params=params)
     tokens, _, launches = run(graphed_llm, prompts, on_device=True, params=params)
     assert tokens == host_tokens
-    assert [len(t) for t in tokens] == [14, 5, 6, 7]
+    assert [len(t) for t in tokens] == [10, 5, 6, 7]
     assert launches["on_device"] > 0, launches
 
 
@@ -177,11 +183,11 @@ def online(llm, prompts, stop: int, on_device: bool) -> tuple[dict[str, list[int
     return got, blind
 
 
-def test_online_abort_and_a_stop_with_a_blind_step_in_flight(graphed_llm, prompts):
+def test_online_abort_and_a_stop_with_a_blind_step_in_flight(graphed_llm, prompts, host_run):
     """Online: a request aborted while a step launched at the device's positions is in flight, one
     that stops on a token it emits, and one added meanwhile: every output is the host path's for the
     same events (not a batch run's: without batch-invariant kernels the batches must match too)."""
-    reference, _, _ = run(graphed_llm, prompts, on_device=False)
+    reference, _, _ = host_run
     stop = reference[1][7]
     host, _ = online(graphed_llm, prompts, stop, on_device=False)
     device, blind = online(graphed_llm, prompts, stop, on_device=True)
