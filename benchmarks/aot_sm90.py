@@ -132,7 +132,7 @@ def fp8_gemm(w4: bool, prmt: bool, warps: int, stages: int, block_m: int, block:
     sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", c_ptr="*bf16", M="i32", N="i32",
                K="i32", stride_am="i32", stride_wn="i32", stride_cm="i32", stride_cs="i32")
     const = dict(N_KG=4096 // block, N_AG=32, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block, GROUP_M=8, WB=block,
-                 PRECISE_ACC=F.PROMOTE_EVERY, KG_PER_SPLIT=4096 // block, FOLD=block == 128,
+                 PRECISE_ACC=min(F.PROMOTE_EVERY, block), KG_PER_SPLIT=4096 // block, FOLD=block == 128,
                  PREFETCH=PDL["on"])
     return _compile(F._fp8_gemm_kernel, sig, const, warps, stages)
 

@@ -23,11 +23,12 @@ from .pdl import launch_args, pdl_gate, prefetch_l2
 
 BLOCK_K = 128
 WEIGHT_BLOCK = 128
-# Channels the FP8 MMAs sum before their partial product is promoted to fp32: 32, after every
-# Hopper FP8 MMA (four partial products to add per 128-channel scale group). DeepSeek's own kernel
-# promotes once per group (128: one 128-deep MMA chain, then the scale multiply), which needs fewer
-# adds and registers; it becomes the default once the compiled tests have passed with it.
-PROMOTE_EVERY = 32
+# Channels the FP8 MMAs sum before their partial product is promoted to fp32: 128, once per
+# 128-channel scale group (one 128-deep MMA chain, then the scale multiply), as DeepSeek's kernel
+# does. 32 (a promotion after every Hopper FP8 MMA) adds four partial products per group and took
+# twice as long at prefill sizes on an H100 (docs/performance.md, "FP8 GEMM promotion").
+# A K block narrower than that (32x32 weight blocks) promotes once per block.
+PROMOTE_EVERY = 128
 
 
 @triton.jit
@@ -243,7 +244,7 @@ def fp8_gemm(qa: torch.Tensor, sa: torch.Tensor, qw: torch.Tensor, sw: torch.Ten
     dest, stride_cs = split_partials(c, splits)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), splits)
     _fp8_gemm_kernel[grid](qa, sa, qw, sw, dest, M, N, K, qa.stride(0), qw.stride(0), N, stride_cs, N_KG=n_kg,
-                           N_AG=sa.shape[1], BLOCK_K=bk, GROUP_M=8, WB=bn, PRECISE_ACC=precise_acc,
+                           N_AG=sa.shape[1], BLOCK_K=bk, GROUP_M=8, WB=bn, PRECISE_ACC=min(precise_acc, bk),
                            KG_PER_SPLIT=per, FOLD=bn % cfg["BLOCK_N"] == 0, **cfg, **_launch_args(qa, M))
     if splits > 1:
         sum_splits(dest, stride_cs, c, splits)

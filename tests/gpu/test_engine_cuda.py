@@ -39,7 +39,7 @@ def test_cache_sized_from_gpu_memory_utilization(cuda_llm):
     assert cache.nbytes() == cache.layout.cache_bytes(cache.num_slots, cache.num_blocks)
     assert all(t.is_cuda for t in cache.tensors())
     # the budget binds (fewer blocks than 256 full-length sequences would use) and is respected
-    assert "capped" not in cuda_llm.runner.cache_note
+    assert "capped at max_num_seqs" not in cuda_llm.runner.cache_note
     assert cache.num_blocks < 256 * (cuda_llm.config.model.max_model_len // 128)
     assert torch.cuda.memory_allocated() <= cuda_llm.config.cache.gpu_memory_utilization * total
     print(f"[gpu] cache {cache.num_blocks} blocks x {cache.layout.block_bytes} B + 256 slots x "

@@ -108,12 +108,12 @@ def test_mtp_drafts_verified_on_the_device_give_the_host_paths_tokens(graphed_ll
 def test_requests_that_need_the_host_fall_back_per_step(graphed_llm, prompts):
     """A request that stops early (max_tokens), one with logprobs and a sampled one beside a greedy
     one: the same outputs as the host path; once those are done, the greedy one goes on the device."""
-    params = [GREEDY, dataclasses.replace(GREEDY, max_tokens=5), dataclasses.replace(GREEDY, max_tokens=6, logprobs=2),
+    params = [dataclasses.replace(GREEDY, max_tokens=14), dataclasses.replace(GREEDY, max_tokens=5), dataclasses.replace(GREEDY, max_tokens=6, logprobs=2),
               SamplingParams(temperature=1.0, seed=3, max_tokens=7, ignore_eos=True)]
     host_tokens, _, _ = run(graphed_llm, prompts, on_device=False, params=params)
     tokens, _, launches = run(graphed_llm, prompts, on_device=True, params=params)
     assert tokens == host_tokens
-    assert [len(t) for t in tokens] == [10, 5, 6, 7]
+    assert [len(t) for t in tokens] == [14, 5, 6, 7]
     assert launches["on_device"] > 0, launches
 
 
