@@ -8,11 +8,15 @@ lets the core's portable op (trylast) answer, running the same torch code on the
 | pointwise  | npu_rms_norm + npu_rotary_mul                 | the same (both pages list A2/A3) |
 | linear fp8 | MXFP8 npu_quant_matmul (bf16 + QAT)           | portable (no MX formats)         |
 | mhc        | npu_mhc_pre + _sinkhorn + _post (bf16, no QAT)| portable (A5-only ops)           |
-| attention  | npu_sparse_flash_attention (+ sinks) and  | portable (no sinks before A5)    |
+| attention  | npu_sparse_flash_attention (+ sinks) and      | portable (no sinks before A5)    |
 |            | npu_lightning_indexer (V4, bf16, D 512)       |                                  |
 | moe        | init_routing_v2 + grouped_matmul (MX W8A8 /   | portable (chain mapped for A5    |
 |            | W4A8 with bf16 + QAT, else plain) + unpermute | first)                           |
 |            | (routing itself portable)                     |                                  |
+| graphs     | aclgraph decode/verify steps (V4 layers,      | eager                            |
+|            | with the attention above: attention_graph.py) |                                  |
+| moe (EP)   | the rank's slots on grouped_matmul            | portable                         |
+|            | (ep_experts.py)                               |                                  |
 | others     | portable                                      | portable                         |
 """
 from __future__ import annotations
@@ -36,8 +40,10 @@ PORTABLE_HOOKS = {
     "moe routing": "portable: no torch_npu op computes V4's sqrt-softplus scores, bias for "
                    "selection only, hash table, renorm and routed scale exactly",
     "sampler": "portable (vllm-ascend samples in PyTorch on A5 too)",
-    "graphs": "none: the core's graph runner is CUDA-only; eager on the NPU",
-    "distributed": "none: the core chooses gloo/nccl only (hccl needs a core seam)",
+    "distributed": "the core's: hccl process groups (torch.distributed's backend for npu), one "
+                   "NPU per data-parallel rank through torch.npu, the portable all-to-all EP "
+                   "exchange (npu_moe_distribute_dispatch/combine not used); a rank's experts on "
+                   "the grouped matmul (ep_experts.py)",
 }
 
 

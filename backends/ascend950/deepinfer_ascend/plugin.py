@@ -21,9 +21,11 @@ log = logging.getLogger("deepinfer.ascend")
 NAME = "ascend"
 STATUS = "partial"
 NOTE = ("RMSNorm/RoPE on npu_rms_norm/npu_rotary_mul; on A5 FP8 linears as MXFP8 "
-        "npu_quant_matmul, mHC on npu_mhc_* and MoE experts on npu_moe_init_routing_v2 / "
-        "npu_grouped_matmul / npu_moe_token_unpermute; attention, MoE routing, sampling on the "
-        "core's portable ops; tested on a simulated torch_npu only, never run on Ascend hardware")
+        "npu_quant_matmul, mHC on npu_mhc_*, MoE experts on npu_moe_init_routing_v2 / "
+        "npu_grouped_matmul / npu_moe_token_unpermute (EP: the rank's slots), V4 attention on "
+        "npu_sparse_flash_attention / npu_lightning_indexer with aclgraph decode; MoE routing and "
+        "sampling on the core's portable ops; tested on a simulated torch_npu only, never run on "
+        "Ascend hardware")
 PROBE_PATHS = detect.NPU_PROBE_PATHS   # tests may replace this tuple
 
 
