@@ -179,30 +179,14 @@ def ascend_ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def ascend_platform(fake_npu, monkeypatch, tmp_path):
-    """DEEPINFER_ACCELERATOR=ascend resolved by a fresh plugin manager: the backend registered as
-    an entry point (a dist-info in a temporary site folder unless deepinfer-ascend is installed),
-    an NPU device node faked, the runtime's device type the CPU (alias mode)."""
-    from importlib import metadata
+    """DEEPINFER_ACCELERATOR=ascend resolved by a fresh plugin manager, the backend registered on
+    the simulated device (model_fixtures.install_backend: alias mode)."""
+    from model_fixtures import install_backend, use_accelerator
 
     from deepinfer_core import plugins
-    monkeypatch.syspath_prepend(str(BACKEND))
-    try:
-        metadata.distribution("deepinfer-ascend")
-    except metadata.PackageNotFoundError:
-        info = tmp_path / "site" / "deepinfer_ascend-0.1.0.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text(
-            "Metadata-Version: 2.1\nName: deepinfer-ascend\nVersion: 0.1.0\n")
-        (info / "entry_points.txt").write_text(
-            "[deepinfer.backends]\nascend = deepinfer_ascend.plugin\n")
-        monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    from deepinfer_ascend import plugin, runtime
-    (tmp_path / "davinci0").write_text("")
-    monkeypatch.setattr(plugin, "PROBE_PATHS", (str(tmp_path / "davinci0"),))
-    runtime.reset()
-    monkeypatch.setattr(runtime, "DEVICE_TYPE", "cpu")
-    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "ascend")
-    plugins.get_plugin_manager(refresh=True)
+    install_backend(monkeypatch, tmp_path)       # makes deepinfer_ascend importable
+    from deepinfer_ascend import runtime
+    use_accelerator(monkeypatch, "ascend")
     yield fake_npu
     runtime.reset()
     monkeypatch.delenv("DEEPINFER_ACCELERATOR")
