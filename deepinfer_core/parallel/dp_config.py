@@ -90,11 +90,6 @@ def check_device_count(dp: int, ranks: RankDevices, available: int | None = None
         )
 
 
-def check_gpu_count(dp: int, available: int | None = None, node_ranks: int | None = None) -> None:
-    """`check_device_count` for CUDA ranks."""
-    check_device_count(dp, rank_devices("cuda"), available, node_ranks)
-
-
 def detect_platform():
     from ..plugins import get_plugin_manager
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.runner.model_runner import resolve_kv_fp8
+from deepinfer_core.runner.options import resolve_kv_fp8
 
 OPTS = dict(dtype="bfloat16", simulate_qat=True, max_num_batched_tokens=64, num_cache_blocks=8,
             max_num_seqs=4, async_scheduling=False)

@@ -303,7 +303,7 @@ def test_tiny_v4_keeps_fp8_nope_rows(tiny_ckpt_dir):
 def test_fp8_kv_cache_is_refused_for_v41():
     """V4's packed FP8 rows would round V4.1's FP4 rows a second time: the option is refused,
     naming it and the values a V4.1 model allows."""
-    from deepinfer_core.runner.model_runner import resolve_kv_fp8
+    from deepinfer_core.runner.options import resolve_kv_fp8
     assert resolve_kv_fp8("fp8", torch.bfloat16, True, "v4") is True
     assert resolve_kv_fp8("auto", torch.bfloat16, True, "v41") is False
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*'auto' or 'bfloat16'"):

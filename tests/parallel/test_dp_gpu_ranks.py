@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from deepinfer_core.device_module import rank_devices
 from deepinfer_core.engine_config import EngineConfig
 from deepinfer_core.parallel import dp_config
-from deepinfer_core.parallel.dp_config import check_gpu_count
+from deepinfer_core.parallel.dp_config import check_device_count
 from deepinfer_core.parallel.dp_engine import DataParallelLLM
 from deepinfer_core.parallel.dp_worker import WorkerSpec, rank_device
 from deepinfer_core.parallel.expert_map import ExpertPlacement
@@ -50,7 +51,7 @@ def test_too_few_gpus_is_refused_before_any_rank_starts(monkeypatch, tiny_ckpt_d
     with pytest.raises(ValueError, match=r"data_parallel_size=2 with device='cuda' needs 2 GPUs .* sees 1 .*"
                                          r"allowed: data_parallel_size <= 1, or device='cpu'"):
         dp_config.rank_config(_config(device="cuda"))
-    check_gpu_count(4, available=4)          # enough: no error
+    check_device_count(4, rank_devices("cuda"), available=4)          # enough: no error
     started = []
     monkeypatch.setattr(DataParallelLLM, "_start", lambda self, timeout_s: started.append(1))
     with pytest.raises(ValueError, match="needs 2 GPUs"):

@@ -32,9 +32,10 @@ import pytest
 import torch
 
 from deepinfer_core import LLM, SamplingParams, generate
+from deepinfer_core.device_module import rank_devices
 from deepinfer_core.engine_config import EngineConfig
 from deepinfer_core.parallel import torchrun
-from deepinfer_core.parallel.dp_config import check_gpu_count
+from deepinfer_core.parallel.dp_config import check_device_count
 from deepinfer_core.parallel.dp_engine import _exit_text
 from deepinfer_core.parallel.dp_messages import WorkerSpec
 from deepinfer_core.parallel.dp_worker import rank_device
@@ -285,8 +286,8 @@ def test_gpu_count_is_checked_per_node():
         r"GPUs on this node \(LOCAL_WORLD_SIZE=8, .* sees 4 .* allowed: torchrun "
         r"--nproc-per-node <= 4, or device='cpu'",
     ):
-        check_gpu_count(16, available=4, node_ranks=8)
-    check_gpu_count(16, available=8, node_ranks=8)  # 8 of the 16 ranks on this node: enough
+        check_device_count(16, rank_devices("cuda"), available=4, node_ranks=8)
+    check_device_count(16, rank_devices("cuda"), available=8, node_ranks=8)  # 8 of the 16 ranks on this node: enough
 
 
 def test_local_rank_picks_the_gpu_and_a_lost_connection_reads_as_such():
