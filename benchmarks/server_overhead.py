@@ -2,8 +2,8 @@
 
 N prompts of L random token ids go to a stand-in runner (`NullRunner`: it samples token 7 from
 constant logits and keeps no state, so every millisecond measured is the host's) twice: through
-`LLM.generate` (all added at once) and through the server (`prefix_cache_server`: the engine in a
-thread of this process, every request sent at once as a streamed `/v1/completions` with a token-id
+`LLM.generate` (all added at once) and through the server (the engine in a thread of this process,
+as `--no-engine-process`; every request sent at once as a streamed `/v1/completions` with a token-id
 prompt and `return_token_ids`, from a client process of its own). Runs on a CPU; the difference is
 the server's host path for such a burst (HTTP, parsing and validating the bodies, handing requests
 to the engine thread, encoding the events), which a GPU's forward does not hide. Prints a table
@@ -14,17 +14,21 @@ and writes benchmarks/results/server_overhead_<label>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import prefix_cache_server as PS
+import serve_bench_http as SH
 import torch
 
 from deepinfer_core import LLM, SamplingParams
@@ -82,6 +86,34 @@ class NullRunner:
         return self._row.expand(len(batch.logit_rows), VOCAB)
 
 
+@contextlib.contextmanager
+def serving(llm, max_requests: int) -> Iterator[str]:
+    """An OpenAI server over `llm` in this process while the block runs (the engine loop's thread
+    and uvicorn's, on a free port: `deepinfer serve --no-engine-process`); its URL."""
+    import uvicorn
+
+    from deepinfer_core.serve.app import build_app
+    from deepinfer_core.serve.engine_loop import EngineLoop
+
+    loop = EngineLoop(llm.serving_engine(), max_requests=max_requests)
+    loop.start()
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, loop, PS.MODEL), host="127.0.0.1",
+                                           port=SH.free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, name="server-overhead", daemon=True)
+    thread.start()
+    try:
+        deadline = time.perf_counter() + 60
+        while not server.started:
+            if not thread.is_alive() or time.perf_counter() > deadline:
+                raise RuntimeError("server_overhead: the server did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        loop.stop(30)
+
+
 def ttfts(outs) -> list[float]:
     return [(o.metrics.first_token_time - o.metrics.arrival_time) * 1e3 for o in outs]
 
@@ -98,9 +130,9 @@ def measure(a: argparse.Namespace) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         generate.append(statistics.median(ttfts(outs)))
     served = []
-    with PS.client() as pool, PS.serving(llm, a.requests) as url:
+    with PS.client() as pool, serving(llm, a.requests) as url:
         for _ in range(a.repeats + 1):
-            outs, _ = PS.turn(pool, url, prompts, a.output_len)
+            outs, _ = PS.send_turn(pool, url, prompts, a.output_len)
             served.append(statistics.median(ttfts(outs)))
     return {"generate_ttft_ms_p50": generate[1:], "server_ttft_ms_p50": served[1:]}
 

@@ -21,6 +21,7 @@ sys.path.insert(0, str(BENCH))
 
 import prefix_cache as PC
 import prefix_cache_report as PR
+import prefix_cache_workload as PW
 
 SMALLEST = ["--ci", "--conversations", "2", "--turns", "2", "--history", "200,300",
             "--output-len", "4", "--user-len", "16", "--warmup-output-len", "1"]
@@ -75,16 +76,16 @@ def test_stats_delta_and_summary_on_synthetic_rows():
 
 
 def test_history_pairs_and_presets():
-    assert PC.int_pair("2048,8192") == (2048, 8192) and PC.int_pair("300") == (300, 300)
+    assert PW.int_pair("2048,8192") == (2048, 8192) and PW.int_pair("300") == (300, 300)
     with pytest.raises(argparse.ArgumentTypeError):
-        PC.int_pair("9,3")
-    a = PC.resolve(["--ci", "--device", "cpu"])
+        PW.int_pair("9,3")
+    a = PW.resolve(["--ci", "--device", "cpu"])
     assert (a.conversations, a.turns, a.history, a.output_len) == (4, 3, (200, 400), 16)
     assert a.max_num_seqs == 4 and a.max_model_len == 640 and a.dtype == "float32"
-    a = PC.resolve(["--device", "cpu", "--turns", "2"])
+    a = PW.resolve(["--device", "cpu", "--turns", "2"])
     assert (a.conversations, a.turns, a.history) == (64, 2, (2048, 8192))
     with pytest.raises(SystemExit):
-        PC.resolve(["--ci", "--tiny"])
+        PW.resolve(["--ci", "--tiny"])
 
 
 def test_main_at_the_smallest_ci_size(tmp_path, capsys):
