@@ -237,6 +237,8 @@ class Bench:
             return {"turn": turn, "status": TR.failure_status(e)}, []
         row = PR.call_row(turn, outs, elapsed, prompts, best, self.a.output_len)
         row["prefix_stats"] = PR.stats_delta(before, mode.stats())
+        if self.a.server:
+            row["timeline"] = mode.last
         return row, [list(o.outputs[0].token_ids) for o in outs]
 
     # ---- the workloads -------------------------------------------------------------------------

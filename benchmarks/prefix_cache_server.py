@@ -124,11 +124,25 @@ def prefix_stats(metrics: str) -> dict[str, Any] | None:
     return out
 
 
+def timeline(outs: list[RequestOutput], server: dict[str, float]) -> dict[str, float | None]:
+    """Where a turn's time to first token went: the spread of the client's sends and of the first
+    chunks' arrivals (ms after the first send), and the server's own mean TTFT over the turn (its
+    /metrics histogram: from the engine's arrival to its first token, without HTTP)."""
+    sends = [o.metrics.arrival_time for o in outs]
+    firsts = [o.metrics.first_token_time for o in outs]
+    t0 = min(sends)
+    return {"send_spread_ms": 1e3 * (max(sends) - t0),
+            "first_chunk_ms_min": 1e3 * (min(firsts) - t0),
+            "first_chunk_ms_max": 1e3 * (max(firsts) - t0),
+            "server_mean_ttft_ms": server.get("server_mean_ttft_ms")}
+
+
 class Served:
     """One mode's server while its block runs: `turn` (one round of requests), `stats`, `reset`."""
 
     def __init__(self, pool: concurrent.futures.Executor, flags: list[str], log_path: Path):
         self.pool, self.srv = pool, SH.Server(url="")
+        self.last: dict[str, float | None] = {}      # the last turn's timeline
         self.log_path = log_path
         SH.launch(self.srv, flags, log_path, START_TIMEOUT_S)
         self.startup_s = self.srv.startup_s
@@ -159,11 +173,15 @@ class Served:
         return bool(r.json().get("reset"))
 
     def turn(self, prompts: list[list[int]], output_len: int) -> tuple[list[RequestOutput], float]:
-        """One turn: `send_turn` to this server (a failure says whether the server exited)."""
+        """One turn: `send_turn` to this server (a failure says whether the server exited). Its
+        timeline (`timeline`) is kept in `last`."""
+        before = SM.parse_prometheus(self.metrics())
         try:
-            return send_turn(self.pool, self.srv.url, prompts, output_len)
+            outs, elapsed = send_turn(self.pool, self.srv.url, prompts, output_len)
         except RuntimeError as exc:
             if self.srv.proc is not None and self.srv.proc.poll() is not None:
                 raise RuntimeError(f"{exc}; the server exited with {self.srv.proc.returncode} "
                                    f"(log {self.log_path})") from None
             raise
+        self.last = timeline(outs, SM.counter_delta(before, SM.parse_prometheus(self.metrics())))
+        return outs, elapsed

@@ -54,7 +54,8 @@ class NullCache:
 
 class NullRunner:
     """The runner contract (deepinfer_core/contracts.py EngineRunner) with nothing computed: every
-    logit row says token 7; the cache is a block counter."""
+    logit row says token 7; the cache is a block counter. `step_ms` (base, per 1,000 tokens): a
+    step sleeps that long, as a device's forward would keep the engine waiting (the GIL free)."""
 
     device, dtype = "cpu", torch.float32
     sampler = Sampler()
@@ -63,7 +64,8 @@ class NullRunner:
     profile_tokens = None
     checkpoint_slots = 0
 
-    def __init__(self, max_len: int):
+    def __init__(self, max_len: int, step_ms: tuple[float, float] = (0.0, 0.0)):
+        self.step_ms = step_ms
         self.model_config = SimpleNamespace(vocab_size=VOCAB, eos_token_id=1, bos_token_id=0,
                                             max_position_embeddings=max_len)
         self.model = torch.nn.Linear(1, 1)        # the server's weight-bytes gauge reads it
@@ -83,6 +85,9 @@ class NullRunner:
         return None
 
     def execute(self, batch) -> torch.Tensor:
+        base, per_1k = self.step_ms
+        if base or per_1k:
+            time.sleep((base + per_1k * len(batch.ids) / 1000) / 1000)
         return self._row.expand(len(batch.logit_rows), VOCAB)
 
 
@@ -121,9 +126,11 @@ def ttfts(outs) -> list[float]:
 def measure(a: argparse.Namespace) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(a.prompt_len)] for _ in range(a.requests)]
-    llm = LLM.from_runner(NullRunner(a.prompt_len + 64), tokenizer=None, max_num_seqs=a.requests,
-                          max_model_len=a.prompt_len + 64, enable_prefix_caching=False,
-                          max_num_batched_tokens=a.requests * (a.prompt_len + 64))
+    runner = NullRunner(a.prompt_len + a.output_len, a.step_ms)
+    llm = LLM.from_runner(runner, tokenizer=None, max_num_seqs=a.requests,
+                          max_model_len=a.prompt_len + a.output_len, enable_prefix_caching=False,
+                          max_num_batched_tokens=a.max_num_batched_tokens
+                          or a.requests * (a.prompt_len + a.output_len))
     params = SamplingParams(max_tokens=a.output_len, ignore_eos=True)
     generate = []
     for _ in range(a.repeats + 1):                 # the first is a warm-up
@@ -137,12 +144,24 @@ def measure(a: argparse.Namespace) -> dict:
     return {"generate_ttft_ms_p50": generate[1:], "server_ttft_ms_p50": served[1:]}
 
 
+def step_ms(text: str) -> tuple[float, float]:
+    parts = [float(x) for x in text.split(",")]
+    if len(parts) != 2 or min(parts) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: BASE,PER_1K, two numbers >= 0 (ms)")
+    return parts[0], parts[1]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=6000)
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--step-ms", type=step_ms, default=(0.0, 0.0), metavar="BASE,PER_1K",
+                   help="each step sleeps BASE + PER_1K x its tokens / 1000 ms, as a device's "
+                        "forward would (default 0,0: the host's time alone)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the step's token budget (default: every prompt in one step)")
     p.add_argument("--label", default=platform.machine())
     p.add_argument("--json", default=None, help="result path (default: benchmarks/results/"
                    "server_overhead_<label>.json)")

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
@@ -19,3 +21,15 @@ def test_both_paths_are_timed_and_written(tmp_path, capsys):
     assert len(out["generate_ttft_ms_p50"]) == len(out["server_ttft_ms_p50"]) == 1
     assert out["generate_ttft_ms"] > 0 and out["server_ttft_ms"] > 0
     assert "server adds" in capsys.readouterr().out
+
+
+def test_a_simulated_step_time_is_waited_for(tmp_path):
+    """--step-ms 40,0: each step sleeps 40 ms: no first token comes sooner on either path."""
+    path = tmp_path / "out.json"
+    SO.main(["--requests", "2", "--prompt-len", "50", "--repeats", "1", "--step-ms", "40,0",
+             "--json", str(path)])
+    out = json.loads(path.read_text())
+    assert out["generate_ttft_ms"] >= 40 and out["server_ttft_ms"] >= 40
+    assert out["settings"]["step_ms"] == [40.0, 0.0]
+    with pytest.raises(SystemExit):
+        SO.main(["--step-ms", "5"])

@@ -158,13 +158,15 @@ def test_closed_block_extras_from_device_starts_equal_the_host_ones():
         assert meta.extra_inputs_device(torch.tensor(starts)).tolist() == meta.extra_inputs(starts)
 
 
-def online(llm, prompts, stop: int, on_device: bool) -> tuple[dict[str, list[int]], int]:
-    """Three requests; at the 4th step one is aborted and one added; one stops on `stop`."""
+def online(llm, prompts, stop: int | None, on_device: bool) -> tuple[dict[str, list[int]], int]:
+    """Three requests; at the 4th step one is aborted and one added; one stops on `stop` (None:
+    it runs to max_tokens)."""
     engine = llm.engine
     real_choice = Engine._verifies_on_device
     engine._verifies_on_device = (lambda chunks: real_choice(engine, chunks)) if on_device else (lambda chunks: False)
     engine.add_request("keep", prompts[0], GREEDY.clone())
-    engine.add_request("stops", prompts[1], dataclasses.replace(GREEDY, stop_token_ids=[stop]))
+    engine.add_request("stops", prompts[1], dataclasses.replace(GREEDY, stop_token_ids=[] if stop is None
+                                                                else [stop]))
     engine.add_request("drop", prompts[2], GREEDY.clone())
     got, blind = {}, engine.num_blind_launches
     try:
@@ -183,12 +185,16 @@ def online(llm, prompts, stop: int, on_device: bool) -> tuple[dict[str, list[int
     return got, blind
 
 
-def test_online_abort_and_a_stop_with_a_blind_step_in_flight(graphed_llm, prompts, host_run):
+def test_online_abort_and_a_stop_with_a_blind_step_in_flight(graphed_llm, prompts):
     """Online: a request aborted while a step launched at the device's positions is in flight, one
     that stops on a token it emits, and one added meanwhile: every output is the host path's for the
-    same events (not a batch run's: without batch-invariant kernels the batches must match too)."""
-    reference, _, _ = host_run
-    stop = reference[1][7]
+    same events (not a batch run's: without batch-invariant kernels the batches must match too, so
+    the stop token is one the same events make that request emit, late and for the first time)."""
+    free, _ = online(graphed_llm, prompts, None, on_device=False)
+    seq = free["stops"]
+    firsts = [t for i, t in enumerate(seq) if i >= 5 and t not in seq[:i]]
+    assert firsts, f"the request repeats every token after its 5th: {seq}; choose other prompts"
+    stop = firsts[0]
     host, _ = online(graphed_llm, prompts, stop, on_device=False)
     device, blind = online(graphed_llm, prompts, stop, on_device=True)
     assert blind > 0
