@@ -219,7 +219,6 @@ TABLE: dict[str, Run | Skip] = {
     "python benchmarks/pdl_chain.py": Skip(GPU),
     ("python benchmarks/prefix_cache.py --layers 4 --conversations 16 --turns 4 --history 2048,8192 "
      "--checkpoint-slots 64 --no-shared --time-budget 190 --label v4flash_4L"): Skip(GPU),
-    "python benchmarks/prefix_cache.py --server --layers 4 --conversations 64 --turns 8": Skip(GPU),
     ("python benchmarks/prefix_cache.py --layers 4 --conversations 64 --turns 8 --time-budget 150 "
      "--label v4flash_4L_64x8"): Skip(GPU),
     ("python benchmarks/prefix_cache.py --layers 4 --conversations 64 --turns 8 --time-budget 150 "
@@ -231,6 +230,17 @@ TABLE: dict[str, Run | Skip] = {
         "writes benchmarks/results; tests/benchmarks/test_host_costs.py runs its smallest form"),
     "python benchmarks/server_overhead.py": Skip(
         "writes benchmarks/results; tests/benchmarks/test_server_overhead.py runs its smallest form"),
+    ("python benchmarks/server_overhead.py --prompt-len 192 --output-len 16 --step-ms 8,8 "
+     "--max-num-batched-tokens 8192"): Skip(
+        "writes benchmarks/results; tests/benchmarks/test_server_overhead.py runs its smallest form"),
+    ("python benchmarks/prefix_cache.py --layers 4 --conversations 64 --turns 8 --server "
+     "--time-budget 280 --label v4flash_4L_64x8"): Skip(GPU),
+    ("python benchmarks/sweep.py --layers 4 --expert-dtype fp4 --fp4-experts --batches 1,8,64,256 "
+     "--contexts 4k --prefill 4k,16k --cuda-graph --no-hf --time-budget 140"): Skip(GPU),
+    ("python benchmarks/prefix_cache.py --server --layers 4 --conversations 64 --turns 8 "
+     "--time-budget 280"): Skip(GPU),
+    ("DEEPINFER_PDL=1 python benchmarks/sweep.py --layers 4 --expert-dtype fp4 --fp4-experts "
+     "--batches 1,8 --contexts 4k --prefill 4k --cuda-graph --no-hf"): Skip(GPU),
     "python benchmarks/prefix_cache.py --ci --server": Skip(
         "about a minute of CPU; tests/benchmarks/test_prefix_cache_bench.py runs its smallest form"),
     ("python benchmarks/spec_replay.py --concurrency 1,64 --acceptance 0.8 --gammas 3,5 --curve-rows 0 "
