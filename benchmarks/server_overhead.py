@@ -6,10 +6,15 @@ constant logits and keeps no state, so every millisecond measured is the host's)
 as `--no-engine-process`; every request sent at once as a streamed `/v1/completions` with a token-id
 prompt and `return_token_ids`, from a client process of its own). Runs on a CPU; the difference is
 the server's host path for such a burst (HTTP, parsing and validating the bodies, handing requests
-to the engine thread, encoding the events), which a GPU's forward does not hide. Prints a table
-and writes benchmarks/results/server_overhead_<label>.json.
+to the engine thread, encoding the events), which a GPU's forward does not hide. `--step-ms`
+makes each step sleep what a device's forward would take; `--follow-up N` turns prefix caching on
+and times a chat's second turn (each prompt again + its output + N new ids: the cached history is
+restored and only the new tokens run, as `benchmarks/prefix_cache.py` measures on a GPU). Prints
+a table and writes benchmarks/results/server_overhead_<label>.json.
 
     python benchmarks/server_overhead.py [--requests 64] [--prompt-len 6000] [--repeats 3]
+    python benchmarks/server_overhead.py --prompt-len 5000 --output-len 32 --follow-up 64 \
+        --step-ms 8,8 --max-num-batched-tokens 8192 --label x86_64_follow_up
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import prefix_cache_server as PS
 import serve_bench_http as SH
 import torch
@@ -75,10 +81,13 @@ class NullRunner:
         self._row[7] = 1.0
 
     def allocate_cache(self, request):
-        """A block counter of the size asked for, the same one while the request is unchanged."""
+        """A block counter of the size asked for (with prefix caching, its checkpoint slots too:
+        the state they would hold is not kept), the same one while the request is unchanged."""
         blocks = request.num_blocks or request.num_slots * -(-request.max_model_len // 128)
-        if self.cache is None or self.cache.shape != (blocks, request.num_slots):
-            self.cache = NullCache(blocks, request.num_slots)
+        slots = request.num_slots + request.checkpoint_slots
+        if self.cache is None or self.cache.shape != (blocks, slots):
+            self.cache = NullCache(blocks, slots)
+            self.checkpoint_slots = request.checkpoint_slots
         return self.cache
 
     def make_speculator(self):
@@ -126,22 +135,37 @@ def ttfts(outs) -> list[float]:
 def measure(a: argparse.Namespace) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(a.prompt_len)] for _ in range(a.requests)]
-    runner = NullRunner(a.prompt_len + a.output_len, a.step_ms)
-    llm = LLM.from_runner(runner, tokenizer=None, max_num_seqs=a.requests,
-                          max_model_len=a.prompt_len + a.output_len, enable_prefix_caching=False,
+    longest = a.prompt_len + a.output_len + (a.output_len + a.follow_up if a.follow_up else 0)
+    llm = LLM.from_runner(NullRunner(longest, a.step_ms), tokenizer=None, max_num_seqs=a.requests,
+                          max_model_len=longest, enable_prefix_caching=bool(a.follow_up),
                           max_num_batched_tokens=a.max_num_batched_tokens
-                          or a.requests * (a.prompt_len + a.output_len))
+                          or a.requests * longest)
     params = SamplingParams(max_tokens=a.output_len, ignore_eos=True)
-    generate = []
-    for _ in range(a.repeats + 1):                 # the first is a warm-up
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        generate.append(statistics.median(ttfts(outs)))
-    served = []
+
+    cached: dict[str, int] = {}
+
+    def timed(path: str, turn, reset) -> float:
+        """The p50 TTFT of one burst; --follow-up: of the second turn, after a first one (its
+        cached prompt tokens kept in `cached`)."""
+        outs = turn(prompts)
+        if a.follow_up:
+            outs = turn([p + list(o.outputs[0].token_ids) + [5] * a.follow_up
+                         for p, o in zip(prompts, outs)])
+            reset()
+        cached[path] = sum(o.num_cached_tokens for o in outs)
+        return statistics.median(ttfts(outs))
+
+    def offline(ps: list[list[int]]) -> list:
+        return llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+
+    generate = [timed("generate", offline, llm.reset_prefix_cache)
+                for _ in range(a.repeats + 1)]                 # the first is a warm-up
     with PS.client() as pool, serving(llm, a.requests) as url:
-        for _ in range(a.repeats + 1):
-            outs, _ = PS.send_turn(pool, url, prompts, a.output_len)
-            served.append(statistics.median(ttfts(outs)))
-    return {"generate_ttft_ms_p50": generate[1:], "server_ttft_ms_p50": served[1:]}
+        served = [timed("server", lambda ps: PS.send_turn(pool, url, ps, a.output_len)[0],
+                        lambda: httpx.post(f"{url}/reset_prefix_cache").raise_for_status())
+                  for _ in range(a.repeats + 1)]
+    return {"generate_ttft_ms_p50": generate[1:], "server_ttft_ms_p50": served[1:],
+            "cached_tokens": cached}
 
 
 def step_ms(text: str) -> tuple[float, float]:
@@ -160,6 +184,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--step-ms", type=step_ms, default=(0.0, 0.0), metavar="BASE,PER_1K",
                    help="each step sleeps BASE + PER_1K x its tokens / 1000 ms, as a device's "
                         "forward would (default 0,0: the host's time alone)")
+    p.add_argument("--follow-up", type=int, default=0, metavar="N",
+                   help="prefix caching on, and the time measured is a second turn's: each prompt "
+                        "again + its output + N new ids, as a chat's next turn (default 0: one "
+                        "turn, caching off)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the step's token budget (default: every prompt in one step)")
     p.add_argument("--label", default=platform.machine())

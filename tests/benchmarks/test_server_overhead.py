@@ -31,5 +31,17 @@ def test_a_simulated_step_time_is_waited_for(tmp_path):
     out = json.loads(path.read_text())
     assert out["generate_ttft_ms"] >= 40 and out["server_ttft_ms"] >= 40
     assert out["settings"]["step_ms"] == [40.0, 0.0]
+    assert out["cached_tokens"] == {"generate": 0, "server": 0}
     with pytest.raises(SystemExit):
         SO.main(["--step-ms", "5"])
+
+
+def test_a_follow_up_turn_hits_the_prefix_cache(tmp_path):
+    """--follow-up 8: prefix caching on; the timed turn resends each 300-id prompt + its output +
+    8 ids, and both paths serve two 128-token blocks of each from the cache."""
+    path = tmp_path / "out.json"
+    SO.main(["--requests", "2", "--prompt-len", "300", "--output-len", "4", "--follow-up", "8",
+             "--repeats", "1", "--json", str(path)])
+    out = json.loads(path.read_text())
+    assert out["cached_tokens"] == {"generate": 2 * 256, "server": 2 * 256}
+    assert out["generate_ttft_ms"] > 0 and out["server_ttft_ms"] > 0
