@@ -230,8 +230,8 @@ TABLE: dict[str, Run | Skip] = {
         "writes benchmarks/results; tests/benchmarks/test_host_costs.py runs its smallest form"),
     "python benchmarks/server_overhead.py": Skip(
         "writes benchmarks/results; tests/benchmarks/test_server_overhead.py runs its smallest form"),
-    ("python benchmarks/server_overhead.py --prompt-len 192 --output-len 16 --step-ms 8,8 "
-     "--max-num-batched-tokens 8192"): Skip(
+    ("python benchmarks/server_overhead.py --prompt-len 5000 --output-len 32 --follow-up 64 "
+     "--step-ms 8,8 --max-num-batched-tokens 8192 --label x86_64_follow_up"): Skip(
         "writes benchmarks/results; tests/benchmarks/test_server_overhead.py runs its smallest form"),
     ("python benchmarks/prefix_cache.py --layers 4 --conversations 64 --turns 8 --server "
      "--time-budget 280 --label v4flash_4L_64x8"): Skip(GPU),
