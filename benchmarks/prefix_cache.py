@@ -100,6 +100,10 @@ class Local:
     def reset(self) -> bool:
         return self.llm.reset_prefix_cache()
 
+    @property
+    def warmup_seconds(self) -> float | None:
+        return getattr(self.llm.runner, "warmup_seconds", None)
+
     def close(self) -> None:
         self.llm.close()
 
@@ -182,11 +186,12 @@ class Bench:
         log = self.path.with_name(f"{self.path.stem}_server_{self.mode(caching)}.log")
         served = PS.Served(self.pool, flags, log)
         self.modes[caching] = served
-        self.num_blocks = self.num_blocks or served.num_blocks()
+        blocks = served.num_blocks()
+        self.num_blocks = self.num_blocks or blocks
         self.startup_s = self.startup_s or served.startup_s
         self.info["servers"].append({"caching": caching, "command": served.srv.launched,
                                      "startup_s": served.startup_s, "log": str(log),
-                                     "num_cache_blocks": served.num_blocks()})
+                                     "num_cache_blocks": blocks})
         print(f"[prefix_cache] server with caching {self.mode(caching)} up in "
               f"{served.startup_s:.1f} s", flush=True)
 
@@ -207,8 +212,8 @@ class Bench:
             self.reset(mode)
         self.current = caching
         dt = time.perf_counter() - t0
-        self.warmups.append({"caching": caching, "seconds": dt, "runner_warmup_s": getattr(
-            getattr(mode, "llm", None) and mode.llm.runner, "warmup_seconds", None)})
+        self.warmups.append({"caching": caching, "seconds": dt,
+                             "runner_warmup_s": mode.warmup_seconds})
         print(f"[prefix_cache] warm-up with caching {self.mode(caching)}: {dt:.1f} s", flush=True)
         return mode
 

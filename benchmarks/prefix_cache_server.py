@@ -6,7 +6,7 @@ free port, waited for on /health, stopped with SIGTERM), started with the engine
 in-process benchmark gives its LLM (`engine_flags`: prefix caching on or off, the same cache
 blocks: the first server sizes its cache, the next ones are given as many) and `--launch`'s
 extra flags. So the server's own defaults apply: on a CUDA device its engine steps in a child
-process (`--launch --no-engine-process`: a thread of the server's). A mode's server is warmed up
+process (`--launch=--no-engine-process`: a thread of the server's). A mode's server is warmed up
 over HTTP (as the in-process benchmark warms its LLM) and kept while the mode does not change.
 
 Every turn is one streamed `/v1/completions` request per conversation, all sent at once over
@@ -61,7 +61,7 @@ def engine_flags(a: argparse.Namespace, spec: Any, caching: bool,
         opts.update(prefix_checkpoint_slots=a.checkpoint_slots,
                     prefix_checkpoint_interval=a.checkpoint_interval)
     flags = ["--model", spec.path, "--served-model-name", MODEL,
-             "--max-requests", str(max(a.conversations, 1))]
+             "--max-requests", str(a.conversations)]
     for name, value in opts.items():
         flag = name.replace("_", "-")
         if isinstance(value, bool):
@@ -143,6 +143,7 @@ class Served:
     def __init__(self, pool: concurrent.futures.Executor, flags: list[str], log_path: Path):
         self.pool, self.srv = pool, SH.Server(url="")
         self.last: dict[str, float | None] = {}      # the last turn's timeline
+        self.warmup_seconds = None                   # the runner's: in the server's process
         self.log_path = log_path
         SH.launch(self.srv, flags, log_path, START_TIMEOUT_S)
         self.startup_s = self.srv.startup_s

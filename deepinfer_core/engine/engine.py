@@ -216,11 +216,11 @@ class Engine(SpeculativeSteps):
             raise ValueError("the prompt is empty; a prompt needs at least one token")
         # the common case at C speed (a 6,000-id prompt: 0.4 ms instead of 0.8); the loop below
         # finds the first bad id for the message
-        ok = set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < self.vocab_size
-        for pos, t in enumerate(() if ok else ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"token id {t!r} at position {pos} of the prompt is outside "
-                                 f"[0, vocab_size={self.vocab_size})")
+        if not (set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < self.vocab_size):
+            for pos, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise ValueError(f"token id {t!r} at position {pos} of the prompt is outside "
+                                     f"[0, vocab_size={self.vocab_size})")
         if len(ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than "
                              f"max_model_len={self.max_model_len}")

@@ -127,7 +127,7 @@ def test_main_at_the_smallest_ci_size(tmp_path, capsys):
 
 
 def test_server_at_the_smallest_ci_size(tmp_path, capsys):
-    """--server: each turn a streamed /v1/completions request to a server in this process; the
+    """--server: each turn a streamed /v1/completions request to a launched server; the
     returned ids (return_token_ids) make the next turn's history, which hits the cache, and every
     request got its output_len ids (a short one would make the row's status a warning)."""
     path = tmp_path / "pcs.json"
